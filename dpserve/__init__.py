@@ -1,0 +1,3 @@
+"""dpserve: data-parallel LLM inference with a ZMQ coordinator, engines and a Kubernetes operator."""
+
+__version__ = "0.1.0"

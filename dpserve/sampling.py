@@ -1,0 +1,121 @@
+"""Per-request sampling parameters, validated at the edge and carried on the wire as a dict.
+
+Field names follow Megatron-Core's ``SamplingParams`` where it has one (``temperature``,
+``top_k``, ``top_p``, ``return_log_probs``, ``num_tokens_to_generate``, ``termination_id``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidSamplingParams(ValueError):
+    """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy decoding
+    top_k: int = 0  # 0 disables top-k filtering
+    top_p: float = 1.0  # 1.0 disables nucleus filtering
+    num_tokens_to_generate: int = 16
+    termination_id: int | None = None  # None: the model's EOS token
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    return_log_probs: bool = False
+    seed: int | None = None  # same seed, prompt and model -> same tokens
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
+        # the object stays hashable and immutable.
+        if isinstance(self.stop_strings, list):
+            object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _require_number("temperature", self.temperature)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidSamplingParams(
+                f"temperature must be a finite number >= 0, got {self.temperature}"
+            )
+        _require_int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise InvalidSamplingParams(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_int("num_tokens_to_generate", self.num_tokens_to_generate)
+        if self.num_tokens_to_generate < 1:
+            raise InvalidSamplingParams(
+                f"num_tokens_to_generate must be >= 1, got {self.num_tokens_to_generate}"
+            )
+        if self.termination_id is not None:
+            _require_int("termination_id", self.termination_id)
+            if self.termination_id < 0:
+                raise InvalidSamplingParams("termination_id must be a token id >= 0")
+        if not isinstance(self.stop_strings, tuple) or not all(
+            isinstance(s, str) and s for s in self.stop_strings
+        ):
+            raise InvalidSamplingParams("stop_strings must be a list of non-empty strings")
+        if len(self.stop_strings) > 16:
+            raise InvalidSamplingParams("at most 16 stop_strings are allowed")
+        for flag in ("return_log_probs", "stream"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidSamplingParams(f"{flag} must be true or false")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise InvalidSamplingParams("seed must be in [0, 2**63)")
+
+    def serialize(self) -> dict[str, Any]:
+        """A msgpack/JSON-friendly dict with only the fields that differ from the defaults."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != _DEFAULTS[f.name]:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def deserialize(cls, data: Any) -> SamplingParams:
+        """Build from a dict; unknown keys and invalid values raise ``InvalidSamplingParams``."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise InvalidSamplingParams(
+                f"sampling parameters must be a mapping, got {type(data).__name__}"
+            )
+        unknown = sorted(set(data) - _FIELD_NAMES, key=str)
+        if unknown:
+            raise InvalidSamplingParams(
+                f"unknown sampling parameter(s) {', '.join(map(str, unknown))}; "
+                f"known: {', '.join(sorted(_FIELD_NAMES))}"
+            )
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise InvalidSamplingParams(str(exc)) from None
+
+
+def _require_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidSamplingParams(f"{name} must be a number, got {type(value).__name__}")
+
+
+def _require_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSamplingParams(f"{name} must be an integer, got {type(value).__name__}")
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_DEFAULTS = {
+    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+    for f in dataclasses.fields(SamplingParams)
+}
