@@ -157,12 +157,17 @@ ETCD_BIN="$(find "$ETCD_ROOT" -type f -name etcd -perm -u+x | head -n1)"
 # --- Kubernetes source -----------------------------------------------------------
 if [[ ! -f "$SRC_DIR/.unpacked" ]]; then
   mkdir -p "$DL_DIR/src"
-  if ! compgen -G "$DL_DIR/src/kubernetes_${K8S_VERSION}*.dsc" >/dev/null; then
+  # Debian's version string is "1.20.5+really1.20.2-...": match loosely, then
+  # check the upstream version it really carries.
+  if ! compgen -G "$DL_DIR/src/kubernetes_*.dsc" >/dev/null; then
     log "downloading kubernetes source package"
     (cd "$DL_DIR/src" && apt-get "${APT_OPTS[@]}" source --download-only -qq "kubernetes" >&2)
   fi
-  dsc="$(compgen -G "$DL_DIR/src/kubernetes_${K8S_VERSION}*.dsc" | head -n1)"
-  [[ -n "$dsc" ]] || { log "kubernetes ${K8S_VERSION} source not found (Debian moved on?)"; exit 1; }
+  dsc="$(compgen -G "$DL_DIR/src/kubernetes_*.dsc" | head -n1 || true)"
+  if [[ -z "$dsc" ]] || ! grep -qE "^Version: (.*really)?${K8S_VERSION//./\\.}-" "$dsc"; then
+    log "kubernetes ${K8S_VERSION} source package not found (got: ${dsc:-nothing}); Debian moved on?"
+    exit 1
+  fi
   rm -rf "$SRC_DIR"
   mkdir -p "$SRC_PARENT"
   log "unpacking $(basename "$dsc")"

@@ -1,0 +1,66 @@
+"""What an engine's compute side must provide: the ``Runner`` interface.
+
+The engine process (``dpserve.engine.server``) owns the socket, heartbeats, control states and
+draining; a runner owns sequences and produces tokens. ``FakeRunner`` (no model) and
+``ModelRunner`` (torch + transformers, continuous batching) both implement this, so the
+protocol side is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dpserve.sampling import SamplingParams
+
+
+class RequestRejected(Exception):
+    """The runner cannot take this request (for example: prompt longer than the context)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: int
+    prompt_tokens: list[int]
+    params: SamplingParams
+    # Tokens another engine already generated (re-dispatch after that engine died):
+    # generation continues after them, and they count towards num_tokens_to_generate.
+    resume_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TokenUpdate:
+    """What one step produced for one request."""
+
+    request_id: int
+    tokens: list[int]
+    logprobs: list[float] | None = None  # one per token, only when return_log_probs
+    finish_reason: str | None = None  # "stop" (EOS / termination id / stop string) or "length"
+
+
+class Runner(Protocol):
+    capacity: int  # sequences decoded together at most (reported to the coordinator)
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request; raise ``RequestRejected`` if it can never be served."""
+
+    def cancel(self, request_id: int) -> None:
+        """Forget a request (client gone, coordinator restarted); unknown ids are ignored."""
+
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+
+    def step(self) -> list[TokenUpdate]:
+        """One scheduling step: admit waiting requests, prefill them, decode the running ones
+        and retire the finished. Returns an update per request that produced a token."""
+
+    def release(self) -> None:
+        """Suspend: free the model's and KV cache's memory; requests stay queued."""
+
+    def reload(self) -> None:
+        """Resume after ``release``: load the model again; requests continue."""
