@@ -1,0 +1,447 @@
+"""``InferenceClient``: an asyncio DEALER client for the coordinator (Megatron-Core's API).
+
+The listener awaits the socket in the event loop (zmq.asyncio) and then drains every waiting
+message without blocking: no sleep-polling. Every request is kept until its result arrives, so
+when the coordinator restarts (a new instance id, or an UNKNOWN_PEER error) the client connects
+again and resubmits them all; the coordinator de-duplicates by (client, client request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from dpserve import protocol
+from dpserve.protocol import ErrorCode, Header, ProtocolError
+from dpserve.sampling import SamplingParams
+
+log = logging.getLogger("dpserve.client")
+
+
+class ClientError(RuntimeError):
+    """Base of the client's errors."""
+
+
+class CoordinatorUnavailable(ClientError):
+    """The coordinator did not answer the handshake in time."""
+
+
+class ClientStopped(ClientError):
+    """The client was stopped before the request finished."""
+
+
+class RequestFailed(ClientError):
+    """The coordinator or an engine answered the request with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A finished request."""
+
+    request_id: int
+    prompt_tokens: list[int]
+    generated_tokens: list[int]
+    generated_text: str
+    finish_reason: str
+    log_probs: list[float] | None
+    ttft: float | None  # seconds from the coordinator receiving it to the first token
+    latency: float  # seconds from add_request to the result, on this client
+    engine_rank: int
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    tokens: list[int]
+    text: str
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    prompt: str | bytes
+    params: dict
+    future: asyncio.Future
+    submitted_at: float
+    chunks: asyncio.Queue | None = None  # set for streaming requests
+    first_token_at: float | None = None
+
+
+def coordinator_address(address: int | str) -> str:
+    """A port, ``host:port``, ``host`` (default port 5555) or a full ``tcp://`` address."""
+    if isinstance(address, int):
+        return f"tcp://127.0.0.1:{address}"
+    if "://" in address:
+        return address
+    if address.isdigit():
+        return f"tcp://127.0.0.1:{address}"
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "5555")
+    return f"tcp://{host}:{port}"
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        inference_coordinator_port: int | str,
+        *,
+        handshake_timeout: float = 10.0,
+        heartbeat_interval: float = 0.5,
+    ) -> None:
+        self.address = coordinator_address(inference_coordinator_port)
+        self.handshake_timeout = handshake_timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        # A fixed identity lets a restarted coordinator (and ZMQ reconnects) see the same peer.
+        self.socket.setsockopt(zmq.IDENTITY, b"c-" + uuid.uuid4().bytes)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        # Sends and drains go through a plain-socket view of the same socket: no Future per
+        # message on the hot path; only the wait for input goes through the event loop.
+        self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
+        self.completion_futures: dict[int, asyncio.Future] = {}
+        self.next_request_id = 0
+        self.listener_task: asyncio.Task | None = None
+        self.coordinator_instance: str | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._controls: dict[int, asyncio.Future] = {}
+        self._handshake: asyncio.Future | None = None
+        self._reconnecting = False
+        self._heartbeat_task: asyncio.Task | None = None
+        self._stopped = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Connect, complete the handshake (or raise ``CoordinatorUnavailable``) and start the
+        listener."""
+        del loop  # accepted for Megatron compatibility; the running loop is used
+        self.socket.connect(self.address)
+        self.listener_task = asyncio.create_task(self._recv_task(), name="dpserve-client-listener")
+        try:
+            await asyncio.wait_for(
+                self._connect_with_inference_coordinator(), self.handshake_timeout
+            )
+        except TimeoutError:
+            self.stop()
+            raise CoordinatorUnavailable(
+                f"no answer from the coordinator at {self.address} "
+                f"within {self.handshake_timeout:g} s (is it running?)"
+            ) from None
+        self._heartbeat_task = asyncio.create_task(
+            self._heartbeat(), name="dpserve-client-heartbeat"
+        )
+
+    def _connect_with_inference_coordinator(self) -> asyncio.Future:
+        """Send CONNECT; the returned future resolves on CONNECT_ACK."""
+        self._handshake = asyncio.get_running_loop().create_future()
+        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+        return self._handshake
+
+    def stop(self) -> None:
+        """Close everything; every pending request and control call fails with ClientStopped."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for task in (self.listener_task, self._heartbeat_task):
+            if task is not None:
+                task.cancel()
+        error = ClientStopped("the client was stopped")
+        for pending in self._pending.values():
+            self._fail_pending(pending, error)
+        self._pending.clear()
+        self.completion_futures.clear()
+        for future in self._controls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._controls.clear()
+        self.socket.close(linger=0)
+        self.context.term()
+
+    async def __aenter__(self) -> InferenceClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------- requests
+
+    def add_request(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> asyncio.Future:
+        """Submit a request; the future resolves to a ``RequestRecord`` or raises
+        ``RequestFailed``."""
+        return self._submit(prompt, sampling_params or SamplingParams(), stream=False).future
+
+    async def stream(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamChunk]:
+        """Yield tokens and text as the engine produces them; the last chunk carries what
+        remained when the request finished."""
+        params = sampling_params or SamplingParams()
+        pending = self._submit(prompt, params, stream=True)
+        assert pending.chunks is not None
+        sent_text, sent_tokens = 0, 0
+        while True:
+            getter = asyncio.ensure_future(pending.chunks.get())
+            done, _ = await asyncio.wait(
+                {getter, pending.future}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if getter in done:
+                chunk = getter.result()
+                sent_text += len(chunk.text)
+                sent_tokens += len(chunk.tokens)
+                yield chunk
+                continue
+            getter.cancel()
+            record: RequestRecord = pending.future.result()  # raises RequestFailed
+            while not pending.chunks.empty():  # chunks that arrived with the result
+                chunk = pending.chunks.get_nowait()
+                sent_text += len(chunk.text)
+                sent_tokens += len(chunk.tokens)
+                yield chunk
+            rest_tokens = record.generated_tokens[sent_tokens:]
+            rest_text = record.generated_text[sent_text:]
+            if rest_tokens or rest_text:
+                yield StreamChunk(rest_tokens, rest_text)
+            return
+
+    def _submit(self, prompt: str | list[int], params: SamplingParams, stream: bool) -> _Pending:
+        if self._stopped:
+            raise ClientStopped("the client was stopped")
+        if self.listener_task is None:
+            raise ClientError("call await client.start() before submitting requests")
+        if stream != params.stream:
+            params = SamplingParams.deserialize({**params.serialize(), "stream": stream})
+        wire_prompt = prompt if isinstance(prompt, str) else protocol.pack_tokens(prompt)
+        request_id = self._new_id()
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))
+        pending = _Pending(
+            wire_prompt,
+            params.serialize(),
+            future,
+            time.monotonic(),
+            asyncio.Queue() if stream else None,
+        )
+        self._pending[request_id] = pending
+        self.completion_futures[request_id] = future
+        self._send_submit(request_id, pending)
+        return pending
+
+    def _send_submit(self, request_id: int, pending: _Pending) -> None:
+        self._send(
+            protocol.encode(Header.SUBMIT_REQUEST, request_id, pending.prompt, pending.params)
+        )
+
+    def _on_future_done(self, request_id: int, future: asyncio.Future) -> None:
+        # A caller that cancels its future no longer wants the work done.
+        if future.cancelled() and self._pending.pop(request_id, None) is not None:
+            self.completion_futures.pop(request_id, None)
+            if not self._stopped:
+                self._send(protocol.encode(Header.CANCEL, request_id))
+
+    def _new_id(self) -> int:
+        self.next_request_id += 1
+        return self.next_request_id
+
+    def _send(self, payload: bytes) -> None:
+        self._sync_socket.send(payload, zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ control signals
+
+    def _send_signal_to_engines(self, signal: Header) -> asyncio.Future:
+        """Send a control signal; the future resolves when every engine acknowledged it."""
+        if self._stopped:
+            raise ClientStopped("the client was stopped")
+        control_id = self._new_id()
+        future = asyncio.get_running_loop().create_future()
+        self._controls[control_id] = future
+        self._send(protocol.encode(signal, control_id))
+        return future
+
+    def pause_engines(self) -> asyncio.Future:
+        return self._send_signal_to_engines(Header.PAUSE)
+
+    def unpause_engines(self) -> asyncio.Future:
+        return self._send_signal_to_engines(Header.UNPAUSE)
+
+    def suspend_engines(self) -> asyncio.Future:
+        """Pause-and-release: engines free the model's and KV cache's memory."""
+        return self._send_signal_to_engines(Header.SUSPEND)
+
+    def resume_engines(self) -> asyncio.Future:
+        """Reload what ``suspend_engines`` released; engines stay paused until unpaused."""
+        return self._send_signal_to_engines(Header.RESUME)
+
+    def stop_engines(self) -> asyncio.Future:
+        return self._send_signal_to_engines(Header.STOP)
+
+    def get_status(self) -> asyncio.Future:
+        """The coordinator's status: engines, their load, queue, state, counters."""
+        query_id = self._new_id()
+        future = asyncio.get_running_loop().create_future()
+        self._controls[query_id] = future
+        self._send(protocol.encode(Header.STATUS, query_id))
+        return future
+
+    # ------------------------------------------------------------------- listener
+
+    async def _recv_task(self) -> None:
+        """Wait for input in the event loop, then handle everything already waiting."""
+        recv = self._sync_socket.recv
+        while True:
+            await self.socket.poll(flags=zmq.POLLIN)
+            try:
+                while True:
+                    payload = recv(zmq.NOBLOCK)
+                    try:
+                        self._handle(payload)
+                    except ProtocolError as exc:
+                        log.warning("ignoring a malformed message from the coordinator: %s", exc)
+            except zmq.Again:
+                pass
+
+    def _handle(self, payload: bytes) -> None:
+        header, fields = protocol.decode(payload)
+        if header is Header.RESULTS:
+            self._on_results(fields[0])
+        elif header is Header.STREAM:
+            self._on_stream(fields[0])
+        elif header is Header.ERROR:
+            self._on_error(*fields)
+        elif header is Header.CONTROL_ACK:
+            _signal, control_id = fields
+            self._resolve_control(control_id, None)
+        elif header is Header.STATUS_REPLY:
+            query_id, status = fields
+            self._resolve_control(query_id, status)
+        elif header is Header.HEARTBEAT_ACK:
+            if self.coordinator_instance not in (None, fields[0]):
+                self._reconnect("the coordinator restarted")
+        elif header is Header.CONNECT_ACK:
+            self._on_connect_ack(fields[0])
+        else:
+            raise ProtocolError(f"unexpected {header.name} for a client")
+
+    def _on_connect_ack(self, instance: str) -> None:
+        restarted = self.coordinator_instance is not None and instance != self.coordinator_instance
+        self.coordinator_instance = instance
+        if self._handshake is not None and not self._handshake.done():
+            self._handshake.set_result(instance)
+        if self._reconnecting or restarted:
+            self._reconnecting = False
+            log.info(
+                "reconnected to coordinator %s; resubmitting %d request(s)",
+                instance,
+                len(self._pending),
+            )
+            for request_id, pending in self._pending.items():
+                self._send_submit(request_id, pending)
+
+    def _reconnect(self, why: str) -> None:
+        if self._reconnecting or self._stopped:
+            return
+        log.warning("%s: connecting again", why)
+        self._reconnecting = True
+        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+
+    async def _heartbeat(self) -> None:
+        # Lets the client notice a restarted coordinator even while it is only waiting.
+        payload = protocol.encode(Header.HEARTBEAT, 0)
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self._reconnecting:
+                self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+            else:
+                self._send(payload)
+
+    def _on_results(self, results: list) -> None:
+        protocol.check_records("RESULTS record", results, protocol.CLIENT_RESULT_FIELDS)
+        now = time.monotonic()
+        for request_id, prompt, tokens, text, reason, logprobs, ttft, rank in results:
+            pending = self._pending.pop(request_id, None)
+            if pending is None:
+                continue  # a duplicate from a resubmission, or cancelled
+            self.completion_futures.pop(request_id, None)
+            record = RequestRecord(
+                request_id=request_id,
+                prompt_tokens=protocol.unpack_tokens(prompt),
+                generated_tokens=protocol.unpack_tokens(tokens),
+                generated_text=text,
+                finish_reason=reason,
+                log_probs=None if logprobs is None else protocol.unpack_floats(logprobs),
+                ttft=ttft
+                if pending.first_token_at is None
+                else pending.first_token_at - pending.submitted_at,
+                latency=now - pending.submitted_at,
+                engine_rank=rank,
+            )
+            if not pending.future.done():
+                pending.future.set_result(record)
+
+    def _on_stream(self, chunks: list) -> None:
+        protocol.check_records("STREAM chunk", chunks, protocol.STREAM_CHUNK_FIELDS)
+        for request_id, tokens, text in chunks:
+            pending = self._pending.get(request_id)
+            if pending is None or pending.chunks is None:
+                continue
+            if pending.first_token_at is None:
+                pending.first_token_at = time.monotonic()
+            pending.chunks.put_nowait(StreamChunk(protocol.unpack_tokens(tokens), text))
+
+    def _on_error(self, ref: int | None, code: str, message: str) -> None:
+        if code == ErrorCode.UNKNOWN_PEER:
+            # The coordinator does not know us: it restarted. Our requests are resubmitted
+            # once the new handshake completes, so nothing fails here.
+            self._reconnect("the coordinator does not know this client")
+            return
+        if ref is None:
+            log.warning("coordinator error: %s: %s", code, message)
+            return
+        pending = self._pending.pop(ref, None)
+        if pending is not None:
+            self.completion_futures.pop(ref, None)
+            self._fail_pending(pending, RequestFailed(code, message))
+            return
+        control = self._controls.pop(ref, None)
+        if control is not None and not control.done():
+            control.set_exception(RequestFailed(code, message))
+
+    def _resolve_control(self, control_id: int, value: Any) -> None:
+        future = self._controls.pop(control_id, None)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    @staticmethod
+    def _fail_pending(pending: _Pending, error: Exception) -> None:
+        if not pending.future.done():
+            pending.future.set_exception(error)
+        # Nobody may be awaiting a failed future; mark it retrieved to keep asyncio quiet.
+        with contextlib.suppress(BaseException):
+            pending.future.exception()
+
+
+__all__ = [
+    "ClientError",
+    "ClientStopped",
+    "CoordinatorUnavailable",
+    "InferenceClient",
+    "RequestFailed",
+    "RequestRecord",
+    "StreamChunk",
+]

@@ -1,0 +1,63 @@
+"""Membership: which engines and clients the coordinator knows, and whether engines are alive."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Engine:
+    identity: bytes
+    rank: int
+    capacity: int
+    instance: str  # changes when the engine process restarts
+    last_seen: float
+    draining: bool = False
+    outstanding: set[int] = field(default_factory=set)  # request ids dispatched here
+
+    @property
+    def load(self) -> float:
+        return len(self.outstanding) / self.capacity
+
+
+class EngineRegistry:
+    """Registered engines; ``routable`` is the deque the router rotates (seed's
+    ``identities_of_data_parallel_ranks``): registered engines that are not draining."""
+
+    def __init__(self) -> None:
+        self.engines: dict[bytes, Engine] = {}
+        self.routable: deque[bytes] = deque()
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self.engines
+
+    def get(self, identity: bytes) -> Engine | None:
+        return self.engines.get(identity)
+
+    def add(self, engine: Engine) -> None:
+        self.engines[engine.identity] = engine
+        self.routable.append(engine.identity)
+
+    def remove(self, identity: bytes) -> Engine | None:
+        engine = self.engines.pop(identity, None)
+        if engine is not None and not engine.draining:
+            self.routable.remove(identity)
+        return engine
+
+    def start_draining(self, engine: Engine) -> None:
+        if not engine.draining:
+            engine.draining = True
+            self.routable.remove(engine.identity)
+
+    def silent_since(self, deadline: float) -> list[Engine]:
+        return [e for e in self.engines.values() if e.last_seen < deadline]
+
+
+@dataclass(slots=True, eq=False)
+class Client:
+    identity: bytes
+    inflight: int = 0

@@ -1,0 +1,1 @@
+"""Engine processes: the protocol side (server, connection) around a runner (fake or model)."""
