@@ -109,8 +109,9 @@ class InferenceClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        # Sends and drains go through a plain-socket view of the same socket: no Future per
-        # message on the hot path; only the wait for input goes through the event loop.
+        # Drains go through a plain-socket view of the same socket: no Future per message.
+        # Sends must go through the asyncio socket: ZMQ's descriptor is edge-triggered, and
+        # only the asyncio wrapper re-checks for input that a send made it miss.
         self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
         self.completion_futures: dict[int, asyncio.Future] = {}
         self.next_request_id = 0
@@ -260,7 +261,7 @@ class InferenceClient:
         return self.next_request_id
 
     def _send(self, payload: bytes) -> None:
-        self._sync_socket.send(payload, zmq.NOBLOCK)
+        self.socket.send(payload, zmq.NOBLOCK)  # never waits: the send high-water mark is off
 
     # ------------------------------------------------------------ control signals
 
