@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from dpserve import protocol
+from dpserve.protocol import Header, ProtocolError
+
+
+def test_header_numbers_are_stable_and_grouped() -> None:
+    # Wire compatibility: these numbers must never change.
+    assert Header.CONNECT == 1 and Header.REGISTER == 3 and Header.HEARTBEAT == 5
+    assert Header.SUBMIT_REQUEST == 20 and Header.ENGINE_REPLY == 22 and Header.RESULTS == 23
+    assert Header.PAUSE == 40 and Header.STOP == 44 and Header.CONTROL_ACK == 45
+    assert Header.ERROR == 90
+    assert set(protocol.MESSAGE_FIELDS) == set(Header), "every header needs a shape"
+    groups = {h: h // 20 for h in Header}
+    assert all(groups[h] == 2 for h in protocol.CONTROL_SIGNALS)
+
+
+def test_every_message_round_trips() -> None:
+    samples = {
+        bytes: b"\x01\x00\x00\x00",
+        str: "text",
+        int: 7,
+        float: 0.5,
+        list: [],
+        dict: {"temperature": 0.0},
+        type(None): None,
+    }
+    for header, types in protocol.MESSAGE_FIELDS.items():
+        fields = [samples[allowed[0]] for allowed in types]
+        decoded_header, decoded = protocol.decode(protocol.encode(header, *fields))
+        assert decoded_header is header
+        assert decoded == fields
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"\xc1", "not a MessagePack"),
+        (msgpack.packb({"a": 1}), "non-empty MessagePack array"),
+        (msgpack.packb([]), "non-empty MessagePack array"),
+        (msgpack.packb(["1"]), "header must be an integer"),
+        (msgpack.packb([999]), "unknown header 999"),
+        (msgpack.packb([True]), "header must be an integer"),
+        (msgpack.packb([Header.CONNECT]), "takes 1 field"),
+        (msgpack.packb([Header.CONNECT, 1, 2]), "takes 1 field"),
+        (msgpack.packb([Header.CONNECT, "1"]), "must be int"),
+        (msgpack.packb([Header.HEARTBEAT, True]), "must be int"),
+        (msgpack.packb([Header.SUBMIT_REQUEST, 1, 5, {}]), "must be str/bytes/list"),
+        (msgpack.packb([Header.ERROR, None, "code", None]), "must be str"),
+    ],
+)
+def test_malformed_messages_raise_protocol_error(payload: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        protocol.decode(payload)
+
+
+def test_size_limit_is_enforced_before_parsing() -> None:
+    payload = protocol.encode(Header.SUBMIT_REQUEST, 1, "x" * 2000, {})
+    assert protocol.decode(payload, max_bytes=4096)[0] is Header.SUBMIT_REQUEST
+    with pytest.raises(ProtocolError, match="exceeds the 1024-byte limit"):
+        protocol.decode(payload, max_bytes=1024)
+
+
+def test_records_of_batched_messages_are_checked() -> None:
+    good = [[1, b"", None, "length", None, 0.1]]
+    assert protocol.check_records("u", good, protocol.ENGINE_UPDATE_FIELDS) == good
+    with pytest.raises(ProtocolError, match="must be an array"):
+        protocol.check_records("u", [5], protocol.ENGINE_UPDATE_FIELDS)
+    with pytest.raises(ProtocolError, match="field 2 must be bytes"):
+        protocol.check_records(
+            "u", [[1, "x", None, None, None, None]], protocol.ENGINE_UPDATE_FIELDS
+        )
+
+
+def test_token_and_float_packing() -> None:
+    tokens = [0, 1, 255, 65_536, 2**31 - 1]
+    assert protocol.unpack_tokens(protocol.pack_tokens(tokens)) == tokens
+    assert protocol.pack_tokens([1]) == b"\x01\x00\x00\x00", "little-endian on the wire"
+    assert protocol.unpack_floats(protocol.pack_floats([-0.5, -2.0])) == [-0.5, -2.0]
+    with pytest.raises(ProtocolError, match="multiple of 4"):
+        protocol.unpack_tokens(b"abc")

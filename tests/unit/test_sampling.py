@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from dpserve.sampling import InvalidSamplingParams, SamplingParams
+
+
+def test_defaults_serialize_to_nothing_and_round_trip() -> None:
+    assert SamplingParams().serialize() == {}
+    params = SamplingParams(
+        temperature=0.0,
+        top_k=5,
+        top_p=0.9,
+        num_tokens_to_generate=3,
+        termination_id=2,
+        stop_strings=["\n", "END"],
+        return_log_probs=True,
+        seed=11,
+        stream=True,
+    )
+    wire = params.serialize()
+    assert wire["stop_strings"] == ["\n", "END"]
+    assert SamplingParams.deserialize(wire) == params
+    assert params.greedy
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"num_tokens_to_generate": 0}, "num_tokens_to_generate"),
+        ({"num_tokens_to_generate": True}, "num_tokens_to_generate must be an integer"),
+        ({"termination_id": -3}, "termination_id"),
+        ({"stop_strings": [""]}, "stop_strings"),
+        ({"stop_strings": "abc"}, "stop_strings"),
+        ({"return_log_probs": 1}, "return_log_probs"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 5}, "unknown sampling parameter"),
+    ],
+)
+def test_invalid_values_and_unknown_keys_are_rejected(data: dict, message: str) -> None:
+    with pytest.raises(InvalidSamplingParams, match=message):
+        SamplingParams.deserialize(data)
+
+
+def test_non_mapping_is_rejected() -> None:
+    with pytest.raises(InvalidSamplingParams, match="mapping"):
+        SamplingParams.deserialize([1, 2])
+    assert SamplingParams.deserialize(None) == SamplingParams()
