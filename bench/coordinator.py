@@ -1,0 +1,372 @@
+"""Coordinator throughput and latency: dpserve vs Megatron-Core 0.16.1 vs a raw pyzmq relay.
+
+    python bench/coordinator.py [--requests 20000] [--skip-megatron]
+
+Same workload for all three, in one run: a burst of N single-token requests from one asyncio
+client through a ROUTER in its own process to 2 instant fake engines (each a process that
+answers everything it has read with one batched reply, as an engine step would), then 300
+requests one at a time for the unloaded round trip. Megatron runs its own coordinator and
+real ``InferenceClient`` (``pip install --no-deps megatron-core==0.16.1``; it needs torch,
+pyzmq and msgpack). The raw relay is the ceiling: a poll-and-drain ROUTER that only forwards
+bytes. Prints requests/s, p50/p99 latency, lost requests and the ratios; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.integration.runtime import free_port  # noqa: E402
+
+DPSERVE = str(Path(sys.executable).with_name("dpserve"))
+SEQUENTIAL = 300
+# How long the client waits, after the last answer, for more: a lost reply never comes.
+QUIET_PERIOD = 10.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def gather_with_losses(futures: list[asyncio.Future]) -> int:
+    """Wait until every future is done or none completed for QUIET_PERIOD; return how many
+    never completed."""
+    pending = set(futures)
+    while pending:
+        done, pending = await asyncio.wait(pending, timeout=QUIET_PERIOD)
+        if not done:
+            break
+    for future in pending:
+        future.cancel()
+    return len(pending)
+
+
+async def measure(submit, count: int) -> dict:
+    """``submit(i)`` returns a future; returns throughput, latencies and losses."""
+    submitted: dict[int, float] = {}
+    latencies: list[float] = []
+    start = time.perf_counter()
+    futures = []
+    for i in range(count):
+        future = submit(i)
+        submitted[i] = time.perf_counter()
+        future.add_done_callback(
+            lambda f, i=i: f.cancelled() or latencies.append(time.perf_counter() - submitted[i])
+        )
+        futures.append(future)
+    lost = await gather_with_losses(futures)
+    elapsed = (time.perf_counter() - start) - (QUIET_PERIOD if lost else 0)
+    answered = count - lost
+    sequential = []
+    if not lost:
+        for i in range(SEQUENTIAL):
+            t0 = time.perf_counter()
+            await asyncio.wait_for(submit(count + i), 10)
+            sequential.append(time.perf_counter() - t0)
+    return {
+        "rps": answered / elapsed,
+        "p50": percentile(latencies, 0.5),
+        "p99": percentile(latencies, 0.99),
+        "lost": lost,
+        "rtt_p50": percentile(sequential, 0.5) if sequential else float("nan"),
+    }
+
+
+# ------------------------------------------------------------------------ dpserve
+
+
+async def bench_dpserve(count: int) -> dict:
+    from dpserve.client import InferenceClient
+    from dpserve.sampling import SamplingParams
+    from tests.integration.runtime import wait_for_engines
+
+    port = free_port()
+    procs = [
+        subprocess.Popen([DPSERVE, "coordinator", "--port", str(port)], stderr=subprocess.DEVNULL)
+    ]
+    for rank in range(2):
+        procs.append(
+            subprocess.Popen(
+                [
+                    DPSERVE,
+                    "engine",
+                    "--coordinator",
+                    str(port),
+                    "--rank",
+                    str(rank),
+                    "--fake",
+                    "--max-batch-size",
+                    "100000",
+                ],
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    client = InferenceClient(port)
+    try:
+        await client.start()
+        await wait_for_engines(client, 2)
+        params = SamplingParams(num_tokens_to_generate=1)
+        return await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+    finally:
+        client.stop()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
+
+
+# ----------------------------------------------------------------------- Megatron
+
+
+def _without_nvtx() -> None:
+    """Megatron brackets (de)serialization with NVTX ranges, which a CPU build of torch
+    refuses; make them no-ops in every process that runs Megatron code."""
+    import torch
+
+    torch.cuda.nvtx.range_push = lambda *args, **kwargs: None
+    torch.cuda.nvtx.range_pop = lambda *args, **kwargs: None
+
+
+class _CharTokenizer:
+    def detokenize(self, tokens: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in tokens)
+
+
+def _megatron_coordinator(pipe, ready, port: int) -> None:
+    import socket
+
+    # Megatron binds to the hostname's address; keep the benchmark on loopback.
+    socket.gethostname = lambda: "127.0.0.1"
+    _without_nvtx()
+    from megatron.core.inference.data_parallel_inference_coordinator import (
+        DataParallelInferenceCoordinator,
+    )
+
+    DataParallelInferenceCoordinator.entrypoint(pipe, ready, 2, _CharTokenizer(), port)
+
+
+def _megatron_engine(address: str) -> None:
+    """Megatron's engine side of the protocol: register with an empty frame, answer
+    SUBMIT_REQUEST=3 with ENGINE_REPLY=4 carrying one record per finished request."""
+    import torch
+    from megatron.core.inference.inference_request import (
+        DynamicInferenceRequest,
+        DynamicInferenceRequestRecord,
+    )
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    _without_nvtx()
+    template = DynamicInferenceRequestRecord.from_request(
+        DynamicInferenceRequest(
+            request_id=0,
+            prompt="p",
+            prompt_tokens=torch.tensor([1]),
+            sampling_params=SamplingParams(num_tokens_to_generate=1),
+            generated_tokens=[7],
+        )
+    ).serialize()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"")
+    while True:
+        sock.poll()
+        records = []
+        try:
+            while True:
+                message = msgpack.unpackb(sock.recv(zmq.NOBLOCK), raw=False)
+                if message[0] == 3:
+                    request = dict(
+                        template["requests"][0], request_id=message[1], prompt=message[2]
+                    )
+                    records.append({"requests": [request], "latency": None})
+                elif message[0] == 10:  # STOP
+                    return
+        except zmq.Again:
+            pass
+        if records:
+            sock.send(msgpack.packb([4, records], use_bin_type=True))
+
+
+async def bench_megatron(count: int) -> dict:
+    from megatron.core.inference.inference_client import InferenceClient
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    _without_nvtx()
+    spawn = mp.get_context("spawn")
+    port = free_port()
+    parent, child = spawn.Pipe()
+    ready = spawn.Event()
+    coordinator = spawn.Process(
+        target=_megatron_coordinator, args=(child, ready, port), daemon=True
+    )
+    coordinator.start()
+    address = parent.recv()
+    engines = [
+        spawn.Process(target=_megatron_engine, args=(address,), daemon=True) for _ in range(2)
+    ]
+    for engine in engines:
+        engine.start()
+    ready.wait(60)
+    client = InferenceClient(address)
+    try:
+        await client.start()
+        params = SamplingParams(num_tokens_to_generate=1)
+        return await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+    finally:
+        client.stop()
+        for proc in (coordinator, *engines):
+            proc.kill()
+            proc.join(5)
+
+
+# ---------------------------------------------------------------------- raw relay
+
+
+def _relay(port: int, ready) -> None:
+    """A ROUTER that forwards client messages to the engines in turn and replies back: the
+    least a coordinator can do."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    engines: list[bytes] = []
+    turn = 0
+    ready.set()
+    while True:
+        router.poll()
+        try:
+            while True:
+                identity, payload = router.recv_multipart(zmq.NOBLOCK)
+                if payload == b"":
+                    engines.append(identity)
+                elif identity in engines:
+                    client, reply = msgpack.unpackb(payload)
+                    router.send_multipart([client, reply])
+                else:
+                    engine = engines[turn % len(engines)]
+                    turn += 1
+                    router.send_multipart([engine, msgpack.packb([identity, payload])])
+        except zmq.Again:
+            pass
+
+
+def _echo_engine(port: int) -> None:
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(b"")
+    while True:
+        sock.poll()
+        try:
+            while True:
+                sock.send(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            pass
+
+
+async def bench_raw(count: int) -> dict:
+    spawn = mp.get_context("spawn")
+    port = free_port()
+    ready = spawn.Event()
+    procs = [spawn.Process(target=_relay, args=(port, ready), daemon=True)]
+    procs[0].start()
+    ready.wait(30)
+    procs += [spawn.Process(target=_echo_engine, args=(port,), daemon=True) for _ in range(2)]
+    for proc in procs[1:]:
+        proc.start()
+    await asyncio.sleep(1.0)
+    context = zmq.asyncio.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    futures: dict[int, asyncio.Future] = {}
+    raw = zmq.Socket.shadow(sock.underlying)
+
+    async def listen() -> None:
+        while True:
+            await sock.poll()
+            try:
+                while True:
+                    request_id, _ = msgpack.unpackb(raw.recv(zmq.NOBLOCK))
+                    future = futures.pop(request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(None)
+            except zmq.Again:
+                pass
+
+    def submit(i: int) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        futures[i] = future
+        sock.send(msgpack.packb([i, f"prompt {i}"]))
+        return future
+
+    listener = asyncio.create_task(listen())
+    try:
+        return await measure(submit, count)
+    finally:
+        listener.cancel()
+        sock.close(0)
+        context.term()
+        for proc in procs:
+            proc.kill()
+            proc.join(5)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--skip-megatron", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    results = {"raw relay": asyncio.run(bench_raw(args.requests))}
+    results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
+    if not args.skip_megatron:
+        try:
+            results["megatron 0.16.1"] = asyncio.run(bench_megatron(args.requests))
+        except ImportError as exc:
+            print(
+                f"megatron-core not installed ({exc}); pip install --no-deps megatron-core==0.16.1"
+            )
+    print(f"\n{args.requests} requests, 2 instant fake engines, one client")
+    print(f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}")
+    for name, r in results.items():
+        print(
+            f"{name:18}{r['rps']:>10.0f}{r['p50'] * 1e3:>10.1f}{r['p99'] * 1e3:>10.1f}"
+            f"{r['lost']:>8}{r['rtt_p50'] * 1e3:>15.3f}"
+        )
+    ours, raw = results["dpserve"], results["raw relay"]
+    print(f"\ndpserve / raw relay throughput: {ours['rps'] / raw['rps']:.2f}x")
+    print(f"dpserve / raw relay unloaded round trip p50: {ours['rtt_p50'] / raw['rtt_p50']:.2f}x")
+    if "megatron 0.16.1" in results:
+        meg = results["megatron 0.16.1"]
+        print(
+            f"dpserve / megatron throughput: {ours['rps'] / meg['rps']:.2f}x "
+            f"(megatron lost {meg['lost']}, dpserve lost {ours['lost']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
