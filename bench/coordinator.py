@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import statistics
 import subprocess
 import sys
 import time

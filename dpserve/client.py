@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -79,6 +81,12 @@ class _Pending:
     first_token_at: float | None = None
 
 
+@functools.lru_cache(maxsize=256)
+def _wire_params(params: SamplingParams) -> dict:
+    # Clients reuse a few parameter objects for many requests; serialize each once.
+    return params.serialize()
+
+
 def coordinator_address(address: int | str) -> str:
     """A port, ``host:port``, ``host`` (default port 5555) or a full ``tcp://`` address."""
     if isinstance(address, int):
@@ -109,10 +117,10 @@ class InferenceClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        # Drains go through a plain-socket view of the same socket: no Future per message.
-        # Sends must go through the asyncio socket: ZMQ's descriptor is edge-triggered, and
-        # only the asyncio wrapper re-checks for input that a send made it miss.
+        # Sends and drains go through a plain-socket view of the same socket: no Future per
+        # message. Only the wait for input goes through the event loop (see _send).
         self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
+        self._recheck_scheduled = False
         self.completion_futures: dict[int, asyncio.Future] = {}
         self.next_request_id = 0
         self.listener_task: asyncio.Task | None = None
@@ -227,14 +235,14 @@ class InferenceClient:
         if self.listener_task is None:
             raise ClientError("call await client.start() before submitting requests")
         if stream != params.stream:
-            params = SamplingParams.deserialize({**params.serialize(), "stream": stream})
+            params = dataclasses.replace(params, stream=stream)
         wire_prompt = prompt if isinstance(prompt, str) else protocol.pack_tokens(prompt)
         request_id = self._new_id()
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))
         pending = _Pending(
             wire_prompt,
-            params.serialize(),
+            _wire_params(params),
             future,
             time.monotonic(),
             asyncio.Queue() if stream else None,
@@ -261,7 +269,17 @@ class InferenceClient:
         return self.next_request_id
 
     def _send(self, payload: bytes) -> None:
-        self.socket.send(payload, zmq.NOBLOCK)  # never waits: the send high-water mark is off
+        self._sync_socket.send(payload, zmq.NOBLOCK)  # never waits: no send high-water mark
+        # ZMQ's descriptor is edge-triggered: a send can consume the wake-up for input that
+        # arrived meanwhile. Look for such input once per loop turn, after a burst of sends.
+        if not self._recheck_scheduled:
+            self._recheck_scheduled = True
+            asyncio.get_running_loop().call_soon(self._recheck_input)
+
+    def _recheck_input(self) -> None:
+        self._recheck_scheduled = False
+        if not self._stopped and self._sync_socket.get(zmq.EVENTS) & zmq.POLLIN:
+            self._drain()
 
     # ------------------------------------------------------------ control signals
 
@@ -304,18 +322,21 @@ class InferenceClient:
 
     async def _recv_task(self) -> None:
         """Wait for input in the event loop, then handle everything already waiting."""
-        recv = self._sync_socket.recv
         while True:
             await self.socket.poll(flags=zmq.POLLIN)
-            try:
-                while True:
-                    payload = recv(zmq.NOBLOCK)
-                    try:
-                        self._handle(payload)
-                    except ProtocolError as exc:
-                        log.warning("ignoring a malformed message from the coordinator: %s", exc)
-            except zmq.Again:
-                pass
+            self._drain()
+
+    def _drain(self) -> None:
+        recv = self._sync_socket.recv
+        try:
+            while True:
+                payload = recv(zmq.NOBLOCK)
+                try:
+                    self._handle(payload)
+                except ProtocolError as exc:
+                    log.warning("ignoring a malformed message from the coordinator: %s", exc)
+        except zmq.Again:
+            pass
 
     def _handle(self, payload: bytes) -> None:
         header, fields = protocol.decode(payload)

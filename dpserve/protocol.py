@@ -145,6 +145,7 @@ CLIENT_RESULT_FIELDS: Final = (_INT, _BYTES, _BYTES, _STR, _STR, _OPT_BYTES, _OP
 STREAM_CHUNK_FIELDS: Final = (_INT, _BYTES, _STR)
 
 _packer = msgpack.Packer(use_bin_type=True)
+_HEADERS: Final = {int(h): h for h in Header}  # a dict lookup is ~5x cheaper than Header(n)
 
 
 def encode(header: Header, *fields: Any) -> bytes:
@@ -165,10 +166,9 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
     raw_header = message[0]
     if type(raw_header) is not int:
         raise ProtocolError(f"header must be an integer, got {type(raw_header).__name__}")
-    try:
-        header = Header(raw_header)
-    except ValueError:
-        raise ProtocolError(f"unknown header {raw_header}") from None
+    header = _HEADERS.get(raw_header)
+    if header is None:
+        raise ProtocolError(f"unknown header {raw_header}")
     fields = message[1:]
     check_fields(header.name, fields, MESSAGE_FIELDS[header])
     return header, fields
@@ -176,11 +176,18 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
 
 def check_fields(what: str, fields: Sequence, types: tuple[tuple[type, ...], ...]) -> None:
     """Raise ``ProtocolError`` unless ``fields`` has exactly ``len(types)`` items of those types."""
+    # Fast path first (this runs for every message); no field of any message is a bool, and a
+    # flag where a number belongs (bool is an int subclass) is still a malformed message.
+    if (
+        len(fields) == len(types)
+        and all(map(isinstance, fields, types))
+        and bool not in set(map(type, fields))
+    ):
+        return
     if len(fields) != len(types):
         raise ProtocolError(f"{what} takes {len(types)} field(s), got {len(fields)}")
     for index, (value, allowed) in enumerate(zip(fields, types, strict=True)):
-        # bool is an int subclass; a flag where a number belongs is still a malformed message.
-        if not isinstance(value, allowed) or (type(value) is bool and bool not in allowed):
+        if not isinstance(value, allowed) or type(value) is bool:
             names = "/".join("nil" if t is _NoneType else t.__name__ for t in allowed)
             raise ProtocolError(
                 f"{what} field {index + 1} must be {names}, got {type(value).__name__}"

@@ -140,6 +140,7 @@ class DataParallelInferenceCoordinator:
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes]] = []
         self._finish_info: dict[int, tuple[str, float | None, int]] = {}
+        self._params_cache: dict[tuple, dict] = {}
 
         log.info(
             "coordinator %s listening on port %d; waiting for %d engine(s)",
@@ -485,7 +486,7 @@ class DataParallelInferenceCoordinator:
             )
             return
         try:
-            params = SamplingParams.deserialize(raw_params)
+            params = self._validated_params(raw_params)
             prompt_tokens = self._prompt_bytes(prompt)
         except (InvalidSamplingParams, ProtocolError) as exc:
             self._error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
@@ -495,8 +496,8 @@ class DataParallelInferenceCoordinator:
             client=identity,
             client_request_id=client_request_id,
             prompt_tokens=prompt_tokens,
-            params=params.serialize(),
-            stream=params.stream,
+            params=params,
+            stream=bool(params.get("stream")),
             received_at=time.monotonic(),
         )
         self.requests.add(request)
@@ -504,6 +505,21 @@ class DataParallelInferenceCoordinator:
         if isinstance(prompt, str):
             self._string_prompts.append((request, prompt))
         self._submits.append(request)
+
+    def _validated_params(self, raw: dict) -> dict:
+        """Checked, normalized sampling parameters. Most clients send the same few parameter
+        sets over and over, so results are memoized (validation dominated the submit path)."""
+        try:
+            key = tuple(raw.items())
+            cached = self._params_cache.get(key)
+        except TypeError:  # a list value (stop_strings) is not hashable: validate every time
+            return SamplingParams.deserialize(raw).serialize()
+        if cached is None:
+            cached = SamplingParams.deserialize(raw).serialize()
+            if len(self._params_cache) >= 1024:
+                self._params_cache.clear()
+            self._params_cache[key] = cached
+        return cached
 
     @staticmethod
     def _prompt_bytes(prompt: str | bytes | list) -> bytes:
