@@ -118,6 +118,97 @@ def _zmq_address(address: str) -> str:
     return coordinator_address(address)
 
 
+# -------------------------------------------------------------------- local mode
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dpserve.local import LocalDeployment, run_local
+
+    if args.fake:
+        model_path, model_name = "fake", "fake"
+    else:
+        from dpserve.models import DEFAULT_MODEL, resolve_model
+
+        model_name = args.model or DEFAULT_MODEL
+        model_path = resolve_model(args.model)
+    deployment = LocalDeployment(
+        model_path=model_path,
+        data_parallel_size=args.data_parallel_size,
+        port=args.port,
+        http_port=None if args.http_port == 0 else args.http_port,
+        max_batch_size=args.max_batch_size,
+        fake=args.fake,
+    )
+    return asyncio.run(run_local(deployment, model_name))
+
+
+def cmd_http(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dpserve.http import run_http_front
+
+    asyncio.run(
+        run_http_front(
+            _zmq_address(args.coordinator),
+            _tokenizer_spec(args.tokenizer),
+            args.host,
+            args.port,
+            args.model_name or args.tokenizer or "dpserve",
+        )
+    )
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dpserve.client import ClientError, InferenceClient
+    from dpserve.sampling import InvalidSamplingParams, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            num_tokens_to_generate=args.max_tokens,
+            seed=args.seed,
+        )
+    except InvalidSamplingParams as exc:
+        print(f"dpserve generate: {exc}", file=sys.stderr)
+        return 2
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+
+    async def run() -> None:
+        async with InferenceClient(args.address, handshake_timeout=args.timeout) as client:
+            if args.stream:
+                async for chunk in client.stream(prompt, params):
+                    print(chunk.text, end="", flush=True)
+                print()
+            else:
+                record = await asyncio.wait_for(client.add_request(prompt, params), args.timeout)
+                print(record.generated_text)
+
+    try:
+        asyncio.run(run())
+    except (ClientError, TimeoutError) as exc:
+        print(f"dpserve generate: {exc or 'timed out'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from dpserve_operator.main import run
+
+    run(
+        namespace=args.namespace,
+        all_namespaces=args.all_namespaces,
+        liveness_port=args.liveness_port,
+    )
+    return 0
+
+
 # ------------------------------------------------------------------------- parser
 
 
@@ -168,6 +259,51 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--stream-interval", type=float, default=0.05)
     engine.set_defaults(func=cmd_engine)
+
+    serve = commands.add_parser(
+        "serve", help="run a coordinator, engines and the HTTP front on this machine"
+    )
+    serve.add_argument("--data-parallel-size", type=int, default=2, help="engines (default: 2)")
+    serve.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
+    serve.add_argument("--port", type=int, default=DEFAULT_ZMQ_PORT, help="ZMQ port")
+    serve.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
+    )
+    serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument("--fake", action="store_true", help="fake engines, no model")
+    serve.set_defaults(func=cmd_serve)
+
+    http = commands.add_parser(
+        "http", help="serve the OpenAI-compatible HTTP API for a coordinator"
+    )
+    http.add_argument("--coordinator", required=True, help="tcp://HOST:PORT, HOST:PORT or PORT")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
+    http.add_argument("--tokenizer", default=None, help="for chat templates (default: bytes)")
+    http.add_argument("--model-name", default=None, help="name reported by /v1/models")
+    http.set_defaults(func=cmd_http)
+
+    generate = commands.add_parser("generate", help="send one prompt and print the completion")
+    generate.add_argument("prompt")
+    generate.add_argument(
+        "--address", default=f"tcp://127.0.0.1:{DEFAULT_ZMQ_PORT}", help="coordinator address"
+    )
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stream", action="store_true", help="print tokens as they come")
+    generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    generate.add_argument("--timeout", type=float, default=120.0)
+    generate.set_defaults(func=cmd_generate)
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    scope = operator.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", default=None, help="watch one namespace")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster")
+    operator.add_argument("--liveness-port", type=int, default=8080)
+    operator.set_defaults(func=cmd_operator)
 
     return parser
 

@@ -28,6 +28,8 @@ from dpserve.sampling import SamplingParams
 
 log = logging.getLogger("dpserve.client")
 
+Prompt = str | list[int] | list[dict[str, str]]
+
 
 class ClientError(RuntimeError):
     """Base of the client's errors."""
@@ -73,7 +75,7 @@ class StreamChunk:
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    prompt: str | bytes
+    prompt: str | bytes | list
     params: dict
     future: asyncio.Future
     submitted_at: float
@@ -190,14 +192,15 @@ class InferenceClient:
     # ------------------------------------------------------------------- requests
 
     def add_request(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> asyncio.Future:
         """Submit a request; the future resolves to a ``RequestRecord`` or raises
-        ``RequestFailed``."""
+        ``RequestFailed``. A prompt is text, token ids, or chat messages
+        (``[{"role": ..., "content": ...}]``, rendered with the model's chat template)."""
         return self._submit(prompt, sampling_params or SamplingParams(), stream=False).future
 
     async def stream(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> AsyncIterator[StreamChunk]:
         """Yield tokens and text as the engine produces them; the last chunk carries what
         remained when the request finished."""
@@ -229,14 +232,17 @@ class InferenceClient:
                 yield StreamChunk(rest_tokens, rest_text)
             return
 
-    def _submit(self, prompt: str | list[int], params: SamplingParams, stream: bool) -> _Pending:
+    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Pending:
         if self._stopped:
             raise ClientStopped("the client was stopped")
         if self.listener_task is None:
             raise ClientError("call await client.start() before submitting requests")
         if stream != params.stream:
             params = dataclasses.replace(params, stream=stream)
-        wire_prompt = prompt if isinstance(prompt, str) else protocol.pack_tokens(prompt)
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+            wire_prompt = prompt
+        else:
+            wire_prompt = protocol.pack_tokens(prompt)
         request_id = self._new_id()
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))

@@ -487,6 +487,8 @@ class DataParallelInferenceCoordinator:
             return
         try:
             params = self._validated_params(raw_params)
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = self.tokenizer.apply_chat_template(_chat_messages(prompt))
             prompt_tokens = self._prompt_bytes(prompt)
         except (InvalidSamplingParams, ProtocolError) as exc:
             self._error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
@@ -788,3 +790,15 @@ class DataParallelInferenceCoordinator:
             )
             return
         self._send(identity, protocol.encode(Header.STATUS_REPLY, query_id, self.status()))
+
+
+def _chat_messages(messages: list) -> list[dict[str, str]]:
+    """Check a chat prompt: a list of ``{"role": str, "content": str}`` maps."""
+    for message in messages:
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ProtocolError('a chat prompt is a list of {"role": str, "content": str} maps')
+    return messages

@@ -1,0 +1,189 @@
+"""Embedded local mode (``dpserve serve``): a coordinator, N engines and the HTTP front on this
+machine, supervised by one process that leaves nothing behind when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from dpserve.client import InferenceClient
+
+log = logging.getLogger("dpserve.serve")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in each child before exec: the kernel sends it SIGTERM if ``dpserve serve`` dies,
+    even by SIGKILL, so no engine or coordinator is ever orphaned."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class LocalDeployment:
+    model_path: str
+    data_parallel_size: int
+    port: int
+    http_port: int | None
+    host: str = "127.0.0.1"
+    max_batch_size: int | None = None
+    fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
+
+    def __post_init__(self) -> None:
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, *args: str) -> None:
+        command = [sys.executable, "-m", "dpserve.cli", *args]
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        self.processes.append((name, process))
+
+    def start_processes(self) -> None:
+        tokenizer = ["--tokenizer", self.model_path] if not self.fake else []
+        self._spawn(
+            "coordinator",
+            "coordinator",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *tokenizer,
+        )
+        for rank in range(self.data_parallel_size):
+            engine = ["--fake"] if self.fake else ["--model", self.model_path]
+            if self.max_batch_size:
+                engine += ["--max-batch-size", str(self.max_batch_size)]
+            self._spawn(
+                f"engine {rank}",
+                "engine",
+                "--coordinator",
+                self.address,
+                "--rank",
+                str(rank),
+                *engine,
+            )
+
+    def check_alive(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {process.returncode}")
+
+    async def wait_until_ready(self, client: InferenceClient, within: float = 600) -> None:
+        """Report progress until every engine registered (model loading takes a while)."""
+        deadline = time.monotonic() + within
+        shown = -1
+        while True:
+            self.check_alive()
+            status = await asyncio.wait_for(client.get_status(), 10)
+            if status["engines"] != shown:
+                shown = status["engines"]
+                print(
+                    f"dpserve: {shown}/{self.data_parallel_size} engine(s) registered",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if shown >= self.data_parallel_size:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines not ready after {within:g} s")
+            await asyncio.sleep(0.5)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Engines first (SIGTERM drains them), then the coordinator; SIGKILL stragglers."""
+        engines = [(n, p) for n, p in self.processes if n != "coordinator"]
+        coordinator = [(n, p) for n, p in self.processes if n == "coordinator"]
+        for group in (engines, coordinator):
+            for _, process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for name, process in group:
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %g s: killing it", name, grace)
+                    process.kill()
+                    process.wait()
+
+
+def banner(deployment: LocalDeployment) -> str:
+    lines = [
+        "",
+        f"dpserve is serving {deployment.model_path} with "
+        f"{deployment.data_parallel_size} engine(s).",
+        f"  ZMQ:  {deployment.address}",
+        f'  try:  dpserve generate "Tell me a joke" --chat --address {deployment.address}',
+    ]
+    if deployment.http_port:
+        base = f"http://{deployment.host}:{deployment.http_port}"
+        lines += [
+            f"  HTTP: {base}  (OpenAI-compatible: /v1/completions, /v1/chat/completions)",
+            f"  try:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            '-d \'{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}\'',
+        ]
+    lines += ["Press Ctrl-C to stop.", ""]
+    return "\n".join(lines)
+
+
+async def run_local(deployment: LocalDeployment, model_name: str) -> int:
+    from dpserve.http import run_http_front
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    deployment.start_processes()
+    client = InferenceClient(deployment.port, handshake_timeout=60)
+    http_task: asyncio.Task | None = None
+    try:
+        await client.start()
+        ready = asyncio.create_task(deployment.wait_until_ready(client))
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped in done:
+            ready.cancel()
+            return 0
+        stopped.cancel()
+        ready.result()
+        if deployment.http_port:
+            http_task = asyncio.create_task(
+                run_http_front(
+                    deployment.address,
+                    None if deployment.fake else deployment.model_path,
+                    deployment.host,
+                    deployment.http_port,
+                    model_name,
+                    stop,
+                )
+            )
+        print(banner(deployment), file=sys.stderr, flush=True)
+        while not stop.is_set():
+            deployment.check_alive()
+            if http_task is not None and http_task.done():
+                http_task.result()  # surface why the HTTP front ended
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"dpserve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop.set()
+        if http_task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(http_task, 10)
+        client.stop()
+        print("dpserve: stopping engines and coordinator...", file=sys.stderr, flush=True)
+        await asyncio.to_thread(deployment.stop)
