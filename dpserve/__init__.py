@@ -1,3 +1,3 @@
-"""dpserve: data-parallel LLM inference with a ZMQ coordinator, engines and a Kubernetes operator."""
+"""dpserve: data-parallel LLM inference: ZMQ coordinator, engines and a Kubernetes operator."""
 
 __version__ = "0.1.0"
