@@ -89,6 +89,64 @@ def _wire_params(params: SamplingParams) -> dict:
     return params.serialize()
 
 
+class RequestStream:
+    """One streaming request: its chunks as they arrive, then its ``RequestRecord``.
+    Leaving the iteration early (or ``cancel()``) cancels the request on its engine."""
+
+    def __init__(self, pending: _Pending) -> None:
+        assert pending.chunks is not None
+        self.future: asyncio.Future = pending.future
+        self._chunks: asyncio.Queue = pending.chunks
+
+    def cancel(self) -> None:
+        """Stop the work (a no-op once finished): the client sends CANCEL to the coordinator."""
+        if not self.future.done():
+            self.future.cancel()
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._chunks_only()
+
+    async def _chunks_only(self) -> AsyncIterator[StreamChunk]:
+        async for event in self.events():
+            if isinstance(event, StreamChunk):
+                yield event
+
+    async def events(self) -> AsyncIterator[StreamChunk | RequestRecord]:
+        """Chunks as they arrive, a last chunk with whatever the result adds, then the record.
+        Raises ``RequestFailed`` (or ``ClientStopped``) when the request fails."""
+        try:
+            sent_tokens = sent_text = 0
+            while (chunk := await self._next_chunk()) is not None:
+                sent_tokens += len(chunk.tokens)
+                sent_text += len(chunk.text)
+                yield chunk
+            record: RequestRecord = self.future.result()
+            rest_tokens = record.generated_tokens[sent_tokens:]
+            rest_text = record.generated_text[sent_text:]
+            if rest_tokens or rest_text:
+                yield StreamChunk(rest_tokens, rest_text)
+            yield record
+        finally:
+            self.cancel()  # the consumer left early (or was cancelled): stop the engine's work
+
+    async def _next_chunk(self) -> StreamChunk | None:
+        """The next chunk, or None once the request is done and every chunk was taken."""
+        while True:
+            if not self._chunks.empty():
+                return self._chunks.get_nowait()
+            if self.future.done():
+                return None
+            getter = asyncio.ensure_future(self._chunks.get())
+            try:
+                await asyncio.wait((getter, self.future), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    # A woken-but-cancelled get() leaves its item in the queue: nothing is lost.
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                return getter.result()
+
+
 def coordinator_address(address: int | str) -> str:
     """A port, ``host:port``, ``host`` (default port 5555) or a full ``tcp://`` address."""
     if isinstance(address, int):
@@ -199,38 +257,12 @@ class InferenceClient:
         (``[{"role": ..., "content": ...}]``, rendered with the model's chat template)."""
         return self._submit(prompt, sampling_params or SamplingParams(), stream=False).future
 
-    async def stream(
+    def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
-    ) -> AsyncIterator[StreamChunk]:
-        """Yield tokens and text as the engine produces them; the last chunk carries what
-        remained when the request finished."""
-        params = sampling_params or SamplingParams()
-        pending = self._submit(prompt, params, stream=True)
-        assert pending.chunks is not None
-        sent_text, sent_tokens = 0, 0
-        while True:
-            getter = asyncio.ensure_future(pending.chunks.get())
-            done, _ = await asyncio.wait(
-                {getter, pending.future}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if getter in done:
-                chunk = getter.result()
-                sent_text += len(chunk.text)
-                sent_tokens += len(chunk.tokens)
-                yield chunk
-                continue
-            getter.cancel()
-            record: RequestRecord = pending.future.result()  # raises RequestFailed
-            while not pending.chunks.empty():  # chunks that arrived with the result
-                chunk = pending.chunks.get_nowait()
-                sent_text += len(chunk.text)
-                sent_tokens += len(chunk.tokens)
-                yield chunk
-            rest_tokens = record.generated_tokens[sent_tokens:]
-            rest_text = record.generated_text[sent_text:]
-            if rest_tokens or rest_text:
-                yield StreamChunk(rest_tokens, rest_text)
-            return
+    ) -> RequestStream:
+        """Submit a streaming request: ``async for chunk in client.stream(...)`` yields tokens
+        and text as the engine produces them; ``.future`` resolves to the ``RequestRecord``."""
+        return RequestStream(self._submit(prompt, sampling_params or SamplingParams(), True))
 
     def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Pending:
         if self._stopped:
@@ -318,6 +350,8 @@ class InferenceClient:
 
     def get_status(self) -> asyncio.Future:
         """The coordinator's status: engines, their load, queue, state, counters."""
+        if self._stopped:
+            raise ClientStopped("the client was stopped")
         query_id = self._new_id()
         future = asyncio.get_running_loop().create_future()
         self._controls[query_id] = future
@@ -373,6 +407,13 @@ class InferenceClient:
             self._handshake.set_result(instance)
         if self._reconnecting or restarted:
             self._reconnecting = False
+            # The new coordinator knows nothing of signals or queries sent to the old one.
+            for future in self._controls.values():
+                if not future.done():
+                    future.set_exception(
+                        RequestFailed("coordinator_restarted", "the coordinator restarted; retry")
+                    )
+            self._controls.clear()
             log.info(
                 "reconnected to coordinator %s; resubmitting %d request(s)",
                 instance,
@@ -471,5 +512,6 @@ __all__ = [
     "InferenceClient",
     "RequestFailed",
     "RequestRecord",
+    "RequestStream",
     "StreamChunk",
 ]

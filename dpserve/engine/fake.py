@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
 from dpserve.protocol import ErrorCode
-from dpserve.tokenizer import ByteTokenizer
 
 
 def fake_token(prompt_tokens: list[int], seed: int | None, position: int) -> int:
@@ -25,8 +24,32 @@ def fake_token(prompt_tokens: list[int], seed: int | None, position: int) -> int
 @dataclass(slots=True)
 class _Sequence:
     request: EngineRequest
-    generated: list[int]
-    base: int = 0
+    planned: list[int]  # every token this request will emit (its output is known up front)
+    finish_reason: str
+    emitted: int = 0
+
+
+def plan_output(request: EngineRequest) -> tuple[list[int], str]:
+    """The tokens a fake engine emits for a request after its resume tokens, and why it stops.
+    Like the model runner (and OpenAI), neither the termination token nor a stop string is
+    part of the output."""
+    params = request.params
+    start = len(request.resume_tokens)
+    tokens = [
+        fake_token(request.prompt_tokens, params.seed, i)
+        for i in range(start, params.num_tokens_to_generate)
+    ]
+    reason = "length"
+    if params.termination_id in tokens:
+        tokens = tokens[: tokens.index(params.termination_id)]
+        reason = "stop"
+    # Fake tokens are ASCII letters, one character each: text positions are token positions.
+    text = bytes(request.resume_tokens + tokens).decode("latin-1")
+    hits = [i for stop in params.stop_strings if (i := text.find(stop, start)) >= 0]
+    if hits:
+        tokens = tokens[: min(hits) - start]
+        reason = "stop"
+    return tokens, reason
 
 
 class FakeRunner:
@@ -36,7 +59,6 @@ class FakeRunner:
         self.capacity = capacity
         self.step_delay = step_delay
         self.max_context = max_context
-        self.tokenizer = ByteTokenizer()
         self.released = False
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}
@@ -48,7 +70,7 @@ class FakeRunner:
                 ErrorCode.PROMPT_TOO_LONG,
                 f"prompt of {length} tokens does not fit the {self.max_context}-token context",
             )
-        self._waiting.append(_Sequence(request, list(request.resume_tokens)))
+        self._waiting.append(_Sequence(request, *plan_output(request)))
 
     def cancel(self, request_id: int) -> None:
         self._running.pop(request_id, None)
@@ -58,6 +80,7 @@ class FakeRunner:
         return bool(self._waiting or self._running)
 
     def step(self) -> list[TokenUpdate]:
+        """One token for every running request; admits waiting ones up to capacity."""
         if self.released:
             raise RuntimeError("step() on a released runner: reload() first")
         while self._waiting and len(self._running) < self.capacity:
@@ -68,28 +91,18 @@ class FakeRunner:
         updates = []
         finished = []
         for request_id, sequence in self._running.items():
-            request = sequence.request
-            params = request.params
-            token = fake_token(request.prompt_tokens, params.seed, len(sequence.generated))
-            sequence.generated.append(token)
-            reason = None
-            if token == params.termination_id or self._hits_stop_string(sequence):
-                reason = "stop"
-            elif len(sequence.generated) >= params.num_tokens_to_generate:
-                reason = "length"
-            logprobs = [-1.0] if params.return_log_probs else None
-            updates.append(TokenUpdate(request_id, [token], logprobs, reason))
-            if reason is not None:
+            tokens = sequence.planned[sequence.emitted : sequence.emitted + 1]
+            sequence.emitted += len(tokens)
+            done = sequence.emitted >= len(sequence.planned)
+            logprobs = [-1.0] * len(tokens) if sequence.request.params.return_log_probs else None
+            updates.append(
+                TokenUpdate(request_id, tokens, logprobs, sequence.finish_reason if done else None)
+            )
+            if done:
                 finished.append(request_id)
         for request_id in finished:
             del self._running[request_id]
         return updates
-
-    def _hits_stop_string(self, sequence: _Sequence) -> bool:
-        if not sequence.request.params.stop_strings:
-            return False
-        [text] = self.tokenizer.decode_batch([sequence.generated[-64:]])
-        return any(text.endswith(stop) for stop in sequence.request.params.stop_strings)
 
     def release(self) -> None:
         self.released = True

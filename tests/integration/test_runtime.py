@@ -85,8 +85,7 @@ async def test_token_prompts_log_probs_stop_strings_and_seeds(processes, client,
         "stop me", SamplingParams(num_tokens_to_generate=20, stop_strings=[stop])
     )
     assert stopped.finish_reason == "stop"
-    assert stopped.generated_text.endswith(stop)
-    assert len(stopped.generated_tokens) < 20
+    assert stopped.generated_text == full.generated_text[:3], "output ends before the stop string"
     seeded = SamplingParams(num_tokens_to_generate=6, seed=7)
     a = await client.add_request("seeded", seeded)
     b = await client.add_request("seeded", seeded)
