@@ -1108,6 +1108,7 @@ async def serve_http(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     stop_event: asyncio.Event | None = None,
     shutdown_timeout: float = 10.0,
+    listening: asyncio.Event | None = None,
 ) -> None:
     """Serve the app on ``host:port`` until cancelled or ``stop_event`` is set. In-flight
     requests get ``shutdown_timeout`` seconds to finish; the client is left to the caller."""
@@ -1125,6 +1126,8 @@ async def serve_http(
         site = web.TCPSite(runner, host, port)
         await site.start()
         log.info("HTTP front for %s on http://%s:%d", model_name, host, port)
+        if listening is not None:
+            listening.set()
         if stop_event is None:
             await asyncio.Future()  # until cancelled
         else:
@@ -1142,9 +1145,11 @@ async def run_http_front(
     stop_event: asyncio.Event | None = None,
     *,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    listening: asyncio.Event | None = None,
 ) -> None:
     """Connect a client to the coordinator at ``address`` and serve HTTP until cancelled or
-    ``stop_event`` is set. Raises ``CoordinatorUnavailable`` when the handshake fails."""
+    ``stop_event`` is set (``listening`` is set once the port accepts connections). Raises
+    ``CoordinatorUnavailable`` when the handshake fails."""
     tokenizer = as_batch_tokenizer(tokenizer_spec)
     client = InferenceClient(address, handshake_timeout=30.0)
     await client.start()
@@ -1157,6 +1162,7 @@ async def run_http_front(
             port,
             request_timeout=request_timeout,
             stop_event=stop_event,
+            listening=listening,
         )
     finally:
         client.stop()

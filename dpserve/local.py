@@ -157,6 +157,7 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
         stopped.cancel()
         ready.result()
         if deployment.http_port:
+            listening = asyncio.Event()
             http_task = asyncio.create_task(
                 run_http_front(
                     deployment.address,
@@ -165,8 +166,16 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
                     deployment.http_port,
                     model_name,
                     stop,
+                    listening=listening,
                 )
             )
+            # The banner promises a working URL: wait until the port accepts connections.
+            started = asyncio.create_task(listening.wait())
+            await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)
+            started.cancel()
+            if http_task.done():
+                http_task.result()
+                raise RuntimeError("the HTTP front stopped before it started")
         print(banner(deployment), file=sys.stderr, flush=True)
         while not stop.is_set():
             deployment.check_alive()
@@ -176,7 +185,7 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -1,0 +1,171 @@
+"""``dpserve serve`` end to end: start, answer ``dpserve generate`` and HTTP, stop cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.runtime import DPSERVE, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, from /proc (children of children included)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            children = (
+                (task / "children").read_text().split() if (task / "children").exists() else []
+            )
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_for_banner(process: subprocess.Popen, log: Path, within: float) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "Press Ctrl-C to stop." in text:
+            return text
+        assert process.poll() is None, f"dpserve serve exited early:\n{text[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no banner in {within} s:\n{log.read_text()[-3000:]}")
+
+
+def http_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def sse_events(url: str, body: dict) -> list[str]:
+    request = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = response.read().decode().splitlines()
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("mode", ["fake", "tiny-model"])
+def test_serve_answers_generate_and_http_then_stops_cleanly(
+    mode: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    port, http_port = free_port(), free_port()
+    model = (
+        ["--fake"]
+        if mode == "fake"
+        else ["--model", str(request.getfixturevalue("tiny_model_path"))]
+    )
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(
+            [
+                DPSERVE,
+                "serve",
+                "--data-parallel-size",
+                "2",
+                "--port",
+                str(port),
+                "--http-port",
+                str(http_port),
+                *model,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    try:
+        banner = wait_for_banner(serve, log, within=180)
+        assert f"tcp://127.0.0.1:{port}" in banner and "2/2 engine(s) registered" in banner
+        children = descendants(serve.pid)
+        assert len(children) >= 3, "a coordinator and two engines"
+
+        generated = subprocess.run(
+            [
+                DPSERVE,
+                "generate",
+                "Hello there",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert generated.returncode == 0, generated.stderr
+        assert generated.stdout.strip(), "generate must print the completion"
+
+        streamed = subprocess.run(
+            [
+                DPSERVE,
+                "generate",
+                "Hello there",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                "8",
+                "--stream",
+                "--chat",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert streamed.returncode == 0, streamed.stderr
+        assert streamed.stdout.strip()
+
+        base = f"http://127.0.0.1:{http_port}"
+        completion = http_json(f"{base}/v1/completions", {"prompt": "Hello there", "max_tokens": 8})
+        assert completion["usage"]["completion_tokens"] > 0
+        assert completion["choices"][0]["text"]
+        if mode == "fake":
+            assert completion["choices"][0]["text"] == generated.stdout.rstrip("\n")
+        events = sse_events(
+            f"{base}/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+        )
+        assert events[-1] == "[DONE]"
+        content = "".join(
+            json.loads(e)["choices"][0]["delta"].get("content", "")
+            for e in events[:-1]
+            if json.loads(e).get("choices")
+        )
+        assert content
+
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "no process may outlive dpserve serve"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
