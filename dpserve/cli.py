@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     operator = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = operator.add_mutually_exclusive_group()
     scope.add_argument("--namespace", default=None, help="watch one namespace")
-    scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster")
+    scope.add_argument(
+        "--all-namespaces", action="store_true", help="watch the whole cluster (the default)"
+    )
     operator.add_argument("--liveness-port", type=int, default=8080)
     operator.set_defaults(func=cmd_operator)
 

@@ -1,0 +1,361 @@
+"""The operator's only door to the API server.
+
+It speaks plain REST through the official (sync) ``kubernetes`` client's connection and auth
+handling, with dicts in and out: the manifests stay plain data, and ``policy/v1beta1``
+PodDisruptionBudgets, which Kubernetes 1.20 needs, have no typed API in current clients.
+
+Every request first checks its (group, resource, verb) against ``rbac.REQUIRED_RULES``.
+Writes are read-then-create-or-replace: the object is written only when the live one does not
+already contain the desired fields, so re-running a reconcile is free and idempotent.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import urllib3
+from kubernetes import config
+from kubernetes.client import ApiClient, Configuration
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+from kubernetes.utils.quantity import parse_quantity
+
+from . import rbac
+
+logger = logging.getLogger(__name__)
+
+# The kinds the operator writes, and their REST resource names.
+KIND_RESOURCES: dict[str, str] = {
+    "Deployment": "deployments",
+    "StatefulSet": "statefulsets",
+    "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
+}
+
+ApplyResult = Literal["created", "updated", "unchanged"]
+
+DEFAULT_TIMEOUT = (5.0, 15.0)  # (connect, read) seconds
+HEALTH_TIMEOUT = (2.0, 3.0)
+
+
+class ApiError(Exception):
+    """A failed API request; ``status`` 0 means no HTTP answer at all."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{status} {reason}: {message}")
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: conflicts, throttling, server and network trouble."""
+        return self.status in (0, 408, 409, 429) or self.status >= 500
+
+
+def api_group(api_version: str) -> str:
+    return api_version.split("/", 1)[0] if "/" in api_version else ""
+
+
+def resource_path(
+    api_version: str,
+    resource: str,
+    namespace: str | None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespace is not None:
+        path += f"/namespaces/{namespace}"
+    path += f"/{resource}"
+    if name is not None:
+        path += f"/{name}"
+    if subresource is not None:
+        path += f"/{subresource}"
+    return path
+
+
+def choose_pdb_api_version(policy_group: Mapping[str, Any] | None) -> str:
+    """``policy/v1`` when served (Kubernetes >= 1.21), else ``policy/v1beta1`` (1.20).
+
+    ``policy_group`` is the discovery document of ``GET /apis/policy``.
+    """
+    served = {
+        version.get("groupVersion") for version in (policy_group or {}).get("versions") or []
+    }
+    if "policy/v1" in served or not served:
+        return "policy/v1"
+    return "policy/v1beta1"
+
+
+def load_configuration() -> Configuration:
+    """Credentials: in a pod its service account, elsewhere ``$KUBECONFIG``/``~/.kube/config``.
+
+    Both kopf (see ``handlers.login``) and ``Cluster`` use this, so they always act as the
+    same identity.
+    """
+    configuration = Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except ConfigException:
+        # The client reads $KUBECONFIG once, at import time; read it now instead.
+        config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration
+        )
+    return configuration
+
+
+def bearer_token(configuration: Configuration) -> tuple[str | None, str | None]:
+    """(scheme, token) of the configuration's Authorization header, if any."""
+    # kubernetes >= 36 keeps the header under "BearerToken", older ones under "authorization".
+    header = configuration.get_api_key_with_prefix(
+        "BearerToken"
+    ) or configuration.get_api_key_with_prefix("authorization")
+    if not header:
+        return None, None
+    scheme, _, token = header.partition(" ")
+    return (scheme, token) if token else (None, scheme)
+
+
+class Cluster:
+    def __init__(self, api_client: ApiClient) -> None:
+        self.api_client = api_client
+        self._pdb_api_version: str | None = None
+
+    @classmethod
+    def from_environment(cls) -> Cluster:
+        return cls(ApiClient(load_configuration()))
+
+    # ------------------------------------------------------------------ raw requests
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        timeout: tuple[float, float] = DEFAULT_TIMEOUT,
+        ok_statuses: tuple[int, ...] = (),
+    ) -> tuple[int, Any]:
+        """Send one request; returns (HTTP status, decoded JSON or text).
+
+        Raises ``ApiError`` for non-2xx answers not listed in ``ok_statuses``.
+        """
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        serialized = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api_client.call_api(*serialized, _request_timeout=timeout)
+            raw = response.read()
+        except ApiException as error:  # raised for TLS failures, with status 0
+            raise ApiError(error.status or 0, "ConnectionError", str(error.reason)) from error
+        except urllib3.exceptions.HTTPError as error:
+            raise ApiError(0, type(error).__name__, str(error)) from error
+        payload = _decode(raw)
+        if 200 <= response.status < 300 or response.status in ok_statuses:
+            return response.status, payload
+        if isinstance(payload, Mapping):
+            reason = str(payload.get("reason") or response.reason or "")
+            message = str(payload.get("message") or payload)
+        else:
+            reason, message = str(response.reason or ""), str(payload)[:500]
+        raise ApiError(response.status, reason, message)
+
+    # ------------------------------------------------------------------ objects
+
+    def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        resource = KIND_RESOURCES[kind]
+        rbac.require(api_group(api_version), resource, "get")
+        status, payload = self.request(
+            "GET", resource_path(api_version, resource, namespace, name), ok_statuses=(404,)
+        )
+        return None if status == 404 else payload
+
+    def create(self, manifest: Mapping[str, Any]) -> dict:
+        api_version, resource, namespace, _ = _address(manifest)
+        rbac.require(api_group(api_version), resource, "create")
+        _, payload = self.request(
+            "POST", resource_path(api_version, resource, namespace), body=dict(manifest)
+        )
+        return payload
+
+    def replace(self, manifest: Mapping[str, Any]) -> dict:
+        api_version, resource, namespace, name = _address(manifest)
+        rbac.require(api_group(api_version), resource, "update")
+        _, payload = self.request(
+            "PUT", resource_path(api_version, resource, namespace, name), body=dict(manifest)
+        )
+        return payload
+
+    def apply(self, desired: Mapping[str, Any]) -> ApplyResult:
+        """Create ``desired``, or replace the live object unless it already matches."""
+        api_version, _, namespace, name = _address(desired)
+        live = self.read(api_version, desired["kind"], namespace, name)
+        if live is None:
+            self.create(desired)
+            return "created"
+        if contains(live, desired):
+            return "unchanged"
+        self.replace(replacement_for(desired, live))
+        return "updated"
+
+    def scale_statefulset(self, namespace: str, name: str, replicas: int) -> bool:
+        """Patch only ``spec.replicas``; False when the StatefulSet does not exist (yet)."""
+        rbac.require("apps", "statefulsets", "patch")
+        status, _ = self.request(
+            "PATCH",
+            resource_path("apps/v1", "statefulsets", namespace, name),
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+            ok_statuses=(404,),
+        )
+        return status != 404
+
+    # ------------------------------------------------------------------ coordinator health
+
+    def coordinator_health(
+        self, namespace: str, service: str, port_name: str
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The coordinator's ``/health`` JSON via the API server's service proxy.
+
+        Returns (body, None), also for a 503 (the coordinator answers 503 + JSON while no
+        engine is registered), or (None, why) when the coordinator could not be asked.
+        """
+        rbac.require("", "services/proxy", "get")
+        path = resource_path("v1", "services", namespace, f"{service}:{port_name}", "proxy/health")
+        try:
+            status, payload = self.request(
+                "GET", path, timeout=HEALTH_TIMEOUT, ok_statuses=(503,)
+            )
+        except ApiError as error:
+            return None, f"GET /health via the service proxy failed: {error}"
+        # A 503 from the API server itself ("no endpoints available") is a Status object.
+        if isinstance(payload, Mapping) and payload.get("kind") != "Status" and (
+            "engines" in payload
+        ):
+            return dict(payload), None
+        detail = payload.get("message") if isinstance(payload, Mapping) else payload
+        return None, f"/health answered {status}: {str(detail)[:200]}"
+
+    # ------------------------------------------------------------------ discovery
+
+    def pdb_api_version(self) -> str:
+        """The PodDisruptionBudget apiVersion this server serves (asked once, then cached)."""
+        if self._pdb_api_version is None:
+            # Discovery is a non-resource URL every authenticated user may read.
+            status, payload = self.request("GET", "/apis/policy", ok_statuses=(404,))
+            self._pdb_api_version = choose_pdb_api_version(
+                payload if status == 200 and isinstance(payload, Mapping) else None
+            )
+        return self._pdb_api_version
+
+
+def _address(manifest: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    metadata = manifest["metadata"]
+    return (
+        manifest["apiVersion"],
+        KIND_RESOURCES[manifest["kind"]],
+        metadata["namespace"],
+        metadata["name"],
+    )
+
+
+def _decode(raw: bytes | None) -> Any:
+    if not raw:
+        return None
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+# Quantities the API server rewrites into canonical form ("0.5" → "500m").
+_QUANTITY_PARENTS = frozenset({"requests", "limits"})
+
+
+def contains(live: Any, desired: Any, *, quantities: bool = False) -> bool:
+    """Whether ``live`` already holds every field of ``desired`` with the same value.
+
+    Fields the server added (defaults, status) are ignored; a field the server omitted is
+    equal to an empty desired value (Go's ``omitempty`` drops ``[]``, ``{}``, ``false``).
+    Under ``requests``/``limits`` values compare as quantities (``0.5`` == ``500m``).
+    """
+    if isinstance(desired, Mapping):
+        if live is None:
+            return not desired
+        if not isinstance(live, Mapping):
+            return False
+        return all(
+            contains(live.get(key), value, quantities=quantities or key in _QUANTITY_PARENTS)
+            for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        if live is None:
+            return not desired
+        if not isinstance(live, list) or len(live) != len(desired):
+            return False
+        return all(contains(item, want) for item, want in zip(live, desired, strict=True))
+    if live is None:
+        return desired in (None, "", False, 0)
+    if quantities:
+        try:
+            return parse_quantity(live) == parse_quantity(desired)
+        except ValueError:
+            return live == desired
+    return live == desired and type(live) is type(desired)
+
+
+def replacement_for(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """The full object to PUT: ``desired`` plus what others legitimately keep on it.
+
+    Kept from the live object: resourceVersion (optimistic concurrency), foreign labels,
+    annotations, finalizers and owner references, the Service's allocated cluster IPs, and
+    pod-template annotations (``kubectl rollout restart`` stamps one there).
+    """
+    replacement = copy.deepcopy(dict(desired))
+    live_meta = live.get("metadata") or {}
+    meta = replacement.setdefault("metadata", {})
+    if live_meta.get("resourceVersion"):
+        meta["resourceVersion"] = live_meta["resourceVersion"]
+    for key in ("labels", "annotations"):
+        merged = {**(live_meta.get(key) or {}), **(meta.get(key) or {})}
+        if merged:
+            meta[key] = merged
+    if live_meta.get("finalizers"):
+        meta["finalizers"] = list(live_meta["finalizers"])
+    ours = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+    foreign = [ref for ref in live_meta.get("ownerReferences") or [] if ref.get("uid") not in ours]
+    if foreign:
+        meta["ownerReferences"] = [*(meta.get("ownerReferences") or []), *foreign]
+
+    live_spec = live.get("spec") or {}
+    spec = replacement.setdefault("spec", {})
+    if desired.get("kind") == "Service":
+        for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
+            if key not in spec and key in live_spec:
+                spec[key] = copy.deepcopy(live_spec[key])
+    live_template_meta = (live_spec.get("template") or {}).get("metadata") or {}
+    if "template" in spec and live_template_meta.get("annotations"):
+        template_meta = spec["template"].setdefault("metadata", {})
+        template_meta["annotations"] = {
+            **live_template_meta["annotations"],
+            **(template_meta.get("annotations") or {}),
+        }
+    return replacement

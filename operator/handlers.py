@@ -1,0 +1,324 @@
+"""kopf handlers for InferenceDeployments: thin wiring around spec, manifests, status, cluster.
+
+- create/update/resume → ``reconcile``: validate the spec, render the children, adopt them
+  (owner references: deleting the InferenceDeployment garbage-collects everything, so there
+  is no delete handler; kopf still puts its finalizer on the resource because of the timers
+  and removes it on deletion), create-or-replace each, then write the status;
+- ``spec.dataParallelSize`` changes → ``scale_engines``: patch only the StatefulSet's replicas
+  (what ``kubectl scale infd/NAME`` does through the CRD's scale subresource);
+- every 2 s → ``refresh_status``: status from the StatefulSet, the coordinator Deployment
+  and the coordinator's ``/health`` (through the API server's service proxy). It writes
+  only when something changed, so idle deployments cost three GETs and no writes;
+- every 60 s → ``correct_drift``: re-apply the children (recreates a deleted child, and
+  retries after a reconcile gave up), writing nothing when all match.
+
+An invalid spec never raises: it becomes phase Degraded with a Degraded/InvalidSpec condition
+and a warning event (not repeated while the status already reports that very problem).
+Non-retryable API errors (403, 422, ...) are reported the same way (reason ApplyFailed);
+retryable ones (conflicts, 5xx, network) raise ``kopf.TemporaryError`` a bounded number of
+times, after which the drift timer keeps trying.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from . import manifests
+from .cluster import ApiError, Cluster, bearer_token, load_configuration
+from .spec import DeploymentSpec, InvalidSpec, parse_spec
+from .status import (
+    DEGRADED,
+    READY,
+    REASON_APPLY_FAILED,
+    REASON_INVALID_SPEC,
+    Observation,
+    compute_status,
+    condition,
+    status_patch,
+    sticky_apply_error,
+)
+
+GROUP, VERSION, PLURAL = "dpserve.io", "v1alpha1", "inferencedeployments"
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+STATUS_REFRESH_SECONDS = 2.0
+DRIFT_CHECK_SECONDS = 60.0
+RETRY_DELAY_SECONDS = 10.0
+MAX_RETRIES = 12
+
+# Routine messages go to this logger, not to kopf's per-object `logger`, which also posts
+# every INFO+ line as a Kubernetes event.
+log = logging.getLogger(__name__)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Keep kopf's bookkeeping in annotations under our own prefix: the status schema is
+    # structural and would prune kopf's default `status.kopf` progress records anyway.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    if getattr(memo, "cluster", None) is None:
+        memo.cluster = Cluster.from_environment()
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    # Instead of kopf's default client login, which reads $KUBECONFIG as of import time:
+    # kopf and the handlers' Cluster then share one credential source.
+    configuration = load_configuration()
+    scheme, token = bearer_token(configuration)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        trust_env=settings.networking.trust_env,
+    )
+
+
+def _cluster(memo: kopf.Memo) -> Cluster:
+    cluster: Cluster = memo.cluster
+    return cluster
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+@kopf.on.field(*RESOURCE, field="spec.dataParallelSize", id="scale-engines", retries=MAX_RETRIES)
+def scale_engines(
+    body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any
+) -> None:
+    # Registered before reconcile, so it runs first on the same change: the replicas move
+    # without waiting for every other child to be compared.
+    if old is None:
+        return  # creation: reconcile creates the StatefulSet at the right size
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpec:
+        return  # reconcile reports it
+    try:
+        scaled = _cluster(memo).scale_statefulset(
+            namespace, manifests.engine_name(name), spec.data_parallel_size
+        )
+    except ApiError as error:
+        if error.transient:
+            raise kopf.TemporaryError(
+                f"scaling failed: {error}", delay=RETRY_DELAY_SECONDS
+            ) from error
+        # Not retryable: reconcile, which runs on the same change, reports it in the status.
+        log.warning("scaling %s failed: %s", name, error)
+        return
+    if scaled:
+        kopf.info(
+            body,
+            reason="Scaling",
+            message=f"engines: {old} → {spec.data_parallel_size}",
+        )
+
+
+@kopf.on.resume(*RESOURCE, id="reconcile", retries=MAX_RETRIES)
+@kopf.on.create(*RESOURCE, id="reconcile", retries=MAX_RETRIES)
+@kopf.on.update(*RESOURCE, id="reconcile", retries=MAX_RETRIES)
+def reconcile(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    _apply(_cluster(memo), body, status, patch, retry_transient_errors=True)
+
+
+@kopf.timer(
+    *RESOURCE,
+    id="refresh-status",
+    interval=STATUS_REFRESH_SECONDS,
+    initial_delay=STATUS_REFRESH_SECONDS,
+)
+def refresh_status(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    name = body["metadata"]["name"]
+    generation = _generation(body)
+    spec: DeploymentSpec | None = None
+    spec_error: str | None = None
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpec as invalid:
+        spec_error = str(invalid)
+    try:
+        _write_status(
+            _cluster(memo),
+            body,
+            status,
+            patch,
+            spec=spec,
+            spec_error=spec_error,
+            apply_error=sticky_apply_error(status, generation),
+            observed_generation=status.get("observedGeneration"),
+        )
+    except ApiError as error:
+        # Next tick retries; the status keeps its last known values meanwhile.
+        log.warning("status refresh of %s failed: %s", name, error)
+
+
+@kopf.timer(
+    *RESOURCE, id="correct-drift", interval=DRIFT_CHECK_SECONDS, initial_delay=DRIFT_CHECK_SECONDS
+)
+def correct_drift(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    try:
+        _apply(_cluster(memo), body, status, patch, retry_transient_errors=False)
+    except ApiError as error:
+        log.warning("drift check of %s failed: %s", body["metadata"]["name"], error)
+
+
+# --------------------------------------------------------------------------- the work
+
+
+def _apply(
+    cluster: Cluster,
+    body: kopf.Body,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    *,
+    retry_transient_errors: bool,
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    generation = _generation(body)
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpec as invalid:
+        message = str(invalid)
+        if not _already_reported(status, REASON_INVALID_SPEC, message, generation):
+            kopf.warn(body, reason=REASON_INVALID_SPEC, message=message)
+        _write_status(
+            cluster, body, status, patch,
+            spec=None, spec_error=message, apply_error=None, observed_generation=generation,
+        )  # fmt: skip
+        return
+
+    children = manifests.all_children(
+        name, namespace, spec, pdb_api_version=cluster.pdb_api_version()
+    )
+    kopf.adopt(children, owner=body)
+    changes: list[str] = []
+    for child in children:
+        child_ref = f"{child['kind']}/{child['metadata']['name']}"
+        try:
+            result = cluster.apply(child)
+        except ApiError as error:
+            if error.transient:
+                if retry_transient_errors:
+                    raise kopf.TemporaryError(
+                        f"{child_ref}: {error}", delay=RETRY_DELAY_SECONDS
+                    ) from error
+                raise
+            message = f"{child_ref}: {error}"
+            if not _already_reported(status, REASON_APPLY_FAILED, message, generation):
+                kopf.warn(body, reason=REASON_APPLY_FAILED, message=message)
+            _write_status(
+                cluster, body, status, patch,
+                spec=spec, spec_error=None, apply_error=message,
+                observed_generation=status.get("observedGeneration"),
+            )  # fmt: skip
+            return
+        if result != "unchanged":
+            changes.append(f"{result} {child_ref}")
+    if changes:
+        kopf.info(body, reason="Applied", message="; ".join(changes))
+    _write_status(
+        cluster, body, status, patch,
+        spec=spec, spec_error=None, apply_error=None, observed_generation=generation,
+    )  # fmt: skip
+
+
+def _write_status(
+    cluster: Cluster,
+    body: kopf.Body,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    *,
+    spec: DeploymentSpec | None,
+    spec_error: str | None,
+    apply_error: str | None,
+    observed_generation: int | None,
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    statefulset = cluster.read("apps/v1", "StatefulSet", namespace, manifests.engine_name(name))
+    coordinator = cluster.read(
+        "apps/v1", "Deployment", namespace, manifests.coordinator_name(name)
+    )
+    health: dict[str, Any] | None = None
+    health_error: str | None = "no coordinator Deployment"
+    if coordinator is not None:
+        health, health_error = cluster.coordinator_health(
+            namespace, manifests.coordinator_name(name), manifests.HTTP_PORT_NAME
+        )
+    observation = Observation(
+        generation=_generation(body),
+        spec_error=spec_error,
+        apply_error=apply_error,
+        desired_engines=spec.data_parallel_size if spec is not None else None,
+        statefulset=statefulset,
+        coordinator=coordinator,
+        health=health,
+        health_error=health_error,
+    )
+    new_status = compute_status(
+        observation,
+        previous=status,
+        observed_generation=observed_generation,
+        selector=manifests.engine_selector(name),
+        now=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+    changes = status_patch(status, new_status)
+    if not changes:
+        return
+    patch.status.update(changes)
+    _announce_phase(body, status.get("phase"), new_status)
+
+
+def _announce_phase(body: kopf.Body, old_phase: Any, new_status: Mapping[str, Any]) -> None:
+    """An event when the deployment becomes Ready or loses capacity on its own."""
+    new_phase = new_status["phase"]
+    if new_phase == old_phase:
+        return
+    if new_phase == READY:
+        ready = condition(new_status, "Ready") or {}
+        kopf.info(body, reason="Ready", message=str(ready.get("message") or ""))
+    elif new_phase == DEGRADED:
+        degraded = condition(new_status, "Degraded") or {}
+        # InvalidSpec and ApplyFailed were announced where they were detected.
+        if degraded.get("reason") not in (REASON_INVALID_SPEC, REASON_APPLY_FAILED):
+            kopf.warn(
+                body,
+                reason=str(degraded.get("reason") or "Degraded"),
+                message=str(degraded.get("message") or ""),
+            )
+
+
+def _already_reported(
+    status: Mapping[str, Any], reason: str, message: str, generation: int
+) -> bool:
+    degraded = condition(status, "Degraded") or {}
+    return (
+        degraded.get("status") == "True"
+        and degraded.get("reason") == reason
+        and degraded.get("message") == message
+        and degraded.get("observedGeneration") == generation
+    )
+
+
+def _generation(body: Mapping[str, Any]) -> int:
+    return int((body.get("metadata") or {}).get("generation") or 0)

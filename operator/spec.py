@@ -1,0 +1,532 @@
+"""Parse and validate an InferenceDeployment's ``spec`` into a frozen ``DeploymentSpec``.
+
+The CRD's OpenAPI schema already rejects wrong types, bad enums and out-of-range numbers at
+the API server; this module repeats those checks (objects written before the CRD was
+installed, or a server that does not apply the schema, must not crash the operator) and adds
+what a structural schema on Kubernetes 1.20 cannot express: names too long for the children,
+port collisions, malformed image references, GPU requests that differ from limits, requests
+above limits, reserved labels and environment variables.
+
+Every problem found is reported at once, each prefixed with its field path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+# Defaults: the CRD declares the same values (tests/unit/test_crd.py keeps them in step).
+DEFAULT_DATA_PARALLEL_SIZE = 1
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_DTYPE = "auto"
+DEFAULT_DEVICE = "auto"
+DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS = 60
+DEFAULT_ZMQ_PORT = 5555
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_ROUTING = "least-outstanding"
+DEFAULT_MODEL_MOUNT_PATH = "/models"
+
+# Writable scratch directories (emptyDirs, the root filesystem is read-only): the model must
+# not be mounted over them.
+SCRATCH_DIR = "/tmp"
+CACHE_DIR = "/home/dpserve/.cache"
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ROUTINGS = ("least-outstanding", "round-robin")
+IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# `<name>-engine` must leave room for the StatefulSet's `controller-revision-hash` label value
+# (`<sts name>-<10 char hash>`, at most 63 characters): 63 - 11 - len("-engine") = 45.
+MAX_NAME_LENGTH = 45
+
+# Environment variables the pods rely on; the engine's rank comes from POD_NAME.
+RESERVED_ENV = frozenset({"POD_NAME"})
+
+# Label keys the operator sets on pods (the selectors depend on them).
+RESERVED_LABEL_PREFIX = "app.kubernetes.io/"
+
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"^{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+# A pragmatic image reference grammar (after github.com/distribution/reference): an optional
+# registry host[:port], lowercase path components, an optional tag and an optional digest.
+_IMAGE_HOST_PART = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_IMAGE_DOMAIN = rf"(?:{_IMAGE_HOST_PART}(?:\.{_IMAGE_HOST_PART})*(?::[0-9]+)?)"
+_IMAGE_PATH = r"(?:[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)"
+_IMAGE_REFERENCE = re.compile(
+    rf"^(?:{_IMAGE_DOMAIN}/)?{_IMAGE_PATH}(?:/{_IMAGE_PATH})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+
+
+class InvalidSpec(ValueError):
+    """The spec cannot be turned into workloads; ``problems`` lists every reason."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Container resource requests/limits, quantities as strings."""
+
+    requests: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    limits: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def to_manifest(self) -> dict[str, dict[str, str]]:
+        manifest: dict[str, dict[str, str]] = {}
+        if self.requests:
+            manifest["requests"] = dict(self.requests)
+        if self.limits:
+            manifest["limits"] = dict(self.limits)
+        return manifest
+
+
+@dataclass(frozen=True)
+class ModelVolume:
+    claim_name: str
+    mount_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    resources: Resources
+    max_batch_size: int
+    dtype: str
+    device: str
+    termination_grace_period_seconds: int
+    env: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    zmq_port: int
+    http_port: int
+    routing: str
+    resources: Resources
+
+
+@dataclass(frozen=True)
+class PodTemplateOverrides:
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    model: str
+    image: str
+    image_pull_policy: str | None
+    data_parallel_size: int
+    engine: EngineSpec
+    coordinator: CoordinatorSpec
+    model_volume: ModelVolume | None
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any] | None
+    image_pull_secrets: tuple[str, ...]
+    service_account_name: str | None
+    allowed_clients: tuple[Mapping[str, Any], ...]
+    pod_template: PodTemplateOverrides
+
+
+def freeze(value: Any) -> Any:
+    """Read-only deep copy of JSON data (dicts become mapping proxies, lists tuples)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(key): freeze(item) for key, item in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(freeze(item) for item in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Plain, independent JSON data (dicts and lists) from ``freeze``'s output."""
+    if isinstance(value, Mapping):
+        return {key: thaw(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(item) for item in value]
+    return value
+
+
+_MISSING: Any = object()
+
+
+class _Reader:
+    """Typed access to one object of the spec, recording problems instead of raising."""
+
+    def __init__(self, data: Any, path: str, problems: list[str]) -> None:
+        self.path = path
+        self.problems = problems
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            self.fail(path, f"must be an object, got {_describe(data)}")
+            data = {}
+        self.data: Mapping[str, Any] = data
+
+    def fail(self, path: str, message: str) -> None:
+        self.problems.append(f"{path}: {message}")
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def get(self, key: str) -> Any:
+        value = self.data.get(key, _MISSING)
+        return _MISSING if value is None else value
+
+    def string(self, key: str, *, required: bool = False, default: str | None = None) -> str | None:
+        value = self.get(key)
+        if value is _MISSING:
+            if required:
+                self.fail(self.at(key), "is required")
+            return default
+        if not isinstance(value, str):
+            self.fail(self.at(key), f"must be a string, got {_describe(value)}")
+            return default
+        if required and not value.strip():
+            self.fail(self.at(key), "must not be empty")
+            return default
+        return value
+
+    def integer(
+        self, key: str, *, default: int, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
+        value = self.get(key)
+        if value is _MISSING:
+            return default
+        # bool is an int subclass in Python, but `true` is not a number in the spec.
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.fail(self.at(key), f"must be an integer, got {_describe(value)}")
+            return default
+        if minimum is not None and value < minimum:
+            self.fail(self.at(key), f"must be >= {minimum}, got {value}")
+            return default
+        if maximum is not None and value > maximum:
+            self.fail(self.at(key), f"must be <= {maximum}, got {value}")
+            return default
+        return value
+
+    def boolean(self, key: str, *, default: bool) -> bool:
+        value = self.get(key)
+        if value is _MISSING:
+            return default
+        if not isinstance(value, bool):
+            self.fail(self.at(key), f"must be true or false, got {_describe(value)}")
+            return default
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...], *, default: str | None) -> str | None:
+        value = self.get(key)
+        if value is _MISSING:
+            return default
+        if value not in choices:
+            self.fail(self.at(key), f"must be one of {', '.join(choices)}; got {value!r}")
+            return default
+        return str(value)
+
+    def child(self, key: str) -> _Reader:
+        return _Reader(self.data.get(key), self.at(key), self.problems)
+
+    def string_map(self, key: str) -> dict[str, str]:
+        value = self.get(key)
+        if value is _MISSING:
+            return {}
+        if not isinstance(value, Mapping):
+            self.fail(self.at(key), f"must be a map of strings, got {_describe(value)}")
+            return {}
+        result: dict[str, str] = {}
+        for item_key, item in value.items():
+            if not isinstance(item, str):
+                self.fail(f"{self.at(key)}.{item_key}", f"must be a string, got {_describe(item)}")
+            else:
+                result[str(item_key)] = item
+        return result
+
+    def object_list(self, key: str) -> list[Mapping[str, Any]]:
+        value = self.get(key)
+        if value is _MISSING:
+            return []
+        if not isinstance(value, list):
+            self.fail(self.at(key), f"must be a list, got {_describe(value)}")
+            return []
+        result: list[Mapping[str, Any]] = []
+        for index, item in enumerate(value):
+            if not isinstance(item, Mapping):
+                self.fail(f"{self.at(key)}[{index}]", f"must be an object, got {_describe(item)}")
+            else:
+                result.append(item)
+        return result
+
+    def resources(self, key: str) -> Resources:
+        reader = self.child(key)
+        requests = _quantities(reader, "requests")
+        limits = _quantities(reader, "limits")
+        # Extended resources (GPUs) cannot be overcommitted: Kubernetes requires the request,
+        # when given, to equal the limit. Fill in the missing side so users may write either.
+        if GPU_RESOURCE in requests and GPU_RESOURCE in limits:
+            if parse_quantity(requests[GPU_RESOURCE]) != parse_quantity(limits[GPU_RESOURCE]):
+                reader.fail(
+                    f"{reader.path}.requests.{GPU_RESOURCE}",
+                    f"must equal limits.{GPU_RESOURCE} ({requests[GPU_RESOURCE]} != "
+                    f"{limits[GPU_RESOURCE]}): GPUs cannot be overcommitted",
+                )
+        elif GPU_RESOURCE in requests:
+            limits[GPU_RESOURCE] = requests[GPU_RESOURCE]
+        elif GPU_RESOURCE in limits:
+            requests[GPU_RESOURCE] = limits[GPU_RESOURCE]
+        for resource_name in sorted(set(requests) & set(limits) - {GPU_RESOURCE}):
+            if parse_quantity(requests[resource_name]) > parse_quantity(limits[resource_name]):
+                reader.fail(
+                    f"{reader.path}.requests.{resource_name}",
+                    f"{requests[resource_name]} exceeds limits.{resource_name} "
+                    f"({limits[resource_name]})",
+                )
+        return Resources(MappingProxyType(requests), MappingProxyType(limits))
+
+
+def _quantities(reader: _Reader, key: str) -> dict[str, str]:
+    value = reader.get(key)
+    if value is _MISSING:
+        return {}
+    if not isinstance(value, Mapping):
+        reader.fail(reader.at(key), f"must be a map of quantities, got {_describe(value)}")
+        return {}
+    result: dict[str, str] = {}
+    for resource_name, quantity in value.items():
+        path = f"{reader.at(key)}.{resource_name}"
+        text = _quantity_text(quantity)
+        if text is None:
+            reader.fail(path, f"must be a quantity such as 2, 500m or 4Gi; got {quantity!r}")
+            continue
+        if parse_quantity(text) < 0:
+            reader.fail(path, f"must not be negative, got {quantity!r}")
+            continue
+        result[str(resource_name)] = text
+    return result
+
+
+def _quantity_text(quantity: Any) -> str | None:
+    if isinstance(quantity, bool) or not isinstance(quantity, int | str):
+        return None
+    text = str(quantity).strip()
+    try:
+        parse_quantity(text)
+    except ValueError:
+        return None
+    return text
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list"}.get(
+        type(value), "object" if isinstance(value, Mapping) else type(value).__name__
+    )
+    return f"{kind} {value!r}" if kind != "object" else "an object"
+
+
+def validate_name(name: str) -> list[str]:
+    """Problems with the resource name as a prefix for the children's names."""
+    if not _DNS1035_LABEL.match(name):
+        return [
+            f"metadata.name: {name!r} must be a DNS-1035 label (lowercase letters, digits and "
+            "'-', starting with a letter): it prefixes the Service names"
+        ]
+    if len(name) > MAX_NAME_LENGTH:
+        return [
+            f"metadata.name: {name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} fit "
+            "the engine StatefulSet's pod labels"
+        ]
+    return []
+
+
+def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSpec:
+    """Validate ``raw_spec`` (the resource's ``.spec``) for a resource called ``name``.
+
+    Raises ``InvalidSpec`` listing every problem found.
+    """
+    problems: list[str] = validate_name(name)
+    spec = _Reader(raw_spec, "spec", problems)
+
+    model = spec.string("model", required=True) or ""
+    if model and (model != model.strip() or any(ord(char) < 32 for char in model)):
+        spec.fail("spec.model", f"{model!r} has surrounding whitespace or control characters")
+
+    image = spec.string("image", required=True) or ""
+    if image and not _IMAGE_REFERENCE.match(image):
+        spec.fail(
+            "spec.image",
+            f"{image!r} is not a valid image reference "
+            "(expected e.g. ghcr.io/dpserve/runtime-cpu:0.1.0)",
+        )
+
+    engine = _parse_engine(spec.child("engine"))
+    coordinator = _parse_coordinator(spec.child("coordinator"))
+    model_volume = _parse_model_volume(spec)
+
+    service_account_name = spec.string("serviceAccountName")
+    if service_account_name is not None and not (
+        _DNS1123_SUBDOMAIN.match(service_account_name) and len(service_account_name) <= 253
+    ):
+        spec.fail("spec.serviceAccountName", f"{service_account_name!r} is not a valid name")
+
+    affinity = spec.get("affinity")
+    if affinity is not _MISSING and not isinstance(affinity, Mapping):
+        spec.fail("spec.affinity", f"must be an object, got {_describe(affinity)}")
+        affinity = _MISSING
+
+    pull_secrets: list[str] = []
+    for index, secret in enumerate(spec.object_list("imagePullSecrets")):
+        secret_name = secret.get("name")
+        if not isinstance(secret_name, str) or not secret_name:
+            spec.fail(f"spec.imagePullSecrets[{index}].name", "is required")
+        else:
+            pull_secrets.append(secret_name)
+
+    allowed_clients = spec.object_list("allowedClients")
+    for index, peer in enumerate(allowed_clients):
+        if not any(key in peer for key in ("podSelector", "namespaceSelector", "ipBlock")):
+            spec.fail(
+                f"spec.allowedClients[{index}]",
+                "needs a podSelector, namespaceSelector or ipBlock",
+            )
+
+    pod_template = _parse_pod_template(spec.child("podTemplate"))
+    image_pull_policy = spec.choice("imagePullPolicy", IMAGE_PULL_POLICIES, default=None)
+    data_parallel_size = spec.integer(
+        "dataParallelSize", default=DEFAULT_DATA_PARALLEL_SIZE, minimum=0
+    )
+    node_selector = spec.string_map("nodeSelector")
+    tolerations = spec.object_list("tolerations")
+
+    if engine.device == "cuda" and GPU_RESOURCE not in engine.resources.limits:
+        spec.fail("spec.engine.device", f"is cuda but spec.engine.resources has no {GPU_RESOURCE}")
+    if model_volume is not None and model_volume.mount_path in (SCRATCH_DIR, CACHE_DIR):
+        spec.fail(
+            "spec.modelVolume.mountPath",
+            f"{model_volume.mount_path} is used by the operator's scratch volumes",
+        )
+
+    if problems:
+        raise InvalidSpec(problems)
+    return DeploymentSpec(
+        model=model,
+        image=image,
+        image_pull_policy=image_pull_policy,
+        data_parallel_size=data_parallel_size,
+        engine=engine,
+        coordinator=coordinator,
+        model_volume=model_volume,
+        node_selector=freeze(node_selector),
+        tolerations=freeze(tolerations),
+        affinity=None if affinity is _MISSING else freeze(affinity),
+        image_pull_secrets=tuple(pull_secrets),
+        service_account_name=service_account_name,
+        allowed_clients=freeze(allowed_clients),
+        pod_template=pod_template,
+    )
+
+
+def _parse_engine(engine: _Reader) -> EngineSpec:
+    env = engine.object_list("env")
+    seen: set[str] = set()
+    for index, variable in enumerate(env):
+        path = f"{engine.path}.env[{index}]"
+        env_name = variable.get("name")
+        if not isinstance(env_name, str) or not _ENV_NAME.match(env_name):
+            engine.fail(f"{path}.name", f"{env_name!r} is not a valid environment variable name")
+            continue
+        if env_name in RESERVED_ENV:
+            engine.fail(f"{path}.name", f"{env_name} is set by the operator (the engine rank)")
+        if env_name in seen:
+            engine.fail(f"{path}.name", f"{env_name} is defined twice")
+        seen.add(env_name)
+        if "value" in variable and not isinstance(variable["value"], str):
+            engine.fail(f"{path}.value", f"must be a string, got {_describe(variable['value'])}")
+    return EngineSpec(
+        resources=engine.resources("resources"),
+        max_batch_size=engine.integer("maxBatchSize", default=DEFAULT_MAX_BATCH_SIZE, minimum=1),
+        dtype=engine.choice("dtype", DTYPES, default=DEFAULT_DTYPE) or DEFAULT_DTYPE,
+        device=engine.choice("device", DEVICES, default=DEFAULT_DEVICE) or DEFAULT_DEVICE,
+        termination_grace_period_seconds=engine.integer(
+            "terminationGracePeriodSeconds",
+            default=DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS,
+            minimum=1,
+        ),
+        env=freeze(env),
+    )
+
+
+def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
+    zmq_port = coordinator.integer("zmqPort", default=DEFAULT_ZMQ_PORT, minimum=1, maximum=65535)
+    http_port = coordinator.integer(
+        "httpPort", default=DEFAULT_HTTP_PORT, minimum=1, maximum=65535
+    )
+    if zmq_port == http_port:
+        coordinator.fail(
+            coordinator.at("httpPort"), f"must differ from zmqPort (both are {zmq_port})"
+        )
+    return CoordinatorSpec(
+        zmq_port=zmq_port,
+        http_port=http_port,
+        routing=coordinator.choice("routing", ROUTINGS, default=DEFAULT_ROUTING)
+        or DEFAULT_ROUTING,
+        resources=coordinator.resources("resources"),
+    )
+
+
+def _parse_model_volume(spec: _Reader) -> ModelVolume | None:
+    if spec.get("modelVolume") is _MISSING:
+        return None
+    volume = spec.child("modelVolume")
+    claim_name = volume.string("claimName", required=True) or ""
+    if claim_name and not _DNS1123_SUBDOMAIN.match(claim_name):
+        volume.fail(volume.at("claimName"), f"{claim_name!r} is not a valid claim name")
+    mount_path = volume.string("mountPath", default=DEFAULT_MODEL_MOUNT_PATH) or ""
+    if not mount_path.startswith("/") or ":" in mount_path:
+        volume.fail(volume.at("mountPath"), f"{mount_path!r} must be an absolute path")
+    return ModelVolume(
+        claim_name=claim_name,
+        mount_path=mount_path.rstrip("/") or "/",
+        read_only=volume.boolean("readOnly", default=True),
+    )
+
+
+def _parse_pod_template(template: _Reader) -> PodTemplateOverrides:
+    metadata = template.child("metadata")
+    labels = metadata.string_map("labels")
+    annotations = metadata.string_map("annotations")
+    for key, value in labels.items():
+        path = f"{metadata.path}.labels.{key}"
+        if key.startswith(RESERVED_LABEL_PREFIX):
+            metadata.fail(path, f"keys under {RESERVED_LABEL_PREFIX} are set by the operator")
+        elif not _valid_label_key(key):
+            metadata.fail(path, "is not a valid label key")
+        if len(value) > 63 or not _LABEL_VALUE.match(value):
+            metadata.fail(path, f"{value!r} is not a valid label value")
+    for key in annotations:
+        if not _valid_label_key(key):
+            metadata.fail(f"{metadata.path}.annotations.{key}", "is not a valid annotation key")
+    return PodTemplateOverrides(labels=freeze(labels), annotations=freeze(annotations))
+
+
+def _valid_label_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
+        return False
+    return 0 < len(name) <= 63 and bool(_QUALIFIED_NAME.match(name))

@@ -1,0 +1,269 @@
+"""Pure computation of an InferenceDeployment's status from what the operator observed.
+
+Phases:
+
+- ``Pending``: the children do not exist yet, or nothing runs yet on a first start;
+- ``Progressing``: converging on a new spec (scaling, rolling out, starting engines);
+- ``Ready``: every desired engine runs and is registered with the coordinator;
+- ``Degraded``: the spec is invalid, the children could not be applied, or a deployment that
+  was Ready lost engines without anyone asking for it.
+
+The three conditions (Ready, Progressing, Degraded) carry a reason and a message; a
+condition's ``lastTransitionTime`` only moves when its status flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PENDING, PROGRESSING, READY, DEGRADED = "Pending", "Progressing", "Ready", "Degraded"
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+# Condition reasons with a fixed meaning, which the handlers rely on too.
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_APPLY_FAILED = "ApplyFailed"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the operator saw at one moment; ``None`` means absent or unknown."""
+
+    generation: int
+    # Set when the spec failed validation (then desired_engines is None).
+    spec_error: str | None
+    # Set when the children could not be written (a non-retryable API error).
+    apply_error: str | None
+    desired_engines: int | None
+    statefulset: Mapping[str, Any] | None
+    coordinator: Mapping[str, Any] | None
+    # The coordinator's /health JSON (also on 503) or, when unreachable, why.
+    health: Mapping[str, Any] | None
+    health_error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    phase: str
+    ready: tuple[bool, str, str]
+    progressing: tuple[bool, str, str]
+    degraded: tuple[bool, str, str]
+
+
+def compute_status(
+    observation: Observation,
+    *,
+    previous: Mapping[str, Any] | None,
+    observed_generation: int | None,
+    selector: str,
+    now: str,
+) -> dict[str, Any]:
+    """The full status for ``observation``.
+
+    ``previous`` is the current status (for phase memory and condition transition times),
+    ``observed_generation`` the last generation the children were applied for, ``now`` an
+    RFC 3339 timestamp.
+    """
+    previous = previous or {}
+    statefulset_status = _status_of(observation.statefulset)
+    registered = _registered_engines(observation.health)
+    verdict = _verdict(observation, previous, observed_generation, registered)
+
+    status: dict[str, Any] = {
+        "phase": verdict.phase,
+        "replicas": int(statefulset_status.get("replicas") or 0),
+        "readyReplicas": int(statefulset_status.get("readyReplicas") or 0),
+        # Unknown (health unreachable) is left out rather than reported as 0 engines.
+        "registeredEngines": registered,
+        "selector": selector,
+        "observedGeneration": observed_generation,
+        "conditions": [
+            _condition(kind, flag, observation.generation, previous, now)
+            for kind, flag in zip(
+                CONDITION_TYPES, (verdict.ready, verdict.progressing, verdict.degraded), strict=True
+            )
+        ],
+    }
+    return status
+
+
+def status_patch(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge-patch turning ``previous`` into ``new`` for the keys this module owns.
+
+    Empty when nothing changed, so an idle operator writes nothing. ``None`` values delete.
+    """
+    previous = previous or {}
+    return {key: value for key, value in new.items() if previous.get(key) != value}
+
+
+def sticky_apply_error(previous: Mapping[str, Any] | None, generation: int) -> str | None:
+    """The apply failure recorded for this very generation, if any.
+
+    The periodic status refresh keeps reporting it until a reconcile of the same or a newer
+    generation succeeds (which rewrites the Degraded condition).
+    """
+    for condition in (previous or {}).get("conditions") or []:
+        if (
+            condition.get("type") == "Degraded"
+            and condition.get("status") == "True"
+            and condition.get("reason") == REASON_APPLY_FAILED
+            and condition.get("observedGeneration") == generation
+        ):
+            return str(condition.get("message") or "applying the children failed")
+    return None
+
+
+def condition(status: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any] | None:
+    for item in (status or {}).get("conditions") or []:
+        if item.get("type") == kind:
+            return item
+    return None
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _status_of(obj: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return (obj or {}).get("status") or {}
+
+
+def _registered_engines(health: Mapping[str, Any] | None) -> int | None:
+    if health is None:
+        return None
+    engines = health.get("engines")
+    if isinstance(engines, int) and not isinstance(engines, bool) and engines >= 0:
+        return engines
+    return None
+
+
+def _condition(
+    kind: str,
+    flag: tuple[bool, str, str],
+    generation: int,
+    previous: Mapping[str, Any],
+    now: str,
+) -> dict[str, Any]:
+    value, reason, message = flag
+    status = "True" if value else "False"
+    before = condition(previous, kind)
+    transition = now
+    if before is not None and before.get("status") == status and before.get("lastTransitionTime"):
+        transition = str(before["lastTransitionTime"])
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": transition,
+        "observedGeneration": generation,
+    }
+
+
+def _verdict(
+    observation: Observation,
+    previous: Mapping[str, Any],
+    observed_generation: int | None,
+    registered: int | None,
+) -> _Verdict:
+    if observation.spec_error is not None:
+        reason, message = REASON_INVALID_SPEC, observation.spec_error
+        return _Verdict(
+            DEGRADED, (False, reason, message), (False, reason, message), (True, reason, message)
+        )
+    if observation.apply_error is not None:
+        reason, message = REASON_APPLY_FAILED, observation.apply_error
+        return _Verdict(
+            DEGRADED, (False, reason, message), (False, reason, message), (True, reason, message)
+        )
+
+    missing = [
+        kind
+        for kind, obj in (("engine StatefulSet", observation.statefulset),
+                          ("coordinator Deployment", observation.coordinator))
+        if obj is None
+    ]  # fmt: skip
+    if missing or observed_generation is None:
+        message = f"creating the {' and '.join(missing) or 'children'}"
+        return _Verdict(
+            PENDING, (False, "Creating", message), (True, "Creating", message), _healthy()
+        )
+
+    desired = observation.desired_engines or 0
+    statefulset = observation.statefulset or {}
+    sts_status = _status_of(statefulset)
+    running = int(sts_status.get("replicas") or 0)
+    ready = int(sts_status.get("readyReplicas") or 0)
+    coordinator_ready = int(_status_of(observation.coordinator).get("readyReplicas") or 0) >= 1
+    rollout_done = _rollout_done(statefulset)
+    reconciled = observed_generation >= observation.generation
+
+    if registered is None:
+        # Without /health, the coordinator's readiness (it needs >= 1 engine registered) and
+        # the engine pods' readiness are the best evidence left.
+        engines_serving = ready >= desired and (desired == 0 or coordinator_ready)
+        engines_text = (
+            f"{ready}/{desired} engine pods ready; registered engines unknown "
+            f"({observation.health_error or 'coordinator /health unavailable'})"
+        )
+    else:
+        engines_serving = registered >= desired and ready >= desired
+        engines_text = f"{registered}/{desired} engines registered, {ready} engine pods ready"
+
+    if reconciled and rollout_done and running == desired and engines_serving:
+        reason = "ScaledToZero" if desired == 0 else "AllEnginesRegistered"
+        message = (
+            "no engines requested (dataParallelSize 0): nothing serves until engines return"
+            if desired == 0
+            else engines_text
+        )
+        return _Verdict(
+            READY, (True, reason, message), (False, "RolloutComplete", message), _healthy()
+        )
+
+    previous_phase = previous.get("phase")
+    if reconciled and rollout_done and running == desired and previous_phase in (READY, DEGRADED):
+        # Nobody asked for a change, yet capacity went missing: an engine crashed, was evicted
+        # or deregistered, or the coordinator restarted.
+        reason = "CoordinatorUnavailable" if not coordinator_ready else "EnginesUnavailable"
+        return _Verdict(
+            DEGRADED, (False, reason, engines_text), (False, "RolloutComplete", engines_text),
+            (True, reason, engines_text),
+        )  # fmt: skip
+
+    if not reconciled:
+        reason, message = "Reconciling", "applying the new spec"
+    elif running < desired:
+        reason, message = "ScalingUp", f"{running}/{desired} engine pods exist; {engines_text}"
+    elif running > desired:
+        reason, message = "ScalingDown", f"draining engines: {running} pods for {desired} wanted"
+    elif not rollout_done:
+        updated = int(sts_status.get("updatedReplicas") or 0)
+        reason, message = "RollingUpdate", f"{updated}/{desired} engine pods updated"
+    else:
+        reason, message = "WaitingForEngines", engines_text
+    nothing_up = ready == 0 and not registered
+    phase = PENDING if nothing_up and previous_phase in (None, PENDING) else PROGRESSING
+    return _Verdict(phase, (False, reason, message), (True, reason, message), _healthy())
+
+
+def _healthy() -> tuple[bool, str, str]:
+    return (False, "AsExpected", "")
+
+
+def _rollout_done(statefulset: Mapping[str, Any]) -> bool:
+    """Whether the StatefulSet controller has caught up with its spec on every pod."""
+    status = _status_of(statefulset)
+    generation = (statefulset.get("metadata") or {}).get("generation")
+    observed = status.get("observedGeneration")
+    if generation is not None and (observed is None or observed < generation):
+        return False
+    update_revision = status.get("updateRevision")
+    if not update_revision or status.get("currentRevision") == update_revision:
+        return True
+    # Some releases leave currentRevision behind after a completed rolling update; every pod
+    # being on the update revision settles it too.
+    wanted = int((statefulset.get("spec") or {}).get("replicas") or 0)
+    return int(status.get("updatedReplicas") or 0) >= wanted and int(
+        status.get("replicas") or 0
+    ) == wanted

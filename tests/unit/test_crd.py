@@ -1,0 +1,266 @@
+"""The InferenceDeployment CRD: well-formed, structural, and strict enough on its own.
+
+The CRD lives at crds/inferencedeployment.yaml; the Helm chart carries a byte-identical copy
+(charts/dpserve-operator/crds/), and this module fails when they drift apart.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from dpserve_operator import spec as spec_module
+from dpserve_operator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "inferencedeployment.yaml"
+CHART_CRD_PATH = ROOT / "charts" / "dpserve-operator" / "crds" / "inferencedeployment.yaml"
+EXAMPLE_PATH = ROOT / "examples" / "inference.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def version(crd: dict[str, Any]) -> dict[str, Any]:
+    (only,) = crd["spec"]["versions"]
+    return only
+
+
+@pytest.fixture(scope="module")
+def schema(version: dict[str, Any]) -> dict[str, Any]:
+    return version["schema"]["openAPIV3Schema"]
+
+
+def resource(spec: dict[str, Any], name: str = "demo") -> dict[str, Any]:
+    return {
+        "apiVersion": "dpserve.io/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[jsonschema.ValidationError]:
+    return list(jsonschema.Draft202012Validator(schema).iter_errors(obj))
+
+
+def test_chart_copy_is_identical() -> None:
+    assert CHART_CRD_PATH.read_bytes() == CRD_PATH.read_bytes()
+
+
+@pytest.mark.parametrize("k8s", ["1.25", kubernetes_validate.latest_version()])
+def test_crd_is_a_valid_apiextensions_v1_object(crd: dict[str, Any], k8s: str) -> None:
+    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    kubernetes_validate.validate(crd, k8s, strict=True)
+
+
+def test_names_scope_and_version(crd: dict[str, Any], version: dict[str, Any]) -> None:
+    spec = crd["spec"]
+    assert crd["metadata"]["name"] == "inferencedeployments.dpserve.io"
+    assert spec["group"] == "dpserve.io" and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "InferenceDeployment"
+    assert spec["names"]["plural"] == "inferencedeployments"
+    assert spec["names"]["shortNames"] == ["infd"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+
+
+def test_status_and_scale_subresources(version: dict[str, Any]) -> None:
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.dataParallelSize",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+
+
+def test_printer_columns(version: dict[str, Any]) -> None:
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Desired": ".spec.dataParallelSize",
+        "Ready": ".status.readyReplicas",
+        "Registered": ".status.registeredEngines",
+        "Phase": ".status.phase",
+        "Model": ".spec.model",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+# --------------------------------------------------------------------------- structural
+
+
+def walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for key, child in (node.get("properties") or {}).items():
+        yield from walk(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}.*")
+
+
+def test_schema_is_structural_for_kubernetes_1_20(schema: dict[str, Any]) -> None:
+    # The rules of https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/
+    # custom-resource-definitions/#specifying-a-structural-schema that a 1.20 server enforces.
+    for path, node in walk(schema):
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, path
+            assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
+        elif not node.get("x-kubernetes-preserve-unknown-fields") or "type" in node:
+            assert node.get("type") in ("object", "array", "string", "integer", "boolean"), path
+        assert not ("properties" in node and "additionalProperties" in node), path
+        assert "$ref" not in node and "x-kubernetes-validations" not in node, path  # no CEL
+        if node.get("type") == "array":
+            assert isinstance(node.get("items"), dict), path
+
+
+def test_schema_defaults_match_the_operator(schema: dict[str, Any]) -> None:
+    spec = schema["properties"]["spec"]["properties"]
+    engine = spec["engine"]["properties"]
+    coordinator = spec["coordinator"]["properties"]
+    assert spec["dataParallelSize"]["default"] == spec_module.DEFAULT_DATA_PARALLEL_SIZE
+    assert engine["maxBatchSize"]["default"] == spec_module.DEFAULT_MAX_BATCH_SIZE
+    assert engine["dtype"]["default"] == spec_module.DEFAULT_DTYPE
+    assert engine["device"]["default"] == spec_module.DEFAULT_DEVICE
+    assert (
+        engine["terminationGracePeriodSeconds"]["default"]
+        == spec_module.DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS
+    )
+    assert coordinator["zmqPort"]["default"] == spec_module.DEFAULT_ZMQ_PORT
+    assert coordinator["httpPort"]["default"] == spec_module.DEFAULT_HTTP_PORT
+    assert coordinator["routing"]["default"] == spec_module.DEFAULT_ROUTING
+    mount_path = spec["modelVolume"]["properties"]["mountPath"]
+    assert mount_path["default"] == spec_module.DEFAULT_MODEL_MOUNT_PATH
+
+
+def test_schema_enums_match_the_operator(schema: dict[str, Any]) -> None:
+    spec = schema["properties"]["spec"]["properties"]
+    assert tuple(spec["engine"]["properties"]["dtype"]["enum"]) == spec_module.DTYPES
+    assert tuple(spec["engine"]["properties"]["device"]["enum"]) == spec_module.DEVICES
+    assert tuple(spec["coordinator"]["properties"]["routing"]["enum"]) == spec_module.ROUTINGS
+    assert tuple(spec["imagePullPolicy"]["enum"]) == spec_module.IMAGE_PULL_POLICIES
+
+
+# --------------------------------------------------------------------------- valid resources
+
+MINIMAL = {"model": "smollm2-135m-instruct", "image": "ghcr.io/dpserve/runtime-cpu:0.1.0"}
+VALID_SPECS = {
+    "minimal": MINIMAL,
+    "scaled-to-zero": {**MINIMAL, "dataParallelSize": 0},
+    "gpu": {
+        **MINIMAL,
+        "image": "ghcr.io/dpserve/runtime-cuda:0.1.0",
+        "engine": {
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}},
+        },
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        "nodeSelector": {"accelerator": "a100"},
+    },
+    "model-on-a-volume": {
+        **MINIMAL,
+        "model": "/models/llama",
+        "modelVolume": {"claimName": "weights", "readOnly": True},
+        "coordinator": {"zmqPort": 6000, "httpPort": 9000, "routing": "round-robin"},
+        "allowedClients": [
+            {"namespaceSelector": {"matchLabels": {"team": "ml"}}},
+            {"ipBlock": {"cidr": "10.0.0.0/8"}},
+        ],
+        "imagePullSecrets": [{"name": "pull"}],
+        "podTemplate": {"metadata": {"labels": {"team": "ml"}, "annotations": {"a": "b"}}},
+    },
+}
+
+
+def test_the_example_is_valid(schema: dict[str, Any]) -> None:
+    example = yaml.safe_load(EXAMPLE_PATH.read_text())
+    assert example["metadata"]["name"] == "demo"
+    assert example["spec"]["dataParallelSize"] == 2
+    assert example["spec"]["model"] == "smollm2-135m-instruct"
+    assert example["spec"]["image"] == "ghcr.io/dpserve/runtime-cpu:0.1.0"
+    assert schema_errors(schema, example) == []
+    parse_spec(example["spec"], name=example["metadata"]["name"])
+
+
+@pytest.mark.parametrize("spec", VALID_SPECS.values(), ids=VALID_SPECS.keys())
+def test_valid_resources_pass_the_schema_and_the_operator(
+    schema: dict[str, Any], spec: dict[str, Any]
+) -> None:
+    assert schema_errors(schema, resource(spec)) == []
+    parse_spec(spec, name="demo")
+
+
+# --------------------------------------------------------------------------- invalid resources
+
+
+def changed(path: str, value: Any) -> dict[str, Any]:
+    """MINIMAL with ``value`` at the dotted ``path`` (``...`` deletes the key)."""
+    spec = copy.deepcopy(MINIMAL)
+    *parents, last = path.split(".")
+    node = spec
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return spec
+
+
+INVALID = [
+    pytest.param(changed("dataParallelSize", "2"), "dataParallelSize", id="string-size"),
+    pytest.param(changed("dataParallelSize", -1), "dataParallelSize", id="negative-size"),
+    pytest.param(changed("dataParallelSize", 1.5), "dataParallelSize", id="fractional-size"),
+    pytest.param(changed("model", ...), "model", id="missing-model"),
+    pytest.param(changed("model", ""), "model", id="empty-model"),
+    pytest.param(changed("image", ...), "image", id="missing-image"),
+    pytest.param(changed("image", "ghcr.io/x y"), "image", id="image-with-space"),
+    pytest.param(changed("engine.dtype", "fp8"), "dtype", id="bad-dtype"),
+    pytest.param(changed("engine.device", "tpu"), "device", id="bad-device"),
+    pytest.param(changed("engine.maxBatchSize", 0), "maxBatchSize", id="zero-batch"),
+    pytest.param(changed("engine.terminationGracePeriodSeconds", 0),
+                 "terminationGracePeriodSeconds", id="zero-grace"),
+    pytest.param(changed("engine.resources.limits", {"cpu": "2 cores"}), "cpu",
+                 id="bad-quantity"),
+    pytest.param(changed("engine.resources.limits", {"memory": "-1Gi"}), "memory",
+                 id="negative-quantity"),
+    pytest.param(changed("coordinator.zmqPort", 70000), "zmqPort", id="port-70000"),
+    pytest.param(changed("coordinator.httpPort", 0), "httpPort", id="port-0"),
+    pytest.param(changed("coordinator.routing", "random"), "routing", id="bad-routing"),
+    pytest.param(changed("imagePullPolicy", "always"), "imagePullPolicy", id="bad-pull-policy"),
+    pytest.param(changed("nodeSelector", {"gpu": True}), "gpu", id="non-string-selector"),
+    pytest.param(changed("tolerations", {"key": "x"}), "tolerations", id="tolerations-map"),
+    pytest.param(changed("imagePullSecrets", [{}]), "imagePullSecrets", id="secret-no-name"),
+    pytest.param(changed("modelVolume", {"mountPath": "/m"}), "modelVolume", id="no-claim"),
+    pytest.param(changed("modelVolume", {"claimName": "w", "mountPath": "m"}), "mountPath",
+                 id="relative-mount"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spec", "field"), INVALID)
+def test_invalid_resources_fail_naming_the_field(
+    schema: dict[str, Any], spec: dict[str, Any], field: str
+) -> None:
+    errors = schema_errors(schema, resource(spec))
+    assert errors, "the schema accepted an invalid resource"
+    described = [f"{error.json_path}: {error.message}" for error in errors]
+    assert any(field in text for text in described), described
+
+
+def test_missing_spec_fails(schema: dict[str, Any]) -> None:
+    obj = resource(MINIMAL)
+    del obj["spec"]
+    (error,) = schema_errors(schema, obj)
+    assert "'spec' is a required property" in error.message

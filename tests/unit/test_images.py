@@ -1,0 +1,171 @@
+"""The container images: entry points name real ``dpserve`` subcommands, non-root, lean operator.
+
+No Docker engine here: the Dockerfiles are parsed, and what they run is checked against the
+real CLI parser (``dpserve.cli.build_parser``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = ROOT / "images"
+DOCKERFILES = sorted(IMAGES.glob("Dockerfile.*"))
+
+# Import names of the project dependencies the operator image deliberately leaves out.
+HEAVY_IMPORTS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+    "gguf": "gguf",
+}
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, rest = line.partition(" ")
+            result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def exec_form(dockerfile: Path, keyword: str) -> list[str]:
+    (value,) = [args for kw, args in instructions(dockerfile) if kw == keyword][-1:]
+    parsed = json.loads(value)  # exec form: no shell between the runtime and dpserve
+    assert isinstance(parsed, list) and all(isinstance(item, str) for item in parsed)
+    return parsed
+
+
+def subcommands() -> set[str]:
+    from dpserve.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return set(commands.choices)
+
+
+def project_dependencies() -> dict[str, str]:
+    """Normalised distribution name → requirement string, from pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {_distribution(req): req for req in project["dependencies"]}
+
+
+def _distribution(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9._-]+", requirement)
+    assert name is not None
+    return re.sub(r"[-_.]+", "-", name.group(0)).lower()
+
+
+def test_there_are_three_images() -> None:
+    assert [path.name for path in DOCKERFILES] == [
+        "Dockerfile.operator",
+        "Dockerfile.runtime-cpu",
+        "Dockerfile.runtime-cuda",
+    ]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_entrypoint_and_cmd_run_a_real_subcommand(dockerfile: Path) -> None:
+    from dpserve.cli import build_parser
+
+    assert exec_form(dockerfile, "ENTRYPOINT") == ["dpserve"]
+    cmd = exec_form(dockerfile, "CMD")
+    assert cmd[0] in subcommands()
+    build_parser().parse_args(cmd)  # exits (SystemExit) on anything the CLI rejects
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_runs_as_the_non_root_user_the_manifests_expect(dockerfile: Path) -> None:
+    steps = instructions(dockerfile)
+    users = [args for kw, args in steps if kw == "USER"]
+    assert users and users[-1].split(":")[0] == "10001"
+    # Nothing after USER may need root.
+    after_user = steps[[kw for kw, _ in steps].index("USER") :]
+    assert not [args for kw, args in after_user if kw == "RUN"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_installs_the_project_from_its_pyproject(dockerfile: Path) -> None:
+    steps = instructions(dockerfile)
+    copies = " ".join(args for kw, args in steps if kw == "COPY")
+    for source in ("pyproject.toml", "README.md", "dpserve", "operator"):
+        assert re.search(rf"(^|\s){re.escape(source)}(\s|$)", copies), source
+    runs = " ".join(args for kw, args in steps if kw == "RUN")
+    assert re.search(r"pip install (--no-deps )?\.(\s|$)", runs)
+
+
+def test_runtime_images_pin_torch_and_their_bases() -> None:
+    cpu = instructions(IMAGES / "Dockerfile.runtime-cpu")
+    assert ("FROM", "python:3.11-slim") in cpu
+    cpu_runs = [args for kw, args in cpu if kw == "RUN"]
+    torch_step = next(i for i, args in enumerate(cpu_runs) if "torch==" in args)
+    project_step = next(i for i, args in enumerate(cpu_runs) if "pip install ." in args)
+    # torch from the CPU index first, or pip would fetch a CUDA build for the project.
+    assert torch_step < project_step
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in cpu_runs[torch_step]
+
+    cuda = instructions(IMAGES / "Dockerfile.runtime-cuda")
+    base = dict(a.split("=", 1) for kw, a in cuda if kw == "ARG" and "=" in a)["CUDA_BASE"]
+    assert base.startswith("nvidia/cuda:") and "runtime" in base
+    assert any("torch==2.13.0" in args for kw, args in cuda if kw == "RUN")
+
+
+def test_operator_image_installs_only_project_dependencies() -> None:
+    steps = instructions(IMAGES / "Dockerfile.operator")
+    runs = " ".join(args for kw, args in steps if kw == "RUN")
+    assert "pip install --no-deps ." in runs
+    wanted = {_distribution(req) for req in re.findall(r'"([^"]+)"', runs)}
+    dependencies = project_dependencies()
+    assert wanted <= set(dependencies), wanted - set(dependencies)
+    # Every dependency left out is one the operator image must do without.
+    assert set(dependencies) - wanted == set(HEAVY_IMPORTS)
+
+
+def test_cli_and_operator_import_without_the_heavy_dependencies() -> None:
+    # What the operator image runs: `dpserve operator ...` with torch & co. absent.
+    blocked = ", ".join(repr(name) for name in HEAVY_IMPORTS.values())
+    script = f"""
+import sys
+for name in ({blocked},):
+    sys.modules[name] = None  # makes `import name` raise ImportError
+from dpserve.cli import build_parser
+build_parser()
+import dpserve_operator.main, dpserve_operator.handlers
+print("imports ok")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "imports ok" in result.stdout
+
+
+@pytest.mark.parametrize("all_namespaces", [True, False])
+def test_the_chart_runs_the_operator_subcommand_the_cli_has(all_namespaces: bool) -> None:
+    import helm_python
+
+    from dpserve.cli import build_parser
+
+    with helm_python.Chart.load(ROOT / "charts" / "dpserve-operator") as chart:
+        rendered = chart.render(
+            {"watch": {"allNamespaces": all_namespaces}}, name="op", namespace="ml"
+        )
+    (deployment,) = [
+        yaml.safe_load(text) for path, text in rendered.items() if path.endswith("deployment.yaml")
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["dpserve", "operator"]
+    build_parser().parse_args(container["command"][1:])

@@ -1,0 +1,547 @@
+"""The operator's pure spec → manifests layer: validity, important fields, spec validation."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from dpserve_operator import manifests
+from dpserve_operator.spec import CACHE_DIR, DeploymentSpec, InvalidSpec, parse_spec
+
+NAME, NAMESPACE = "demo", "inference"
+IMAGE = "ghcr.io/dpserve/runtime-cpu:0.1.0"
+K8S_VERSIONS = ["1.25", kubernetes_validate.latest_version()]
+
+MINIMAL_SPEC: dict[str, Any] = {"model": "smollm2-135m-instruct", "image": IMAGE}
+
+FULL_SPEC: dict[str, Any] = {
+    "model": "/models/llama",
+    "image": "registry.example.com:5000/team/dpserve-cuda:0.1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "dataParallelSize": 4,
+    "modelVolume": {"claimName": "llama-weights", "mountPath": "/models", "readOnly": True},
+    "engine": {
+        "resources": {
+            "requests": {"cpu": "2", "memory": "16Gi", "nvidia.com/gpu": 1},
+            "limits": {"cpu": 4, "memory": "16Gi", "nvidia.com/gpu": "1"},
+        },
+        "maxBatchSize": 32,
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "terminationGracePeriodSeconds": 120,
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        ],
+    },
+    "coordinator": {
+        "zmqPort": 6000,
+        "httpPort": 9000,
+        "routing": "round-robin",
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+    },
+    "nodeSelector": {"nvidia.com/gpu.present": "true"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    },
+    "imagePullSecrets": [{"name": "registry-credentials"}],
+    "serviceAccountName": "inference",
+    "allowedClients": [
+        {"podSelector": {"matchLabels": {"app": "frontend"}}},
+        {"namespaceSelector": {"matchLabels": {"team": "ml"}}},
+    ],
+    "podTemplate": {
+        "metadata": {
+            "labels": {"team": "ml"},
+            "annotations": {"prometheus.io/scrape": "true"},
+        }
+    },
+}
+
+
+def parse(raw: dict[str, Any], name: str = NAME) -> DeploymentSpec:
+    return parse_spec(raw, name=name)
+
+
+def children(raw: dict[str, Any], **kwargs: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    objects = manifests.all_children(NAME, NAMESPACE, parse(raw), **kwargs)
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
+
+
+def pod_templates(objects: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        objects[("Deployment", "demo-coordinator")]["spec"]["template"],
+        objects[("StatefulSet", "demo-engine")]["spec"]["template"],
+    ]
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    (only,) = obj["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+# --------------------------------------------------------------------------- validity
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
+def test_every_child_validates_strictly(raw: dict[str, Any], version: str) -> None:
+    objects = children(raw)
+    assert len(objects) == 7
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_would_catch_a_misspelt_field() -> None:
+    # Guards the test above against validating nothing.
+    deployment = copy.deepcopy(children(MINIMAL_SPEC)[("Deployment", "demo-coordinator")])
+    deployment["spec"]["template"]["spec"]["containers"][0]["readynessProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+def test_policy_v1beta1_budget_for_kubernetes_1_20() -> None:
+    budget = children(MINIMAL_SPEC, pdb_api_version="policy/v1beta1")[
+        ("PodDisruptionBudget", "demo-engine")
+    ]
+    assert budget["apiVersion"] == "policy/v1beta1"
+    # kubernetes-validate ships no schema older than 1.25, where v1beta1 is gone.
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        kubernetes_validate.validate(budget, K8S_VERSIONS[0], strict=True)
+    # The fields used (maxUnavailable, selector) have the same shape in v1beta1 and v1, so the
+    # v1 schema checks them; v1-only fields (unhealthyPodEvictionPolicy) must stay out.
+    assert set(budget["spec"]) == {"maxUnavailable", "selector"}
+    as_v1 = {**budget, "apiVersion": "policy/v1"}
+    kubernetes_validate.validate(as_v1, K8S_VERSIONS[0], strict=True)
+
+
+def test_unknown_pdb_api_version_is_refused() -> None:
+    with pytest.raises(ValueError, match="policy/v2"):
+        manifests.all_children(NAME, NAMESPACE, parse(MINIMAL_SPEC), pdb_api_version="policy/v2")
+
+
+def test_children_names_and_kinds() -> None:
+    assert set(children(MINIMAL_SPEC)) == {
+        ("Service", "demo-coordinator"),
+        ("Service", "demo-engine"),
+        ("NetworkPolicy", "demo-coordinator"),
+        ("NetworkPolicy", "demo-engine"),
+        ("PodDisruptionBudget", "demo-engine"),
+        ("Deployment", "demo-coordinator"),
+        ("StatefulSet", "demo-engine"),
+    }
+
+
+# --------------------------------------------------------------------------- coordinator
+
+
+def test_coordinator_deployment() -> None:
+    deployment = children(MINIMAL_SPEC)[("Deployment", "demo-coordinator")]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    coordinator = container(deployment)
+    assert coordinator["image"] == IMAGE
+    assert coordinator["command"] == [
+        "dpserve", "coordinator", "--host", "0.0.0.0", "--port", "5555",
+        "--http-port", "8000", "--data-parallel-size", "0",
+        "--tokenizer", "smollm2-135m-instruct", "--routing", "least-outstanding",
+    ]  # fmt: skip
+    assert coordinator["ports"] == [
+        {"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+    ]
+    assert coordinator["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert coordinator["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert coordinator["startupProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert "imagePullPolicy" not in coordinator
+
+
+def test_coordinator_service_reaches_not_ready_coordinators() -> None:
+    objects = children(MINIMAL_SPEC)
+    service = objects[("Service", "demo-coordinator")]
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["type"] == "ClusterIP"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        ("zmq", 5555, "zmq"),
+        ("http", 8000, "http"),
+    ]
+    template_labels = objects[("Deployment", "demo-coordinator")]["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    assert service["spec"]["selector"].items() <= template_labels.items()
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def test_engine_statefulset() -> None:
+    statefulset = children(FULL_SPEC)[("StatefulSet", "demo-engine")]
+    spec = statefulset["spec"]
+    assert spec["replicas"] == 4
+    assert spec["serviceName"] == "demo-engine"
+    assert spec["podManagementPolicy"] == "Parallel"
+    engine = container(statefulset)
+    assert engine["command"] == [
+        "dpserve", "engine",
+        "--coordinator", "tcp://demo-coordinator.inference.svc:6000",
+        "--rank", "auto",
+        "--model", "/models/llama",
+        "--max-batch-size", "32", "--dtype", "bfloat16", "--device", "cuda",
+    ]  # fmt: skip
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
+        engine["env"]
+    )
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    # Deliberately no probes and no preStop hook (see manifests.engine_statefulset).
+    assert not {"readinessProbe", "livenessProbe", "startupProbe", "lifecycle", "ports"} & set(
+        engine
+    )
+    assert engine["imagePullPolicy"] == "IfNotPresent"
+
+
+def test_gpu_quantities_in_requests_and_limits() -> None:
+    engine = container(children(FULL_SPEC)[("StatefulSet", "demo-engine")])
+    assert engine["resources"] == {
+        "requests": {"cpu": "2", "memory": "16Gi", "nvidia.com/gpu": "1"},
+        "limits": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_a_gpu_limit_alone_is_mirrored_into_requests() -> None:
+    raw = {**MINIMAL_SPEC, "engine": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}
+    resources = container(children(raw)[("StatefulSet", "demo-engine")])["resources"]
+    assert resources == {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}
+
+
+def test_engine_headless_service_and_budget() -> None:
+    objects = children(MINIMAL_SPEC)
+    service = objects[("Service", "demo-engine")]
+    assert service["spec"]["clusterIP"] == "None"
+    budget = objects[("PodDisruptionBudget", "demo-engine")]
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": manifests.selector_labels(NAME, "engine")},
+    }
+
+
+def test_user_env_overrides_the_operator_defaults() -> None:
+    raw = {**MINIMAL_SPEC, "engine": {"env": [{"name": "HF_HOME", "value": "/data/hf"}]}}
+    env = container(children(raw)[("StatefulSet", "demo-engine")])["env"]
+    assert [v for v in env if v["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/data/hf"}]
+
+
+# --------------------------------------------------------------------------- pods in general
+
+
+@pytest.mark.parametrize("raw", [MINIMAL_SPEC, FULL_SPEC], ids=["minimal", "full"])
+def test_security_context_on_every_pod_and_container(raw: dict[str, Any]) -> None:
+    for template in pod_templates(children(raw)):
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True
+        assert pod["runAsUser"] == 10001
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        for each in template["spec"]["containers"]:
+            context = each["securityContext"]
+            assert context["runAsNonRoot"] is True
+            assert context["runAsUser"] == 10001
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+            # A read-only root needs writable scratch and cache directories.
+            mounts = {m["mountPath"]: m["name"] for m in each["volumeMounts"]}
+            assert mounts["/tmp"] == "tmp" and mounts[CACHE_DIR] == "cache"
+            env = {v["name"]: v.get("value") for v in each["env"]}
+            assert env["HF_HOME"].startswith(CACHE_DIR)
+            assert env["DPSERVE_CACHE"].startswith(CACHE_DIR)
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+        assert volumes["cache"] == {"name": "cache", "emptyDir": {}}
+
+
+def test_labels_are_set_and_owner_independent() -> None:
+    for (kind, _), obj in children(FULL_SPEC).items():
+        labels = obj["metadata"]["labels"]
+        component = "coordinator" if obj["metadata"]["name"].endswith("coordinator") else "engine"
+        assert labels == {
+            "app.kubernetes.io/name": "dpserve",
+            "app.kubernetes.io/instance": NAME,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "dpserve-operator",
+        }, kind
+        assert obj["metadata"]["namespace"] == NAMESPACE
+        assert "ownerReferences" not in obj["metadata"]  # the handlers adopt the children
+
+
+def test_status_selector_selects_the_engine_pods() -> None:
+    selector = manifests.engine_selector(NAME)
+    assert selector == (
+        "app.kubernetes.io/component=engine,app.kubernetes.io/instance=demo,"
+        "app.kubernetes.io/name=dpserve"
+    )
+    engine_labels = children(MINIMAL_SPEC)[("StatefulSet", "demo-engine")]["spec"]["template"][
+        "metadata"
+    ]["labels"]
+    assert dict(pair.split("=") for pair in selector.split(",")).items() <= engine_labels.items()
+
+
+def test_scheduling_and_identity_apply_to_both_pod_templates() -> None:
+    for template in pod_templates(children(FULL_SPEC)):
+        pod = template["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert pod["tolerations"] == FULL_SPEC["tolerations"]
+        assert pod["affinity"] == FULL_SPEC["affinity"]
+        assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+        assert pod["serviceAccountName"] == "inference"
+        assert "automountServiceAccountToken" not in pod
+        assert template["metadata"]["labels"]["team"] == "ml"
+        assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+        model_mount = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}["model"]
+        assert model_mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {
+            "claimName": "llama-weights",
+            "readOnly": True,
+        }
+    for template in pod_templates(children(MINIMAL_SPEC)):
+        assert template["spec"]["automountServiceAccountToken"] is False
+        assert not {"nodeSelector", "tolerations", "affinity", "imagePullSecrets"} & set(
+            template["spec"]
+        )
+
+
+def test_manifests_do_not_alias_the_spec() -> None:
+    spec = parse(FULL_SPEC)
+    first = manifests.all_children(NAME, NAMESPACE, spec)
+    first[-1]["spec"]["template"]["spec"]["tolerations"].append({"key": "mutated"})
+    second = manifests.all_children(NAME, NAMESPACE, spec)
+    assert second[-1]["spec"]["template"]["spec"]["tolerations"] == FULL_SPEC["tolerations"]
+
+
+# --------------------------------------------------------------------------- network policies
+
+
+def test_network_policy_lets_only_engines_and_allowed_clients_in() -> None:
+    policy = children(FULL_SPEC)[("NetworkPolicy", "demo-coordinator")]["spec"]
+    assert policy["podSelector"] == {"matchLabels": manifests.selector_labels(NAME, "coordinator")}
+    assert policy["policyTypes"] == ["Ingress"]
+    engines_rule, clients_rule = policy["ingress"]
+    assert engines_rule == {
+        "from": [{"podSelector": {"matchLabels": manifests.selector_labels(NAME, "engine")}}],
+        "ports": [{"protocol": "TCP", "port": 6000}],
+    }
+    assert clients_rule == {
+        "from": FULL_SPEC["allowedClients"],
+        "ports": [{"protocol": "TCP", "port": 6000}, {"protocol": "TCP", "port": 9000}],
+    }
+
+
+def test_without_allowed_clients_only_engines_reach_the_coordinator() -> None:
+    objects = children(MINIMAL_SPEC)
+    (only_rule,) = objects[("NetworkPolicy", "demo-coordinator")]["spec"]["ingress"]
+    assert only_rule["ports"] == [{"protocol": "TCP", "port": 5555}]
+    engine_policy = objects[("NetworkPolicy", "demo-engine")]["spec"]
+    assert engine_policy["ingress"] == []  # engines listen on nothing
+    assert engine_policy["policyTypes"] == ["Ingress"]
+
+
+# --------------------------------------------------------------------------- spec changes
+
+ENGINES = ("StatefulSet", "demo-engine")
+COORDINATOR = ("Deployment", "demo-coordinator")
+COORDINATOR_SERVICE = ("Service", "demo-coordinator")
+COORDINATOR_POLICY = ("NetworkPolicy", "demo-coordinator")
+CONTAINER = ("spec", "template", "spec", "containers", 0)
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "path", "expected"),
+    [
+        ({"dataParallelSize": 7}, ENGINES, ("spec", "replicas"), 7),
+        ({"dataParallelSize": 0}, ENGINES, ("spec", "replicas"), 0),
+        ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, COORDINATOR, (*CONTAINER, "image"),
+         "ghcr.io/dpserve/runtime-cpu:0.2.0"),
+        ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, ENGINES, (*CONTAINER, "image"),
+         "ghcr.io/dpserve/runtime-cpu:0.2.0"),
+        ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 7), "other/model"),
+        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 11), "other/model"),
+        ({"coordinator": {"zmqPort": 7000}}, ENGINES, (*CONTAINER, "command", 3),
+         "tcp://demo-coordinator.inference.svc:7000"),
+        ({"coordinator": {"zmqPort": 7000}}, COORDINATOR_POLICY,
+         ("spec", "ingress", 0, "ports", 0, "port"), 7000),
+        ({"coordinator": {"httpPort": 8080}}, COORDINATOR_SERVICE, ("spec", "ports", 1, "port"),
+         8080),
+        ({"engine": {"terminationGracePeriodSeconds": 5}}, ENGINES,
+         ("spec", "template", "spec", "terminationGracePeriodSeconds"), 5),
+    ],
+)  # fmt: skip
+def test_spec_changes_propagate(
+    change: dict[str, Any], key: tuple[str, str], path: tuple[Any, ...], expected: Any
+) -> None:
+    def at(raw: dict[str, Any]) -> Any:
+        value: Any = children(raw)[key]
+        for step in path:
+            value = value[step]
+        return value
+
+    assert at(MINIMAL_SPEC) != expected
+    assert at({**MINIMAL_SPEC, **change}) == expected
+
+
+# --------------------------------------------------------------------------- the real CLI
+
+
+def test_pod_commands_parse_with_the_dpserve_cli() -> None:
+    from dpserve.cli import build_parser
+
+    objects = children(FULL_SPEC)
+    coordinator = build_parser().parse_args(
+        container(objects[("Deployment", "demo-coordinator")])["command"][1:]
+    )
+    assert (coordinator.command, coordinator.host, coordinator.port) == (
+        "coordinator", "0.0.0.0", 6000,
+    )  # fmt: skip
+    assert (coordinator.http_port, coordinator.data_parallel_size) == (9000, 0)
+    assert (coordinator.tokenizer, coordinator.routing) == ("/models/llama", "round-robin")
+
+    engine = build_parser().parse_args(
+        container(objects[("StatefulSet", "demo-engine")])["command"][1:]
+    )
+    assert (engine.command, engine.rank, engine.model) == ("engine", "auto", "/models/llama")
+    assert engine.coordinator == "tcp://demo-coordinator.inference.svc:6000"
+    assert (engine.max_batch_size, engine.dtype, engine.device) == (32, "bfloat16", "cuda")
+
+
+# --------------------------------------------------------------------------- invalid specs
+
+
+def with_(**changes: Any) -> dict[str, Any]:
+    return {**MINIMAL_SPEC, **changes}
+
+
+def case(case_id: str, raw: dict[str, Any], message: str) -> Any:
+    return pytest.param(raw, message, id=case_id)
+
+
+ENGINE_GPU_MISMATCH = {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 2}}
+INVALID_SPECS = [
+    case("missing-model", {"image": IMAGE}, "spec.model: is required"),
+    case("blank-model", {"model": "  ", "image": IMAGE}, "spec.model: must not be empty"),
+    case("image-with-space", with_(image="ghcr.io/dpserve/runtime cpu:0.1.0"),
+         "spec.image: 'ghcr.io/dpserve/runtime cpu"),
+    case("image-uppercase-path", with_(image="ghcr.io/dpserve/Runtime:0.1"),
+         "not a valid image reference"),
+    case("string-size", with_(dataParallelSize="2"),
+         "spec.dataParallelSize: must be an integer, got string"),
+    case("bool-size", with_(dataParallelSize=True), "spec.dataParallelSize: must be an integer"),
+    case("negative-size", with_(dataParallelSize=-1),
+         "spec.dataParallelSize: must be >= 0, got -1"),
+    case("bad-dtype", with_(engine={"dtype": "fp8"}),
+         "spec.engine.dtype: must be one of auto, float32"),
+    case("zero-batch", with_(engine={"maxBatchSize": 0}), "spec.engine.maxBatchSize: must be >= 1"),
+    case("port-70000", with_(coordinator={"zmqPort": 70000}),
+         "spec.coordinator.zmqPort: must be <= 65535"),
+    case("port-clash", with_(coordinator={"zmqPort": 8000}),
+         "spec.coordinator.httpPort: must differ from zmqPort (both are 8000)"),
+    case("bad-routing", with_(coordinator={"routing": "random"}), "spec.coordinator.routing"),
+    case("bad-pull-policy", with_(imagePullPolicy="always"), "spec.imagePullPolicy"),
+    case("bad-quantity", with_(engine={"resources": {"limits": {"cpu": "2 cores"}}}),
+         "spec.engine.resources.limits.cpu: must be a quantity"),
+    case("negative-quantity", with_(engine={"resources": {"requests": {"memory": "-1Gi"}}}),
+         "spec.engine.resources.requests.memory: must not be negative"),
+    case("request-over-limit",
+         with_(engine={"resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}}}),
+         "spec.engine.resources.requests.cpu: 4 exceeds limits.cpu"),
+    case("gpu-request-not-limit", with_(engine={"resources": ENGINE_GPU_MISMATCH}),
+         "GPUs cannot be overcommitted"),
+    case("cuda-without-gpu", with_(engine={"device": "cuda"}), "spec.engine.device: is cuda but"),
+    case("reserved-env", with_(engine={"env": [{"name": "POD_NAME", "value": "x"}]}),
+         "is set by the operator"),
+    case("duplicate-env",
+         with_(engine={"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),
+         "A is defined twice"),
+    case("bad-env-name", with_(engine={"env": [{"name": "1 bad"}]}),
+         "not a valid environment variable name"),
+    case("reserved-label",
+         with_(podTemplate={"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}),
+         "are set by the operator"),
+    case("bad-label-value", with_(podTemplate={"metadata": {"labels": {"team": "has space"}}}),
+         "not a valid label value"),
+    case("empty-peer", with_(allowedClients=[{}]), "spec.allowedClients[0]: needs a podSelector"),
+    case("relative-mount", with_(modelVolume={"claimName": "w", "mountPath": "models"}),
+         "spec.modelVolume.mountPath: 'models' must be an absolute path"),
+    case("mount-over-tmp", with_(modelVolume={"claimName": "w", "mountPath": "/tmp"}),
+         "used by the operator's scratch volumes"),
+    case("missing-claim", with_(modelVolume={"mountPath": "/m"}),
+         "spec.modelVolume.claimName: is required"),
+    case("tolerations-map", with_(tolerations={"key": "x"}), "spec.tolerations: must be a list"),
+    case("non-string-selector", with_(nodeSelector={"gpu": True}),
+         "spec.nodeSelector.gpu: must be a string"),
+    case("engine-not-object", with_(engine="big"), "spec.engine: must be an object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("raw", "message"), INVALID_SPECS)
+def test_invalid_specs_raise_with_the_field_named(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpec) as raised:
+        parse(raw)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("Demo", "DNS-1035"),
+        ("9lives", "DNS-1035"),
+        ("demo.v2", "DNS-1035"),
+        ("a" * 46, "at most 45 fit"),
+    ],
+)
+def test_names_that_cannot_prefix_the_children_are_refused(name: str, message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        parse(MINIMAL_SPEC, name=name)
+    parse(MINIMAL_SPEC, name="a" * 45)  # the longest that fits
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(InvalidSpec) as raised:
+        parse({"image": "a b", "dataParallelSize": -3, "engine": {"dtype": "fp4"}})
+    fields = [problem.split(":")[0] for problem in raised.value.problems]
+    assert fields == ["spec.model", "spec.image", "spec.engine.dtype", "spec.dataParallelSize"]
+
+
+def test_a_missing_spec_is_invalid_not_a_crash() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.model: is required"):
+        parse_spec(None, name=NAME)
+    with pytest.raises(InvalidSpec, match=r"spec: must be an object"):
+        parse_spec(["model"], name=NAME)  # type: ignore[arg-type]
+
+
+def test_defaults() -> None:
+    spec = parse(MINIMAL_SPEC)
+    assert spec.data_parallel_size == 1
+    engine = spec.engine
+    assert (engine.max_batch_size, engine.dtype, engine.device) == (8, "auto", "auto")
+    assert spec.engine.termination_grace_period_seconds == 60
+    assert (spec.coordinator.zmq_port, spec.coordinator.http_port) == (5555, 8000)
+    assert spec.coordinator.routing == "least-outstanding"
+    assert spec.model_volume is None and spec.image_pull_policy is None
+
+
+def test_spec_is_frozen() -> None:
+    spec = parse(FULL_SPEC)
+    with pytest.raises(AttributeError):
+        spec.model = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.node_selector["x"] = "y"  # type: ignore[index]

@@ -1,0 +1,331 @@
+"""Pure status computation: phases, conditions, transition times, patches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from dpserve_operator.status import (
+    DEGRADED,
+    PENDING,
+    PROGRESSING,
+    READY,
+    Observation,
+    compute_status,
+    condition,
+    status_patch,
+    sticky_apply_error,
+)
+
+SELECTOR = "app.kubernetes.io/component=engine,app.kubernetes.io/instance=demo"
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:02Z", "2026-01-01T00:00:04Z"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "inferencedeployment.yaml"
+
+
+def statefulset(
+    replicas: int,
+    ready: int,
+    *,
+    wanted: int | None = None,
+    current: str = "rev-1",
+    update: str = "rev-1",
+    updated: int | None = None,
+    generation: int = 1,
+    observed: int = 1,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas if wanted is None else wanted},
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": replicas if updated is None else updated,
+            "currentRevision": current,
+            "updateRevision": update,
+            "observedGeneration": observed,
+        },
+    }
+
+
+def coordinator(ready: bool) -> dict[str, Any]:
+    return {"status": {"replicas": 1, "readyReplicas": 1 if ready else 0}}
+
+
+def health(engines: int) -> dict[str, Any]:
+    return {"status": "ok" if engines else "no_engines", "engines": engines, "draining": 0,
+            "queued": 0, "state": "running"}  # fmt: skip
+
+
+def observe(
+    *,
+    desired: int | None = 2,
+    sts: dict[str, Any] | None = None,
+    coord: dict[str, Any] | None = None,
+    engines: int | None = None,
+    health_error: str | None = None,
+    spec_error: str | None = None,
+    apply_error: str | None = None,
+    generation: int = 1,
+) -> Observation:
+    return Observation(
+        generation=generation,
+        spec_error=spec_error,
+        apply_error=apply_error,
+        desired_engines=desired,
+        statefulset=sts,
+        coordinator=coord,
+        health=None if engines is None else health(engines),
+        health_error=health_error,
+    )
+
+
+def compute(
+    observation: Observation,
+    previous: dict[str, Any] | None = None,
+    observed_generation: int | None = 1,
+    now: str = T0,
+) -> dict[str, Any]:
+    return compute_status(
+        observation,
+        previous=previous,
+        observed_generation=observed_generation,
+        selector=SELECTOR,
+        now=now,
+    )
+
+
+def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+SERVING = observe(sts=statefulset(2, 2), coord=coordinator(True), engines=2)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def test_all_engines_registered_is_ready() -> None:
+    status = compute(SERVING)
+    assert status["phase"] == READY
+    assert status["replicas"] == 2 and status["readyReplicas"] == 2
+    assert status["registeredEngines"] == 2
+    assert status["selector"] == SELECTOR
+    assert status["observedGeneration"] == 1
+    assert conditions(status) == {
+        "Ready": ("True", "AllEnginesRegistered"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert condition(status, "Ready")["message"] == "2/2 engines registered, 2 engine pods ready"
+
+
+def test_invalid_spec_is_degraded() -> None:
+    status = compute(observe(desired=None, spec_error="spec.model: is required"))
+    assert status["phase"] == DEGRADED
+    degraded = condition(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert degraded["message"] == "spec.model: is required"
+    assert conditions(status)["Ready"] == ("False", "InvalidSpec")
+
+
+def test_apply_failure_is_degraded() -> None:
+    status = compute(observe(sts=statefulset(2, 2), apply_error="StatefulSet/demo-engine: 422"))
+    assert status["phase"] == DEGRADED
+    assert conditions(status)["Degraded"] == ("True", "ApplyFailed")
+
+
+def test_missing_children_are_pending() -> None:
+    status = compute(observe(sts=None, coord=coordinator(False)))
+    assert status["phase"] == PENDING
+    assert conditions(status)["Progressing"] == ("True", "Creating")
+    assert "engine StatefulSet" in condition(status, "Progressing")["message"]
+    assert status["replicas"] == 0 and status["readyReplicas"] == 0
+
+
+def test_first_start_without_ready_engines_is_pending_then_progressing() -> None:
+    starting = compute(observe(sts=statefulset(2, 0), coord=coordinator(False), engines=0))
+    assert starting["phase"] == PENDING
+    assert starting["registeredEngines"] == 0  # read from the coordinator's 503 JSON
+    assert conditions(starting)["Progressing"] == ("True", "WaitingForEngines")
+    one_up = compute(
+        observe(sts=statefulset(2, 1), coord=coordinator(True), engines=1), previous=starting
+    )
+    assert one_up["phase"] == PROGRESSING
+    assert compute(SERVING, previous=one_up)["phase"] == READY
+
+
+def test_a_new_generation_not_yet_applied_is_progressing() -> None:
+    status = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(True), engines=2, generation=2),
+        previous=compute(SERVING),
+        observed_generation=1,
+    )
+    assert status["phase"] == PROGRESSING
+    assert conditions(status)["Progressing"] == ("True", "Reconciling")
+    assert status["observedGeneration"] == 1
+
+
+@pytest.mark.parametrize(
+    ("observation", "reason"),
+    [
+        (observe(desired=3, sts=statefulset(2, 2, wanted=3), coord=coordinator(True), engines=2),
+         "ScalingUp"),
+        (observe(desired=1, sts=statefulset(2, 2, wanted=1), coord=coordinator(True), engines=2),
+         "ScalingDown"),
+        (observe(sts=statefulset(2, 2, current="rev-1", update="rev-2", updated=1),
+                 coord=coordinator(True), engines=2), "RollingUpdate"),
+        (observe(sts=statefulset(2, 2, generation=2, observed=1), coord=coordinator(True),
+                 engines=2), "RollingUpdate"),
+    ],
+)  # fmt: skip
+def test_scaling_and_rollouts_are_progressing(observation: Observation, reason: str) -> None:
+    status = compute(observation, previous=compute(SERVING))
+    assert status["phase"] == PROGRESSING
+    assert conditions(status)["Progressing"] == ("True", reason)
+    assert conditions(status)["Degraded"] == ("False", "AsExpected")
+
+
+def test_a_finished_rollout_with_a_stale_current_revision_counts_as_done() -> None:
+    sts = statefulset(2, 2, current="rev-1", update="rev-2", updated=2)
+    status = compute(observe(sts=sts, coord=coordinator(True), engines=2))
+    assert status["phase"] == READY
+
+
+def test_losing_an_engine_after_ready_is_degraded_then_recovers() -> None:
+    ready = compute(SERVING, now=T0)
+    lost = compute(
+        observe(sts=statefulset(2, 1), coord=coordinator(True), engines=1), previous=ready, now=T1
+    )
+    assert lost["phase"] == DEGRADED
+    assert conditions(lost)["Degraded"] == ("True", "EnginesUnavailable")
+    assert condition(lost, "Degraded")["message"].startswith("1/2 engines registered")
+    recovered = compute(SERVING, previous=lost, now=T2)
+    assert recovered["phase"] == READY
+    assert condition(recovered, "Degraded")["status"] == "False"
+
+
+def test_a_pod_that_runs_but_did_not_register_is_not_ready() -> None:
+    status = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(True), engines=1),
+        previous=compute(SERVING),
+    )
+    assert status["phase"] == DEGRADED
+    assert status["registeredEngines"] == 1 and status["readyReplicas"] == 2
+
+
+def test_losing_the_coordinator_after_ready_is_degraded() -> None:
+    status = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(False), health_error="connection refused"),
+        previous=compute(SERVING),
+    )
+    assert status["phase"] == DEGRADED
+    assert conditions(status)["Degraded"] == ("True", "CoordinatorUnavailable")
+    assert "connection refused" in condition(status, "Degraded")["message"]
+
+
+def test_unreachable_health_falls_back_on_readiness_and_reports_unknown() -> None:
+    status = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(True), health_error="403 Forbidden")
+    )
+    assert status["phase"] == READY
+    assert status["registeredEngines"] is None
+    assert "registered engines unknown (403 Forbidden)" in condition(status, "Ready")["message"]
+
+
+def test_zero_engines_is_ready_although_the_coordinator_is_not() -> None:
+    status = compute(observe(desired=0, sts=statefulset(0, 0), coord=coordinator(False), engines=0))
+    assert status["phase"] == READY
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def test_transition_time_moves_only_when_a_condition_flips() -> None:
+    first = compute(observe(sts=statefulset(2, 0), coord=coordinator(False), engines=0), now=T0)
+    progressing_since = condition(first, "Progressing")["lastTransitionTime"]
+    assert progressing_since == T0
+    # Same statuses, new message: the times stay.
+    second = compute(
+        observe(sts=statefulset(2, 1), coord=coordinator(True), engines=1), previous=first, now=T1
+    )
+    assert condition(second, "Progressing")["lastTransitionTime"] == T0
+    assert condition(second, "Ready")["lastTransitionTime"] == T0
+    # Ready flips to True and Progressing to False: both move.
+    third = compute(SERVING, previous=second, now=T2)
+    assert condition(third, "Ready")["lastTransitionTime"] == T2
+    assert condition(third, "Progressing")["lastTransitionTime"] == T2
+    assert condition(third, "Degraded")["lastTransitionTime"] == T0
+
+
+def test_conditions_carry_the_generation_they_describe() -> None:
+    status = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(True), engines=2, generation=5),
+        observed_generation=5,
+    )
+    assert {c["observedGeneration"] for c in status["conditions"]} == {5}
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded"]
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def test_an_unchanged_world_patches_nothing() -> None:
+    first = compute(SERVING, now=T0)
+    again = compute(SERVING, previous=first, now=T2)
+    assert status_patch(first, again) == {}
+
+
+def test_patch_holds_only_changed_keys_and_deletes_unknown_counts() -> None:
+    before = compute(SERVING, now=T0)
+    after = compute(
+        observe(sts=statefulset(2, 2), coord=coordinator(True), health_error="timeout"),
+        previous=before,
+        now=T1,
+    )
+    patch = status_patch(before, after)
+    assert patch["registeredEngines"] is None  # a merge-patch null removes the field
+    assert "replicas" not in patch and "selector" not in patch
+    assert "conditions" in patch  # the Ready message changed
+
+
+def test_patch_from_nothing_is_the_whole_status_minus_unknowns() -> None:
+    status = compute(observe(sts=None, coord=None))
+    patch = status_patch(None, status)
+    assert "registeredEngines" not in patch
+    assert patch["phase"] == PENDING
+
+
+def test_sticky_apply_error_lasts_for_its_generation_only() -> None:
+    failed = compute(observe(sts=statefulset(2, 2), apply_error="422 Invalid"))
+    assert sticky_apply_error(failed, 1) == "422 Invalid"
+    assert sticky_apply_error(failed, 2) is None
+    assert sticky_apply_error(compute(SERVING), 1) is None
+    assert sticky_apply_error(None, 1) is None
+
+
+# --------------------------------------------------------------------------- the CRD agrees
+
+
+@pytest.mark.parametrize(
+    "observation",
+    [
+        SERVING,
+        observe(desired=None, spec_error="bad"),
+        observe(sts=None, coord=None),
+        observe(sts=statefulset(2, 2), coord=coordinator(True), health_error="down"),
+    ],
+)
+def test_computed_status_matches_the_crd_status_schema(observation: Observation) -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    status = {k: v for k, v in compute(observation).items() if v is not None}
+    jsonschema.validate(status, schema, format_checker=jsonschema.FormatChecker())
+    # Nothing the status writes would be pruned by the API server.
+    assert set(status) <= set(schema["properties"])
+    for item in status["conditions"]:
+        assert set(item) <= set(schema["properties"]["conditions"]["items"]["properties"])
