@@ -1,14 +1,17 @@
-"""Coordinator throughput and latency: dpserve vs Megatron-Core 0.16.1 vs a raw pyzmq relay.
+"""Coordinator throughput and latency: dpserve (plain and CURVE) vs Megatron-Core 0.16.1 vs a
+raw pyzmq relay.
 
-    python bench/coordinator.py [--requests 20000] [--skip-megatron]
+    python bench/coordinator.py [--requests 20000] [--skip-megatron] [--skip-curve]
 
-Same workload for all three, in one run: a burst of N single-token requests from one asyncio
+Same workload for all, in one run: a burst of N single-token requests from one asyncio
 client through a ROUTER in its own process to 2 instant fake engines (each a process that
 answers everything it has read with one batched reply, as an engine step would), then 300
 requests one at a time for the unloaded round trip. Megatron runs its own coordinator and
 real ``InferenceClient`` (``pip install --no-deps megatron-core==0.16.1``; it needs torch,
 pyzmq and msgpack). The raw relay is the ceiling: a poll-and-drain ROUTER that only forwards
-bytes. Prints requests/s, p50/p99 latency, lost requests and the ratios; not a test.
+bytes. The CURVE run is dpserve again with keys from a temporary ``dpserve keys generate``
+directory: every message encrypted, every connection authenticated, every message's role
+checked. Prints requests/s, p50/p99 latency, lost requests and the ratios; not a test.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +39,12 @@ DPSERVE = str(Path(sys.executable).with_name("dpserve"))
 SEQUENTIAL = 300
 # How long the client waits, after the last answer, for more: a lost reply never comes.
 QUIET_PERIOD = 10.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (encryption runs in libzmq's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -91,14 +101,17 @@ async def measure(submit, count: int) -> dict:
 # ------------------------------------------------------------------------ dpserve
 
 
-async def bench_dpserve(count: int) -> dict:
+async def bench_dpserve(count: int, credentials: str | None = None) -> dict:
     from dpserve.client import InferenceClient
     from dpserve.sampling import SamplingParams
     from tests.integration.runtime import wait_for_engines
 
     port = free_port()
+    keys = ["--credentials", credentials] if credentials else []
     procs = [
-        subprocess.Popen([DPSERVE, "coordinator", "--port", str(port)], stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            [DPSERVE, "coordinator", "--port", str(port), *keys], stderr=subprocess.DEVNULL
+        )
     ]
     for rank in range(2):
         procs.append(
@@ -113,16 +126,22 @@ async def bench_dpserve(count: int) -> dict:
                     "--fake",
                     "--max-batch-size",
                     "100000",
+                    *keys,
                 ],
                 stderr=subprocess.DEVNULL,
             )
         )
-    client = InferenceClient(port)
+    client = InferenceClient(port, credentials=credentials)
     try:
         await client.start()
         await wait_for_engines(client, 2)
         params = SamplingParams(num_tokens_to_generate=1)
-        return await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+        before = cpu_seconds(procs[0].pid)
+        result = await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+        # CPU per request varies far less than throughput on a shared machine.
+        spent = cpu_seconds(procs[0].pid) - before
+        result["cpu_us"] = spent / (count + SEQUENTIAL) * 1e6
+        return result
     finally:
         client.stop()
         for proc in procs:
@@ -338,10 +357,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--skip-megatron", action="store_true")
+    parser.add_argument("--skip-curve", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results = {"raw relay": asyncio.run(bench_raw(args.requests))}
     results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
+    if not args.skip_curve:
+        from dpserve.security import generate_credentials
+
+        with tempfile.TemporaryDirectory(prefix="dpserve-bench-keys-") as directory:
+            generate_credentials(directory)
+            results["dpserve CURVE"] = asyncio.run(bench_dpserve(args.requests, directory))
     if not args.skip_megatron:
         try:
             results["megatron 0.16.1"] = asyncio.run(bench_megatron(args.requests))
@@ -350,15 +376,25 @@ def main() -> None:
                 f"megatron-core not installed ({exc}); pip install --no-deps megatron-core==0.16.1"
             )
     print(f"\n{args.requests} requests, 2 instant fake engines, one client")
-    print(f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}")
+    print(
+        f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}"
+        f"{'coord CPU us/req':>18}"
+    )
     for name, r in results.items():
         print(
             f"{name:18}{r['rps']:>10.0f}{r['p50'] * 1e3:>10.1f}{r['p99'] * 1e3:>10.1f}"
-            f"{r['lost']:>8}{r['rtt_p50'] * 1e3:>15.3f}"
+            f"{r['lost']:>8}{r['rtt_p50'] * 1e3:>15.3f}{r.get('cpu_us', float('nan')):>18.1f}"
         )
     ours, raw = results["dpserve"], results["raw relay"]
     print(f"\ndpserve / raw relay throughput: {ours['rps'] / raw['rps']:.2f}x")
     print(f"dpserve / raw relay unloaded round trip p50: {ours['rtt_p50'] / raw['rtt_p50']:.2f}x")
+    if "dpserve CURVE" in results:
+        curve = results["dpserve CURVE"]
+        print(
+            f"dpserve CURVE / plain throughput: {curve['rps'] / ours['rps']:.2f}x, "
+            f"coordinator CPU per request: {curve['cpu_us'] / ours['cpu_us']:.2f}x, "
+            f"unloaded round trip p50: {curve['rtt_p50'] / ours['rtt_p50']:.2f}x"
+        )
     if "megatron 0.16.1" in results:
         meg = results["megatron 0.16.1"]
         print(

@@ -11,7 +11,9 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
+from dpserve.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("dpserve")
 
@@ -45,12 +47,30 @@ def resolve_rank(rank: str) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from dpserve.coordinator import DataParallelInferenceCoordinator
 
+    front_keys = None
+    try:
+        security.check_bind(args.host, secured=bool(args.credentials), insecure=args.insecure)
+        if args.credentials:
+            security.load_server_keys(args.credentials)  # refuse now, not in a child process
+            if args.http_port is not None:
+                front_keys = security.load_peer_keys(args.credentials, None)
+        api_keys = _api_keys(args)
+    except (security.InsecureBind, security.CredentialsError) as exc:
+        print(f"dpserve coordinator: {exc}", file=sys.stderr)
+        return 2
     tokenizer = _tokenizer_spec(args.tokenizer)
     options = {
         "host": args.host,
         "routing": args.routing,
         "heartbeat_timeout": args.heartbeat_timeout,
         "queue_timeout": args.queue_timeout,
+        "max_inflight_per_client": args.max_inflight_per_client,
+        "max_inflight_requests": args.max_inflight_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "max_message_bytes": args.max_message_bytes,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        # The directory, not the keys: nothing secret travels to the coordinator's process.
+        "credentials": args.credentials or None,
     }
     if args.http_port is None:
         coordinator = None
@@ -68,7 +88,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         return 0
     from dpserve.http import run_http_with_coordinator
 
-    return run_http_with_coordinator(args, tokenizer, options)
+    return run_http_with_coordinator(
+        args, tokenizer, options, credentials=front_keys, api_keys=api_keys
+    )
 
 
 def _tokenizer_spec(tokenizer: str | None) -> str | None:
@@ -79,11 +101,26 @@ def _tokenizer_spec(tokenizer: str | None) -> str | None:
     return resolve_model(tokenizer)
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[bytes, ...] | None:
+    return security.load_api_keys(args.api_key_file) if args.api_key_file else None
+
+
+def _client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | None:
+    """Keys from --credentials (or $DPSERVE_CREDENTIALS); for a coordinator on this machine
+    without them, the throw-away keys of the ``dpserve serve`` on that port, if one runs."""
+    directory = args.credentials or None
+    if directory is None:
+        host, _, port = address.split("://", 1)[-1].rpartition(":")
+        if port.isdigit() and security.is_loopback(host):
+            directory = security.find_local_credentials(int(port))
+    return None if directory is None else security.load_peer_keys(directory, args.role)
+
+
 # -------------------------------------------------------------------------- engine
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    from dpserve.engine.connection import CoordinatorConnection
+    from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
@@ -102,14 +139,23 @@ def cmd_engine(args: argparse.Namespace) -> int:
             device=args.device,
         )
     address = _zmq_address(args.coordinator)
+    try:
+        keys = security.load_peer_keys(args.credentials, "engine") if args.credentials else None
+    except security.CredentialsError as exc:
+        print(f"dpserve engine: {exc}", file=sys.stderr)
+        return 2
     server = EngineServer(
-        CoordinatorConnection(address, rank, runner.capacity),
+        CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
         runner,
         stream_interval=args.stream_interval,
     )
     server.install_signal_handlers()
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
-    return server.run()
+    try:
+        return server.run()
+    except CoordinatorRefused as exc:
+        log.error("%s", exc)
+        return 1
 
 
 def _zmq_address(address: str) -> str:
@@ -122,10 +168,19 @@ def _zmq_address(address: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
+    from dpserve.local import LocalDeployment, serve
 
-    from dpserve.local import LocalDeployment, run_local
-
+    try:
+        if args.credentials and args.insecure:
+            raise security.CredentialsError("--insecure and --credentials contradict each other")
+        if args.credentials:  # every process of the deployment reads its part of this one
+            security.load_server_keys(args.credentials)
+            security.load_peer_keys(args.credentials, "engine")
+            security.load_peer_keys(args.credentials, None)
+        api_keys = _api_keys(args)
+    except security.CredentialsError as exc:
+        print(f"dpserve serve: {exc}", file=sys.stderr)
+        return 2
     if args.fake:
         model_path, model_name = "fake", "fake"
     else:
@@ -140,8 +195,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=None if args.http_port == 0 else args.http_port,
         max_batch_size=args.max_batch_size,
         fake=args.fake,
+        credentials=args.credentials or None,
+        api_keys=api_keys,
     )
-    return asyncio.run(run_local(deployment, model_name))
+    return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 
 
 def cmd_http(args: argparse.Namespace) -> int:
@@ -149,13 +206,26 @@ def cmd_http(args: argparse.Namespace) -> int:
 
     from dpserve.http import run_http_front
 
+    address = _zmq_address(args.coordinator)
+    try:
+        keys = _client_keys(args, address)
+        api_keys = _api_keys(args)
+    except security.CredentialsError as exc:
+        print(f"dpserve http: {exc}", file=sys.stderr)
+        return 2
+    if api_keys is None and not security.is_loopback(args.host):
+        log.warning(
+            "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
+        )
     asyncio.run(
         run_http_front(
-            _zmq_address(args.coordinator),
+            address,
             _tokenizer_spec(args.tokenizer),
             args.host,
             args.port,
             args.model_name or args.tokenizer or "dpserve",
+            credentials=keys,
+            api_keys=api_keys,
         )
     )
     return 0
@@ -179,9 +249,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"dpserve generate: {exc}", file=sys.stderr)
         return 2
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    try:
+        keys = _client_keys(args, _zmq_address(args.address))
+    except security.CredentialsError as exc:
+        print(f"dpserve generate: {exc}", file=sys.stderr)
+        return 2
 
     async def run() -> None:
-        async with InferenceClient(args.address, handshake_timeout=args.timeout) as client:
+        async with InferenceClient(
+            args.address, handshake_timeout=args.timeout, credentials=keys
+        ) as client:
             if args.stream:
                 async for chunk in client.stream(prompt, params):
                     print(chunk.text, end="", flush=True)
@@ -198,6 +275,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    try:
+        root = security.generate_credentials(args.directory, force=args.force)
+    except (security.CredentialsError, OSError) as exc:
+        print(f"dpserve keys generate: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {root}/: coordinator, engine, client and admin key pairs (*.key public, "
+        "*.key_secret secret, mode 0600) and allowed/{engine,client,admin}/.\n"
+        "Give each process only its part: the coordinator coordinator.key_secret + allowed/, "
+        "an engine engine.key_secret + coordinator.key, a client client.key_secret (or "
+        "admin.key_secret) + coordinator.key. See docs/security.md."
+    )
+    return 0
+
+
 def cmd_operator(args: argparse.Namespace) -> int:
     from dpserve_operator.main import run
 
@@ -210,6 +303,32 @@ def cmd_operator(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- parser
+
+
+def _add_credentials(parser: argparse.ArgumentParser, roles: bool = False) -> None:
+    parser.add_argument(
+        "--credentials",
+        metavar="DIR",
+        default=os.environ.get(security.ENV_CREDENTIALS),
+        help=f"CURVE keys (`dpserve keys generate DIR`; env {security.ENV_CREDENTIALS})",
+    )
+    if roles:
+        parser.add_argument(
+            "--role",
+            choices=[security.ADMIN, security.CLIENT],
+            default=None,
+            help="which key of --credentials to use (default: admin if present, else client)",
+        )
+
+
+def _add_api_key_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=os.environ.get(security.ENV_API_KEY_FILE),
+        help="HTTP /v1/* require `Authorization: Bearer <a line of this file>` "
+        f"(env {security.ENV_API_KEY_FILE})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,6 +363,31 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--heartbeat-timeout", type=float, default=5.0)
     coordinator.add_argument("--queue-timeout", type=float, default=30.0)
     coordinator.add_argument("--http-port", type=int, default=None, help="also serve HTTP here")
+    _add_credentials(coordinator)
+    coordinator.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without --credentials (plain, unauthenticated ZMQ)",
+    )
+    coordinator.add_argument(
+        "--max-inflight-per-client", type=int, default=10_000, help="default: %(default)s"
+    )
+    coordinator.add_argument(
+        "--max-inflight-requests", type=int, default=1_000_000, help="default: %(default)s"
+    )
+    coordinator.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=100_000,
+        help="requests waiting for an engine (default: %(default)s)",
+    )
+    coordinator.add_argument(
+        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="default: 8 MiB"
+    )
+    coordinator.add_argument(
+        "--max-prompt-tokens", type=int, default=32_768, help="default: %(default)s"
+    )
+    _add_api_key_file(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)
 
     engine = commands.add_parser("engine", help="run one data-parallel engine")
@@ -258,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--stream-interval", type=float, default=0.05)
+    _add_credentials(engine)
     engine.set_defaults(func=cmd_engine)
 
     serve = commands.add_parser(
@@ -271,6 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-batch-size", type=int, default=None)
     serve.add_argument("--fake", action="store_true", help="fake engines, no model")
+    serve.add_argument(
+        "--credentials",
+        metavar="DIR",
+        default=os.environ.get(security.ENV_CREDENTIALS),
+        help="CURVE keys for every process (default: throw-away keys, removed on exit)",
+    )
+    serve.add_argument(
+        "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
+    )
+    _add_api_key_file(serve)
     serve.set_defaults(func=cmd_serve)
 
     http = commands.add_parser(
@@ -281,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
     http.add_argument("--tokenizer", default=None, help="for chat templates (default: bytes)")
     http.add_argument("--model-name", default=None, help="name reported by /v1/models")
+    _add_credentials(http, roles=True)
+    _add_api_key_file(http)
     http.set_defaults(func=cmd_http)
 
     generate = commands.add_parser("generate", help="send one prompt and print the completion")
@@ -296,7 +453,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
     generate.add_argument("--timeout", type=float, default=120.0)
+    _add_credentials(generate, roles=True)
     generate.set_defaults(func=cmd_generate)
+
+    keys = commands.add_parser("keys", help="create CURVE keys (see docs/security.md)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    generate_keys = key_commands.add_parser(
+        "generate", help="write a coordinator key pair, role key pairs and allowed/<role>/"
+    )
+    generate_keys.add_argument("directory", metavar="DIR")
+    generate_keys.add_argument("--force", action="store_true", help="replace existing key pairs")
+    generate_keys.set_defaults(func=cmd_keys_generate)
 
     operator = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
     scope = operator.add_mutually_exclusive_group()

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from dpserve import protocol
+from dpserve import protocol, security
 from dpserve.protocol import ErrorCode, Header, ProtocolError
 from dpserve.sampling import SamplingParams
 
@@ -166,8 +167,13 @@ class InferenceClient:
         *,
         handshake_timeout: float = 10.0,
         heartbeat_interval: float = 0.5,
+        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
+        """``credentials``: a client's keys, or a credentials directory (its admin key if it
+        holds one, else its client key), for a coordinator that requires CURVE."""
         self.address = coordinator_address(inference_coordinator_port)
+        # Loaded before any socket exists: a bad directory raises without leaking a context.
+        self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
         self.heartbeat_interval = heartbeat_interval
         self.context = zmq.asyncio.Context()
@@ -177,6 +183,8 @@ class InferenceClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        if self.keys is not None:
+            security.secure_peer(self.socket, self.keys)
         # Sends and drains go through a plain-socket view of the same socket: no Future per
         # message. Only the wait for input goes through the event loop (see _send).
         self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
@@ -208,7 +216,12 @@ class InferenceClient:
             self.stop()
             raise CoordinatorUnavailable(
                 f"no answer from the coordinator at {self.address} "
-                f"within {self.handshake_timeout:g} s (is it running?)"
+                f"within {self.handshake_timeout:g} s (is it running?"
+                + (
+                    " does it require credentials?)"
+                    if self.keys is None
+                    else f" does it allow this {self.keys.role} key?)"
+                )
             ) from None
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat(), name="dpserve-client-heartbeat"

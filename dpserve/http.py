@@ -55,6 +55,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from dpserve import security
 from dpserve.client import (
     ClientError,
     InferenceClient,
@@ -761,6 +762,12 @@ class _ScrapeCollector:
             capacity.add_metric([str(engine["rank"])], engine["capacity"])
         yield inflight
         yield capacity
+        for name, value in status.get("limits", {}).items():
+            yield GaugeMetricFamily(
+                f"dpserve_limit_{name}",
+                f"The coordinator's admission limit on {name.replace('_', ' ')}",
+                value=value,
+            )
 
 
 class FrontMetrics:
@@ -1070,6 +1077,30 @@ def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
     return {"Allow": allow} if allow else None
 
 
+def _bearer_auth(tokens: tuple[bytes, ...]) -> Callable:
+    """Require one of ``tokens`` on the API (``/v1/...``); health and metrics stay open for
+    probes and scrapers."""
+
+    @web.middleware
+    async def require_token(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path == "/v1" or request.path.startswith("/v1/"):
+            authorization = request.headers.get("Authorization")
+            if not security.bearer_token_matches(authorization, tokens):
+                message = (
+                    "Incorrect API key provided."
+                    if authorization
+                    else "You didn't provide an API key: send `Authorization: Bearer <key>`."
+                )
+                return HttpError.of(
+                    401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                ).response()
+        return await handler(request)
+
+    return require_token
+
+
 FRONT_KEY = web.AppKey("dpserve_http_front", HttpFront)
 
 
@@ -1079,10 +1110,13 @@ def create_app(
     model_name: str,
     *,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    api_keys: tuple[bytes, ...] | None = None,
 ) -> web.Application:
-    """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state."""
+    """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
+    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``."""
     front = HttpFront(client, tokenizer, model_name, request_timeout)
-    app = web.Application(middlewares=[_json_errors], client_max_size=MAX_BODY_BYTES)
+    middlewares = [_json_errors] + ([_bearer_auth(api_keys)] if api_keys else [])
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[FRONT_KEY] = front
     app.router.add_post(
         COMPLETIONS_ENDPOINT, front.counted(COMPLETIONS_ENDPOINT, front.completions)
@@ -1109,10 +1143,13 @@ async def serve_http(
     stop_event: asyncio.Event | None = None,
     shutdown_timeout: float = 10.0,
     listening: asyncio.Event | None = None,
+    api_keys: tuple[bytes, ...] | None = None,
 ) -> None:
     """Serve the app on ``host:port`` until cancelled or ``stop_event`` is set. In-flight
     requests get ``shutdown_timeout`` seconds to finish; the client is left to the caller."""
-    app = create_app(client, tokenizer, model_name, request_timeout=request_timeout)
+    app = create_app(
+        client, tokenizer, model_name, request_timeout=request_timeout, api_keys=api_keys
+    )
     runner = web.AppRunner(
         app,
         # A client that disconnects cancels its handler, which cancels its request.
@@ -1146,12 +1183,14 @@ async def run_http_front(
     *,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     listening: asyncio.Event | None = None,
+    credentials: security.PeerKeys | None = None,
+    api_keys: tuple[bytes, ...] | None = None,
 ) -> None:
     """Connect a client to the coordinator at ``address`` and serve HTTP until cancelled or
     ``stop_event`` is set (``listening`` is set once the port accepts connections). Raises
     ``CoordinatorUnavailable`` when the handshake fails."""
     tokenizer = as_batch_tokenizer(tokenizer_spec)
-    client = InferenceClient(address, handshake_timeout=30.0)
+    client = InferenceClient(address, handshake_timeout=30.0, credentials=credentials)
     await client.start()
     try:
         await serve_http(
@@ -1163,6 +1202,7 @@ async def run_http_front(
             request_timeout=request_timeout,
             stop_event=stop_event,
             listening=listening,
+            api_keys=api_keys,
         )
     finally:
         client.stop()
@@ -1176,7 +1216,12 @@ def default_model_name(tokenizer_spec: str | None) -> str:
 
 
 def run_http_with_coordinator(
-    args: Any, tokenizer_spec: str | None, options: Mapping[str, Any]
+    args: Any,
+    tokenizer_spec: str | None,
+    options: Mapping[str, Any],
+    *,
+    credentials: security.PeerKeys | None = None,
+    api_keys: tuple[bytes, ...] | None = None,
 ) -> int:
     """``dpserve coordinator --http-port``: the coordinator in a child process, the HTTP front
     in this one. SIGTERM/SIGINT stop the front, then the child; the exit code is 0 unless the
@@ -1217,7 +1262,16 @@ def run_http_with_coordinator(
         request_timeout = getattr(args, "request_timeout", None) or DEFAULT_REQUEST_TIMEOUT
         try:
             return asyncio.run(
-                _serve_beside(process, address, tokenizer_spec, args, model_name, request_timeout)
+                _serve_beside(
+                    process,
+                    address,
+                    tokenizer_spec,
+                    args,
+                    model_name,
+                    request_timeout,
+                    credentials,
+                    api_keys,
+                )
             )
         except OSError as exc:  # typically: the HTTP port is taken
             log.error("cannot serve HTTP on %s:%s: %s", args.host, args.http_port, exc)
@@ -1236,6 +1290,8 @@ async def _serve_beside(
     args: Any,
     model_name: str,
     request_timeout: float,
+    credentials: security.PeerKeys | None,
+    api_keys: tuple[bytes, ...] | None,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -1261,6 +1317,8 @@ async def _serve_beside(
             model_name,
             stop,
             request_timeout=request_timeout,
+            credentials=credentials,
+            api_keys=api_keys,
         )
     finally:
         with contextlib.suppress(ValueError, OSError):

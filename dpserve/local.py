@@ -1,5 +1,11 @@
 """Embedded local mode (``dpserve serve``): a coordinator, N engines and the HTTP front on this
-machine, supervised by one process that leaves nothing behind when it stops."""
+machine, supervised by one process that leaves nothing behind when it stops.
+
+Without flags the deployment still uses CURVE: ``serve`` generates throw-away keys in a private
+directory, hands the directory to its children and removes it on exit. ``dpserve generate`` and
+``dpserve http`` find those keys by port (``security.find_local_credentials``), so the first
+run needs no key handling at all.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dpserve import security
 from dpserve.client import InferenceClient
 
 log = logging.getLogger("dpserve.serve")
@@ -36,6 +43,9 @@ class LocalDeployment:
     host: str = "127.0.0.1"
     max_batch_size: int | None = None
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
+    credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
+    api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
+    throwaway_keys: bool = False  # credentials were generated for this run (banner)
 
     def __post_init__(self) -> None:
         self.processes: list[tuple[str, subprocess.Popen]] = []
@@ -49,8 +59,13 @@ class LocalDeployment:
         process = subprocess.Popen(command, preexec_fn=_die_with_parent)
         self.processes.append((name, process))
 
+    def client_keys(self) -> security.PeerKeys | None:
+        return None if self.credentials is None else security.load_peer_keys(self.credentials)
+
     def start_processes(self) -> None:
         tokenizer = ["--tokenizer", self.model_path] if not self.fake else []
+        # The directory's path, never a key, goes on the command lines.
+        keys = ["--credentials", self.credentials] if self.credentials else []
         self._spawn(
             "coordinator",
             "coordinator",
@@ -59,6 +74,7 @@ class LocalDeployment:
             "--port",
             str(self.port),
             *tokenizer,
+            *keys,
         )
         for rank in range(self.data_parallel_size):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
@@ -72,6 +88,7 @@ class LocalDeployment:
                 "--rank",
                 str(rank),
                 *engine,
+                *keys,
             )
 
     def check_alive(self) -> None:
@@ -118,22 +135,52 @@ class LocalDeployment:
 
 
 def banner(deployment: LocalDeployment) -> str:
+    # Throw-away keys are found by port; keys the user gave must be named again.
+    given = (
+        f" --credentials {deployment.credentials}"
+        if deployment.credentials and not deployment.throwaway_keys
+        else ""
+    )
+    if deployment.credentials is None:
+        keys = "none: plain ZMQ on loopback (--insecure)"
+    elif deployment.throwaway_keys:
+        keys = f"CURVE, throw-away keys in {deployment.credentials} (removed on exit)"
+    else:
+        keys = f"CURVE, keys from {deployment.credentials}"
     lines = [
         "",
         f"dpserve is serving {deployment.model_path} with "
         f"{deployment.data_parallel_size} engine(s).",
         f"  ZMQ:  {deployment.address}",
-        f'  try:  dpserve generate "Tell me a joke" --chat --address {deployment.address}',
+        f"  keys: {keys}",
+        f'  try:  dpserve generate "Tell me a joke" --chat --address {deployment.address}{given}',
     ]
     if deployment.http_port:
         base = f"http://{deployment.host}:{deployment.http_port}"
+        bearer = " -H 'Authorization: Bearer <your API key>'" if deployment.api_keys else ""
         lines += [
             f"  HTTP: {base}  (OpenAI-compatible: /v1/completions, /v1/chat/completions)",
-            f"  try:  curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"  try:  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{bearer} "
             '-d \'{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}\'',
         ]
     lines += ["Press Ctrl-C to stop.", ""]
     return "\n".join(lines)
+
+
+def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool) -> int:
+    """``dpserve serve``: run the deployment until SIGINT/SIGTERM. With ``throwaway_keys``,
+    fresh CURVE keys are generated first and their directory removed after everything
+    stopped."""
+    with contextlib.ExitStack() as cleanup:
+        if throwaway_keys:
+            try:
+                directory = cleanup.enter_context(security.throwaway_credentials(deployment.port))
+            except (security.CredentialsError, OSError) as exc:
+                print(f"dpserve: cannot create throw-away keys: {exc}", file=sys.stderr)
+                return 1
+            deployment.credentials = str(directory)
+            deployment.throwaway_keys = True
+        return asyncio.run(run_local(deployment, model_name))
 
 
 async def run_local(deployment: LocalDeployment, model_name: str) -> int:
@@ -144,7 +191,9 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     deployment.start_processes()
-    client = InferenceClient(deployment.port, handshake_timeout=60)
+    client = InferenceClient(
+        deployment.port, handshake_timeout=60, credentials=deployment.client_keys()
+    )
     http_task: asyncio.Task | None = None
     try:
         await client.start()
@@ -167,6 +216,8 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
                     model_name,
                     stop,
                     listening=listening,
+                    credentials=client.keys,
+                    api_keys=deployment.api_keys,
                 )
             )
             # The banner promises a working URL: wait until the port accepts connections.

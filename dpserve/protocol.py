@@ -87,6 +87,7 @@ class ErrorCode:
     ENGINE_ERROR = "engine_error"  # the engine refused or failed the request
     PROMPT_TOO_LONG = "prompt_too_long"
     CANCELLED = "cancelled"
+    FORBIDDEN = "forbidden"  # the connection's role may not send this message
 
 
 _NoneType = type(None)

@@ -8,6 +8,10 @@ a Python loop at tens of thousands of messages per second.
 Nothing a peer sends can stop the loop: every message is checked by ``protocol.decode`` and
 handled inside one ``try``; bad input is logged (rate limited) and answered with an ERROR when
 the sender is a known client.
+
+With credentials the socket is a CURVE server (``dpserve.security``): only allowed keys connect,
+and each message is checked against its connection's role before its handler runs. Without
+them the loop is exactly the plain one: no per-message metadata is read.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from dpserve import protocol
+from dpserve import protocol, security
 from dpserve.coordinator.control import (
     ControlOperation,
     ControlState,
@@ -66,6 +70,9 @@ class DataParallelInferenceCoordinator:
         max_inflight_requests: int = 1_000_000,
         max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
         engine_wait_timeout: float | None = None,
+        max_inflight_per_client: int = 10_000,
+        max_prompt_tokens: int = 32_768,
+        credentials: security.ServerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
         self.pipe_connection = pipe_connection
         self.data_parallel_size = data_parallel_size
@@ -82,6 +89,8 @@ class DataParallelInferenceCoordinator:
         self.max_queued_requests = max_queued_requests
         self.max_inflight_requests = max_inflight_requests
         self.max_message_bytes = max_message_bytes
+        self.max_inflight_per_client = max_inflight_per_client
+        self.max_prompt_tokens = max_prompt_tokens
 
         # Engines and clients tell a restarted coordinator from the old one by this id.
         self.instance_id = secrets.token_hex(8)
@@ -96,6 +105,7 @@ class DataParallelInferenceCoordinator:
         self._running = False
         self._closed = False
 
+        keys = None if credentials is None else security.as_server_keys(credentials)
         self.context = zmq.Context()
         self.router_socket = self.context.socket(zmq.ROUTER)
         # Report unroutable sends (a client that vanished) instead of dropping them silently,
@@ -105,13 +115,29 @@ class DataParallelInferenceCoordinator:
         self.router_socket.setsockopt(zmq.RCVHWM, 0)
         self.router_socket.setsockopt(zmq.LINGER, 0)
         self.router_socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 64)
-        if inference_coordinator_port:
-            self.router_socket.bind(f"tcp://{host}:{inference_coordinator_port}")
-            self.inference_coordinator_port = inference_coordinator_port
-        else:
-            self.inference_coordinator_port = self.router_socket.bind_to_random_port(
-                f"tcp://{host}"
+        # How a drained batch is received and handled: plain, or with each message's role.
+        self.authenticator: security.RoleAuthenticator | None = None
+        self._receive: Callable[[], list] = self._drain
+        self._process: Callable[[list], None] = self._handle_batch
+        if keys is not None:
+            self._use_curve(keys)
+        elif not security.is_loopback(host):
+            log.warning(
+                "coordinator bound to %s WITHOUT credentials: anyone who can reach the port "
+                "can submit work, register as an engine and stop every engine",
+                host,
             )
+        try:
+            if inference_coordinator_port:
+                self.router_socket.bind(f"tcp://{host}:{inference_coordinator_port}")
+                self.inference_coordinator_port = inference_coordinator_port
+            else:
+                self.inference_coordinator_port = self.router_socket.bind_to_random_port(
+                    f"tcp://{host}"
+                )
+        except zmq.ZMQError:
+            self.stop()  # the authenticator's thread and the context must not outlive us
+            raise
         self.poller = zmq.Poller()
         self.poller.register(self.router_socket, zmq.POLLIN)
         if pipe_connection is not None:
@@ -143,12 +169,21 @@ class DataParallelInferenceCoordinator:
         self._params_cache: dict[tuple, dict] = {}
 
         log.info(
-            "coordinator %s listening on port %d; waiting for %d engine(s)",
+            "coordinator %s listening on port %d (%s); waiting for %d engine(s)",
             self.instance_id,
             self.inference_coordinator_port,
+            "CURVE" if self.authenticator else "plain ZMQ",
             data_parallel_size,
         )
         self._wait_for_engines(engine_wait_timeout)
+
+    def _use_curve(self, keys: security.ServerKeys) -> None:
+        """Admit only allowed keys (ZAP) and receive each message with its connection's role."""
+        self.authenticator = security.secure_server(self.router_socket, keys)
+        self._receive = functools.partial(
+            security.receive_with_roles, self.router_socket, _MAX_BATCH
+        )
+        self._process = self._handle_authenticated_batch
 
     # ----------------------------------------------------------------- seed API
 
@@ -197,6 +232,9 @@ class DataParallelInferenceCoordinator:
         self._closed = True
         with contextlib.suppress(Exception):
             self.router_socket.close(linger=0)
+        if self.authenticator is not None:
+            with contextlib.suppress(Exception):
+                self.authenticator.stop()  # its sockets would keep context.term() waiting
         with contextlib.suppress(Exception):
             self.context.term()
         log.info("coordinator %s stopped", self.instance_id)
@@ -259,7 +297,7 @@ class DataParallelInferenceCoordinator:
         if self.pipe_connection is not None and self.pipe_connection.fileno() in events:
             self._on_pipe()
         if self.router_socket in events:
-            self._handle_batch(self._drain())
+            self._process(self._receive())
         self._on_tick(time.monotonic())
 
     def _on_pipe(self) -> None:
@@ -297,6 +335,33 @@ class DataParallelInferenceCoordinator:
                 log.exception("error handling a message from %r", identity)
         self._flush_submits()
         self._flush_results()
+
+    def _handle_authenticated_batch(self, batch: list[tuple[bytes, bytes | None, str]]) -> None:
+        """``_handle_batch`` for a CURVE socket: a message its connection's role may not send
+        is refused before any handler sees it."""
+        decode, limit, permitted = protocol.decode, self.max_message_bytes, security.PERMITTED
+        for identity, payload, role in batch:
+            try:
+                if payload is None:
+                    raise ProtocolError("expected one frame after the identity")
+                header, fields = decode(payload, limit)
+                if header in permitted.get(role, ()):
+                    self._handlers[header](identity, fields)
+                else:
+                    self._forbidden(identity, role, header, fields)
+            except ProtocolError as exc:
+                self._bad_input(identity, str(exc))
+            except Exception:  # a bug must not take the coordinator down with it
+                log.exception("error handling a message from %r", identity)
+        self._flush_submits()
+        self._flush_results()
+
+    def _forbidden(self, identity: bytes, role: str, header: Header, fields: list) -> None:
+        ref, reason = security.forbidden(role, header, fields)
+        count = self.counters["forbidden"] = self.counters["forbidden"] + 1
+        if count <= 10 or count % _LOG_EVERY == 0:
+            log.warning("refused message #%d from %r: %s", count, identity, reason)
+        self._error(identity, ref, ErrorCode.FORBIDDEN, reason)
 
     def _on_tick(self, now: float) -> None:
         for engine in self.registry.silent_since(now - self.heartbeat_timeout):
@@ -477,12 +542,22 @@ class DataParallelInferenceCoordinator:
         if self.state is ControlState.STOPPED:
             self._error(identity, client_request_id, ErrorCode.STOPPED, "engines have been stopped")
             return
+        if client.inflight >= self.max_inflight_per_client:
+            self._error(
+                identity,
+                client_request_id,
+                ErrorCode.OVERLOADED,
+                f"this client has {client.inflight} requests in flight, the per-client cap "
+                f"(--max-inflight-per-client {self.max_inflight_per_client})",
+            )
+            return
         if len(self.requests) >= self.max_inflight_requests:
             self._error(
                 identity,
                 client_request_id,
                 ErrorCode.OVERLOADED,
-                f"coordinator overloaded: {len(self.requests)} requests in flight",
+                f"coordinator overloaded: {len(self.requests)} requests in flight "
+                f"(--max-inflight-requests {self.max_inflight_requests})",
             )
             return
         try:
@@ -546,9 +621,17 @@ class DataParallelInferenceCoordinator:
                 request.prompt_tokens = protocol.pack_tokens(tokens)
             self._string_prompts.clear()
         submits, self._submits = self._submits, []
+        max_bytes = 4 * self.max_prompt_tokens  # packed int32 tokens
         for request in submits:
             if not request.prompt_tokens:
                 self._fail(request, ErrorCode.BAD_REQUEST, "the prompt is empty after tokenization")
+            elif len(request.prompt_tokens) > max_bytes:
+                self._fail(
+                    request,
+                    ErrorCode.PROMPT_TOO_LONG,
+                    f"the prompt has {len(request.prompt_tokens) // 4} tokens; this coordinator "
+                    f"accepts at most {self.max_prompt_tokens} (--max-prompt-tokens)",
+                )
             elif request.request_id in self.requests.by_id:
                 self._dispatch(request)
 
@@ -560,7 +643,8 @@ class DataParallelInferenceCoordinator:
                     self._fail(
                         request,
                         ErrorCode.OVERLOADED,
-                        "no engine available and the wait queue is full",
+                        "no engine available and the wait queue is full "
+                        f"(--max-queued-requests {self.max_queued_requests})",
                     )
                 else:
                     self.requests.queue.append(request.request_id)
@@ -760,6 +844,9 @@ class DataParallelInferenceCoordinator:
 
     def status(self) -> dict[str, Any]:
         engines = self.registry.engines.values()
+        counters = dict(self.counters)
+        if self.authenticator is not None:
+            counters["auth_denied"] = self.authenticator.denied
         return {
             "instance": self.instance_id,
             "state": self.state.name.lower(),
@@ -779,7 +866,15 @@ class DataParallelInferenceCoordinator:
             "queued": sum(1 for rid in self.requests.queue if rid in self.requests.by_id),
             "routing": self.routing.value,
             "pid": os.getpid(),
-            "counters": dict(self.counters),
+            "security": "curve" if self.authenticator is not None else "none",
+            "limits": {
+                "inflight_per_client": self.max_inflight_per_client,
+                "inflight_requests": self.max_inflight_requests,
+                "queued_requests": self.max_queued_requests,
+                "message_bytes": self.max_message_bytes,
+                "prompt_tokens": self.max_prompt_tokens,
+            },
+            "counters": counters,
         }
 
     def _on_status(self, identity: bytes, fields: list) -> None:
