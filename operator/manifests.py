@@ -83,9 +83,11 @@ def _metadata(name: str, namespace: str, object_name: str, component: str) -> di
 
 def coordinator_command(spec: DeploymentSpec) -> list[str]:
     # --data-parallel-size 0: do not wait for engines at start; they come and go with scaling.
+    # --insecure: plain ZMQ on the pod network, fenced by the NetworkPolicy; CURVE keys from a
+    # per-deployment Secret are the planned replacement (docs/security.md).
     return [
         "dpserve", "coordinator",
-        "--host", "0.0.0.0",
+        "--host", "0.0.0.0", "--insecure",
         "--port", str(spec.coordinator.zmq_port),
         "--http-port", str(spec.coordinator.http_port),
         "--data-parallel-size", "0",

@@ -152,7 +152,7 @@ def test_coordinator_deployment() -> None:
     coordinator = container(deployment)
     assert coordinator["image"] == IMAGE
     assert coordinator["command"] == [
-        "dpserve", "coordinator", "--host", "0.0.0.0", "--port", "5555",
+        "dpserve", "coordinator", "--host", "0.0.0.0", "--insecure", "--port", "5555",
         "--http-port", "8000", "--data-parallel-size", "0",
         "--tokenizer", "smollm2-135m-instruct", "--routing", "least-outstanding",
     ]  # fmt: skip
@@ -375,7 +375,7 @@ CONTAINER = ("spec", "template", "spec", "containers", 0)
         ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, ENGINES, (*CONTAINER, "image"),
          "ghcr.io/dpserve/runtime-cpu:0.2.0"),
         ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 7), "other/model"),
-        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 11), "other/model"),
+        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 12), "other/model"),
         ({"coordinator": {"zmqPort": 7000}}, ENGINES, (*CONTAINER, "command", 3),
          "tcp://demo-coordinator.inference.svc:7000"),
         ({"coordinator": {"zmqPort": 7000}}, COORDINATOR_POLICY,
