@@ -56,7 +56,9 @@ class LocalDeployment:
 
     def _spawn(self, name: str, *args: str) -> None:
         command = [sys.executable, "-m", "dpserve.cli", *args]
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        # A session of their own: Ctrl-C in the terminal reaches only `dpserve serve`, which
+        # then stops the children in order (engines drain while the coordinator still runs).
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent, start_new_session=True)
         self.processes.append((name, process))
 
     def client_keys(self) -> security.PeerKeys | None:
