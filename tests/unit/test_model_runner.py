@@ -1,0 +1,406 @@
+"""ModelRunner on the tiny random Llama: continuous batching must not change any request's
+tokens, and every finishing rule, rejection and suspend/resume path must hold."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.protocol import ErrorCode
+from dpserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Outcome:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    finished_at_step: int | None = None
+    updates: list[TokenUpdate] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def runner(tiny_model_path: Path) -> ModelRunner:
+    return ModelRunner(str(tiny_model_path), max_batch_size=4, device="cpu")
+
+
+def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], str]:
+    """``model.generate`` alone, greedy: (tokens without the EOS, finish reason)."""
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new,
+        )
+    tokens = output[0, len(prompt) :].tolist()
+    eos = model.generation_config.eos_token_id
+    if eos in tokens:
+        return tokens[: tokens.index(eos)], "stop"
+    return tokens, "length"
+
+
+def run(
+    runner: ModelRunner,
+    schedule: dict[int, list[EngineRequest]],
+    *,
+    on_step: Callable[[int], None] | None = None,
+    max_steps: int = 2000,
+) -> dict[int, Outcome]:
+    """Add each request at its step, step until everything finished; collect per request."""
+    outcomes: dict[int, Outcome] = {}
+    step = 0
+    while step <= max(schedule, default=0) or runner.has_work():
+        for request in schedule.get(step, []):
+            outcomes[request.request_id] = Outcome()
+            runner.add(request)
+        if on_step is not None:
+            on_step(step)
+        for update in runner.step():
+            outcome = outcomes[update.request_id]
+            assert outcome.finish is None, "update after the request finished"
+            outcome.updates.append(update)
+            outcome.tokens += update.tokens
+            if update.logprobs is not None:
+                assert len(update.logprobs) == len(update.tokens)
+                outcome.logprobs += update.logprobs
+            if update.finish_reason is not None:
+                outcome.finish = update.finish_reason
+                outcome.finished_at_step = step
+        step += 1
+        assert step < max_steps, "runner did not finish"
+    return outcomes
+
+
+def random_prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 380) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def request(request_id: int, prompt: list[int], **params: Any) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(**{"temperature": 0.0, **params}))
+
+
+def test_continuous_batching_matches_generate_token_for_token(
+    runner: ModelRunner, reference: Any
+) -> None:
+    prompts = random_prompts(10, seed=1)
+    lengths = [40, 6, 25, 3, 33, 12, 18, 5, 29, 9]
+    # Batch of 4, ten requests arriving over several steps: requests join a running batch,
+    # wait for a free row, and leave while longer ones continue.
+    arrival = [0, 0, 0, 2, 3, 3, 7, 9, 9, 15]
+    schedule: dict[int, list[EngineRequest]] = {}
+    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+        schedule.setdefault(arrival[i], []).append(
+            request(i, prompt, num_tokens_to_generate=length)
+        )
+    batch_sizes: list[int] = []
+    outcomes = run(
+        runner, schedule, on_step=lambda _: batch_sizes.append(runner.stats()["running"])
+    )
+
+    for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
+        expected, finish = greedy_reference(reference, prompt, length)
+        assert outcomes[i].tokens == expected, f"request {i}"
+        assert outcomes[i].finish == finish
+    assert max(batch_sizes) == 4  # the batch really filled up
+    # Short requests added later finished before the long first one: nobody waited for it.
+    assert outcomes[1].finished_at_step < outcomes[0].finished_at_step
+    assert outcomes[7].finished_at_step < outcomes[0].finished_at_step
+    assert runner.stats()["running"] == 0 and not runner.has_work()
+
+
+def test_eight_concurrent_requests_share_one_batch(tiny_model_path: Path, reference: Any) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, device="cpu")
+    prompts = random_prompts(12, seed=2, low=1, high=90)
+    lengths = [random.Random(i).randint(1, 45) for i in range(12)]
+    schedule = {
+        step: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in ids]
+        for step, ids in {0: [0, 1, 2, 3, 4, 5], 1: [6, 7], 4: [8, 9, 10], 11: [11]}.items()
+    }
+    outcomes = run(runner, schedule)
+    for i in range(12):
+        expected, finish = greedy_reference(reference, prompts[i], lengths[i])
+        assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"
+
+
+def test_seeded_sampling_reproduces_in_any_batch_mix(runner: ModelRunner) -> None:
+    runner.eos_token_ids = frozenset()  # hot sampling reaches EOS early otherwise
+    prompt = random_prompts(1, seed=3)[0]
+    params = {"temperature": 1.5, "top_p": 0.95, "num_tokens_to_generate": 30}
+    alone = run(runner, {0: [request(1, prompt, seed=42, **params)]})[1].tokens
+
+    others = random_prompts(3, seed=4)
+    mixed = run(
+        runner,
+        {
+            0: [request(10, others[0], temperature=0.8, num_tokens_to_generate=12)],
+            2: [
+                request(11, prompt, seed=42, **params),
+                request(12, others[1], temperature=1.0, seed=5, num_tokens_to_generate=40),
+            ],
+            5: [request(13, others[2], num_tokens_to_generate=7)],
+        },
+    )
+    assert mixed[11].tokens == alone
+    other_seed = run(runner, {0: [request(2, prompt, seed=43, **params)]})[2].tokens
+    assert other_seed != alone
+    assert len(alone) == 30
+
+
+def test_top_k_1_equals_greedy(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=5)[0]
+    outcome = run(
+        runner,
+        {0: [request(1, prompt, temperature=3.0, top_k=1, seed=1, num_tokens_to_generate=20)]},
+    )[1]
+    assert outcome.tokens == greedy_reference(reference, prompt, 20)[0]
+
+
+def test_sampling_parameters_change_the_output(runner: ModelRunner) -> None:
+    prompt = random_prompts(1, seed=6)[0]
+    greedy = run(runner, {0: [request(1, prompt, num_tokens_to_generate=25)]})[1].tokens
+    hot = run(
+        runner, {0: [request(2, prompt, temperature=5.0, seed=3, num_tokens_to_generate=25)]}
+    )[2].tokens
+    assert hot != greedy
+    # A greedy request ignores its seed entirely.
+    seeded_greedy = run(runner, {0: [request(3, prompt, seed=9, num_tokens_to_generate=25)]})
+    assert seeded_greedy[3].tokens == greedy
+
+
+def test_termination_id_stops_without_returning_it(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=7)[0]
+    expected, _ = greedy_reference(reference, prompt, 30)
+    stop_at = next(i for i in range(3, 30) if expected[i] not in expected[:i])
+    outcome = run(
+        runner,
+        {0: [request(1, prompt, num_tokens_to_generate=30, termination_id=expected[stop_at])]},
+    )[1]
+    assert outcome.finish == "stop"
+    assert outcome.tokens == expected[:stop_at]
+
+
+def test_model_eos_stops_generation(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=8)[0]
+    expected, _ = greedy_reference(reference, prompt, 30)
+    stop_at = next(i for i in range(2, 30) if expected[i] not in expected[:i])
+    # Pretend the model's EOS is a token it produces: the EOS path, not termination_id.
+    runner.eos_token_ids = frozenset({expected[stop_at]})
+    outcome = run(runner, {0: [request(1, prompt, num_tokens_to_generate=30)]})[1]
+    assert (outcome.tokens, outcome.finish) == (expected[:stop_at], "stop")
+
+
+def test_max_tokens_finishes_with_length(runner: ModelRunner) -> None:
+    prompt = random_prompts(1, seed=9)[0]
+    runner.eos_token_ids = frozenset()  # nothing can stop it early
+    for wanted in (1, 17):
+        outcome = run(runner, {0: [request(wanted, prompt, num_tokens_to_generate=wanted)]})
+        assert len(outcome[wanted].tokens) == wanted
+        assert outcome[wanted].finish == "length"
+
+
+def _first_ascii_stop(text: str, start: int) -> tuple[int, str]:
+    """A 2-character printable stop string whose first occurrence is at or after ``start``."""
+    for i in range(start, len(text) - 2):
+        candidate = text[i : i + 2]
+        if candidate.isascii() and candidate.isprintable() and text.find(candidate) == i:
+            return i, candidate
+    raise AssertionError("no usable stop string in the reference text")
+
+
+def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
+    runner.eos_token_ids = frozenset()
+    tokenizer = runner.tokenizer
+    prompt = random_prompts(1, seed=10)[0]
+    full = run(runner, {0: [request(1, prompt, num_tokens_to_generate=60)]})[1].tokens
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    _, stop = _first_ascii_stop(text, start=len(text) // 3)
+
+    outcome = run(
+        runner,
+        {
+            0: [
+                request(
+                    2, prompt, num_tokens_to_generate=60, stop_strings=[stop], return_log_probs=True
+                )
+            ]
+        },
+    )[2]
+    assert outcome.finish == "stop"
+    assert outcome.tokens == full[: len(outcome.tokens)]
+    assert len(outcome.tokens) < len(full)
+    assert stop not in tokenizer.decode(outcome.tokens, skip_special_tokens=True)
+    # Cut at the token where the stop string begins: it lies within the next few tokens.
+    following = full[: len(outcome.tokens) + len(stop) + 1]
+    assert stop in tokenizer.decode(following, skip_special_tokens=True)
+    assert len(outcome.logprobs) == len(outcome.tokens)
+
+
+def test_held_back_tokens_are_released_when_no_stop_string_follows(
+    runner: ModelRunner,
+) -> None:
+    runner.eos_token_ids = frozenset()
+    prompt = random_prompts(1, seed=11)[0]
+    full = run(runner, {0: [request(1, prompt, num_tokens_to_generate=40)]})[1].tokens
+    text = runner.tokenizer.decode(full, skip_special_tokens=True)
+    _, start = _first_ascii_stop(text, start=len(text) // 2)
+    # Begins like text that occurs, so tokens are held back, but never completes.
+    never = start + "\x07\x07never"
+    outcome = run(
+        runner, {0: [request(2, prompt, num_tokens_to_generate=40, stop_strings=[never])]}
+    )[2]
+    assert (outcome.tokens, outcome.finish) == (full, "length")
+    # Some tokens really were held back (then returned together), not streamed one by one.
+    assert any(len(update.tokens) > 1 for update in outcome.updates)
+
+
+def test_release_and_reload_continue_requests(tiny_model_path: Path, reference: Any) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu")
+    prompts = random_prompts(3, seed=12)
+    lengths = [30, 12, 20]
+    schedule = {0: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in range(3)]}
+
+    def suspend_mid_run(step: int) -> None:
+        if step == 5:
+            assert runner.stats()["running"] == 2 and runner.stats()["waiting"] == 1
+            runner.release()
+            assert runner.model is None
+            assert runner.has_work()
+            assert runner.step() == []  # released: nothing runs
+            assert runner.stats()["waiting"] == 3
+            runner.reload()
+
+    outcomes = run(runner, schedule, on_step=suspend_mid_run)
+    for i in range(3):
+        expected, finish = greedy_reference(reference, prompts[i], lengths[i])
+        assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"
+
+
+def test_prompt_too_long_is_rejected(runner: ModelRunner) -> None:
+    context = runner.context_size
+    with pytest.raises(RequestRejected) as rejected:
+        runner.add(request(1, [5] * context))
+    assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
+    assert str(context) in rejected.value.message
+    with pytest.raises(RequestRejected) as with_resume:
+        runner.add(EngineRequest(2, [5] * (context - 3), GREEDY, resume_tokens=[6, 6, 6]))
+    assert with_resume.value.code == ErrorCode.PROMPT_TOO_LONG
+    assert not runner.has_work()
+
+
+def test_output_is_clamped_to_the_context(runner: ModelRunner) -> None:
+    runner.eos_token_ids = frozenset()
+    prompt = random_prompts(1, seed=13, low=1, high=1)[0] * (runner.context_size - 3)
+    outcome = run(runner, {0: [request(1, prompt, num_tokens_to_generate=50)]})[1]
+    assert len(outcome.tokens) == 3
+    assert outcome.finish == "length"
+
+
+def test_max_tokens_in_batch_bounds_prompts_and_prefill(tiny_model_path: Path) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_tokens_in_batch=64)
+    with pytest.raises(RequestRejected) as rejected:
+        runner.add(request(1, [7] * 65))
+    assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
+    assert "64" in rejected.value.message
+    for i in range(4):
+        runner.add(request(10 + i, [7] * 30, num_tokens_to_generate=5))
+    runner.step()
+    # 30-token prompts in a 64-token budget: two per prefill.
+    assert runner.stats()["running"] == 2 and runner.stats()["waiting"] == 2
+
+
+def test_bad_token_ids_and_empty_prompts_are_rejected(runner: ModelRunner) -> None:
+    for prompt in ([], [1, runner.vocab_size], [-1]):
+        with pytest.raises(RequestRejected) as rejected:
+            runner.add(request(1, prompt))
+        assert rejected.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_resume_tokens_continue_the_output(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=14)[0]
+    expected, _ = greedy_reference(reference, prompt, 24)
+    assert len(expected) == 24
+    resumed = EngineRequest(
+        1,
+        prompt,
+        SamplingParams(temperature=0.0, num_tokens_to_generate=24),
+        resume_tokens=expected[:9],
+    )
+    outcome = run(runner, {0: [resumed]})[1]
+    assert (outcome.tokens, outcome.finish) == (expected[9:], "length")
+
+    done = EngineRequest(
+        2,
+        prompt,
+        SamplingParams(temperature=0.0, num_tokens_to_generate=5),
+        resume_tokens=expected[:5],
+    )
+    finished = run(runner, {0: [done]})[2]
+    assert (finished.tokens, finished.finish) == ([], "length")
+
+
+def test_logprobs_one_per_token_and_match_the_model(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=15)[0]
+    outcome = run(
+        runner,
+        {
+            0: [
+                request(1, prompt, num_tokens_to_generate=10, return_log_probs=True),
+                request(2, prompt, num_tokens_to_generate=10),
+            ]
+        },
+    )
+    assert len(outcome[1].logprobs) == len(outcome[1].tokens) == 10
+    assert all(lp <= 0 for lp in outcome[1].logprobs)
+    assert all(update.logprobs is None for update in outcome[2].updates)
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt])).logits[0, -1]
+    expected_first = torch.log_softmax(logits, -1)[outcome[1].tokens[0]].item()
+    assert outcome[1].logprobs[0] == pytest.approx(expected_first, abs=1e-4)
+
+
+def test_cancel_drops_running_and_waiting_requests(runner: ModelRunner, reference: Any) -> None:
+    prompts = random_prompts(6, seed=16)
+    for i in range(6):
+        runner.add(request(i, prompts[i], num_tokens_to_generate=20))
+    first = runner.step()  # rows 0-3 run, 4 and 5 wait (capacity 4)
+    assert {u.request_id for u in first} == {0, 1, 2, 3}
+    runner.cancel(1)  # running
+    runner.cancel(5)  # waiting
+    runner.cancel(999)  # unknown: ignored
+    tokens: dict[int, list[int]] = {u.request_id: list(u.tokens) for u in first}
+    while runner.has_work():
+        for update in runner.step():
+            assert update.request_id not in (1, 5)
+            tokens.setdefault(update.request_id, []).extend(update.tokens)
+    assert set(tokens) == {0, 1, 2, 3, 4}
+    for i in (0, 2, 3, 4):
+        assert tokens[i] == greedy_reference(reference, prompts[i], 20)[0]
+    assert runner.stats()["tokens_generated"] >= 4 * 20
+
+
+def test_runner_attributes(runner: ModelRunner) -> None:
+    assert runner.capacity == 4
+    assert runner.eos_token_id == runner.tokenizer.eos_token_id
+    assert runner.tokenizer.decode(runner.tokenizer.encode("Hello world")) == "Hello world"
+    stats = runner.stats()
+    assert {"waiting", "running", "tokens_generated"} <= set(stats)
