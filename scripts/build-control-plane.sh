@@ -22,7 +22,7 @@ BINARIES=(kube-apiserver kube-controller-manager kube-scheduler etcd)
 
 # Bump when the recipe (versions, patches) changes: binaries stamped with an
 # older recipe are rebuilt instead of being taken by the fast path.
-BUILD_RECIPE="k8s-1.20.2+reflect2-1.0.2+loopback-endpoints-1"
+BUILD_RECIPE="k8s-1.20.2+reflect2-1.0.2+loopback-endpoints-1+empty-strings-1"
 STAMP="$BIN_DIR/.recipe"
 
 binaries_present() {
@@ -226,6 +226,18 @@ patch_once "$SRC_DIR/pkg/apis/core/validation/validation.go" "dpserve e2e" \
 patch_once "$SRC_DIR/pkg/proxy/util/utils.go" "dpserve e2e" \
   '^[[:space:]]*if ip.IsLoopback() || ip.IsLinkLocalUnicast()' \
   's#^\([[:space:]]*\)if ip.IsLoopback() || ip.IsLinkLocalUnicast()#\1if /* dpserve e2e: loopback allowed */ ip.IsLinkLocalUnicast()#'
+
+# Custom-resource schema validation treats a value as null when it equals its type's zero
+# value by reflect.DeepEqual; under Go >= 1.19 that holds for a decoded "" too, so this
+# build (Go 1.19; upstream 1.20 used Go 1.15) rejects every empty string in a custom
+# resource ("must be of type string: null"). Only a real nil is null.
+for openapi_type in vendor/k8s.io/kube-openapi/pkg/validation/validate/type.go \
+                    vendor/github.com/go-openapi/validate/type.go; do
+  [[ -f "$SRC_DIR/$openapi_type" ]] || continue
+  patch_once "$SRC_DIR/$openapi_type" "dpserve e2e" \
+    '^[[:space:]]*if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {$' \
+    's#^\([[:space:]]*\)if data == nil || reflect.DeepEqual(reflect.Zero(reflect.TypeOf(data)), reflect.ValueOf(data)) {$#\1if data == nil { // dpserve e2e: a decoded "" is not null#'
+done
 
 # --- build -------------------------------------------------------------------------
 # The tarball is not a git checkout; give hack/lib/version.sh the version info
