@@ -207,38 +207,37 @@ def check_records(what: str, records: list, types: tuple[tuple[type, ...], ...])
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian int32 bytes."""
-    packed = array("i", tokens)
+def _pack(typecode: str, values: Sequence) -> bytes:
+    packed = array(typecode, values)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
 
 
-def unpack_tokens(data: bytes) -> list[int]:
-    """Inverse of ``pack_tokens``; raises ``ProtocolError`` for a length that is not 4k."""
+def _unpack(typecode: str, what: str, data: bytes) -> list:
     if len(data) % 4:
-        raise ProtocolError(f"packed tokens must be a multiple of 4 bytes, got {len(data)}")
-    tokens = array("i")
-    tokens.frombytes(data)
-    if not _LITTLE_ENDIAN:
-        tokens.byteswap()
-    return tokens.tolist()
-
-
-def pack_floats(values: Sequence[float]) -> bytes:
-    """Log-probs as little-endian float32 bytes."""
-    packed = array("f", values)
-    if not _LITTLE_ENDIAN:
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_floats(data: bytes) -> list[float]:
-    if len(data) % 4:
-        raise ProtocolError(f"packed floats must be a multiple of 4 bytes, got {len(data)}")
-    values = array("f")
+        raise ProtocolError(f"packed {what} must be a multiple of 4 bytes, got {len(data)}")
+    values = array(typecode)
     values.frombytes(data)
     if not _LITTLE_ENDIAN:
         values.byteswap()
     return values.tolist()
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes."""
+    return _pack("i", tokens)
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    """Inverse of ``pack_tokens``; raises ``ProtocolError`` for a length that is not 4k."""
+    return _unpack("i", "tokens", data)
+
+
+def pack_floats(values: Sequence[float]) -> bytes:
+    """Log-probs as little-endian float32 bytes."""
+    return _pack("f", values)
+
+
+def unpack_floats(data: bytes) -> list[float]:
+    return _unpack("f", "floats", data)
