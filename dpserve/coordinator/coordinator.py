@@ -65,6 +65,7 @@ class DataParallelInferenceCoordinator:
         host: str = "127.0.0.1",
         routing: RoutingPolicy | str | None = None,
         heartbeat_timeout: float = 5.0,
+        engine_hung_timeout: float = 120.0,
         queue_timeout: float = 30.0,
         max_queued_requests: int = 100_000,
         max_inflight_requests: int = 1_000_000,
@@ -85,6 +86,7 @@ class DataParallelInferenceCoordinator:
             )
         )
         self.heartbeat_timeout = heartbeat_timeout
+        self.engine_hung_timeout = engine_hung_timeout
         self.queue_timeout = queue_timeout
         self.max_queued_requests = max_queued_requests
         self.max_inflight_requests = max_inflight_requests
@@ -115,6 +117,12 @@ class DataParallelInferenceCoordinator:
         self.router_socket.setsockopt(zmq.RCVHWM, 0)
         self.router_socket.setsockopt(zmq.LINGER, 0)
         self.router_socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 64)
+        # libzmq's own heartbeats run in its I/O thread, so they keep the connection of an
+        # engine that is merely busy (a long prefill holds its Python loop) and drop one whose
+        # process froze or whose host vanished; sending to a dropped peer then fails
+        # (ROUTER_MANDATORY), which is how _on_tick tells dead from busy.
+        self.router_socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.router_socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         # How a drained batch is received and handled: plain, or with each message's role.
         self.authenticator: security.RoleAuthenticator | None = None
         self._receive: Callable[[], list] = self._drain
@@ -365,13 +373,21 @@ class DataParallelInferenceCoordinator:
 
     def _on_tick(self, now: float) -> None:
         for engine in self.registry.silent_since(now - self.heartbeat_timeout):
-            log.warning(
-                "engine rank %d silent for %.1f s: removing it, re-dispatching %d request(s)",
-                engine.rank,
-                now - engine.last_seen,
-                len(engine.outstanding),
-            )
-            self._remove_engine(engine)
+            if now - engine.last_seen > self.engine_hung_timeout:
+                log.warning(
+                    "engine rank %d connected but silent for %.0f s: removing it as hung, "
+                    "re-dispatching %d request(s)",
+                    engine.rank,
+                    now - engine.last_seen,
+                    len(engine.outstanding),
+                )
+                self._remove_engine(engine)
+            elif now - engine.last_probe >= 1.0:
+                # Quiet past its heartbeats: dead, or busy in a long step. A send to a peer
+                # whose connection libzmq dropped fails, and _send then removes it (and
+                # re-dispatches its requests); a busy engine just ignores the probe.
+                engine.last_probe = now
+                self._send(engine.identity, protocol.encode(Header.HEARTBEAT_ACK, self.instance_id))
         queue = self.requests.queue
         if queue and self.registry.routable:
             self._dispatch_queued()

@@ -13,6 +13,7 @@ class Engine:
     capacity: int
     instance: str  # changes when the engine process restarts
     last_seen: float
+    last_probe: float = 0.0  # when the coordinator last checked that a quiet engine is alive
     draining: bool = False
     outstanding: set[int] = field(default_factory=set)  # request ids dispatched here
 

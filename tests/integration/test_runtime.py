@@ -362,3 +362,35 @@ async def test_coordinator_exits_cleanly_on_sigterm(processes, client, port):
     assert coordinator.wait(10) == 0
     assert "stopped" in processes.log(f"coordinator-{port}")
     assert processes.started[1].poll() is None, "engines outlive a coordinator restart"
+
+
+async def test_frozen_engine_is_dropped_and_its_requests_served_elsewhere(processes, client, port):
+    # Small batches keep most requests queued on the engines when one of them freezes.
+    engine_args = ("--step-delay", "0.01", "--max-batch-size", "8")
+    await start(processes, client, port, engines=2, engine_args=engine_args)
+    params = SamplingParams(num_tokens_to_generate=20)
+    futures = [client.add_request(f"freeze {i}", params) for i in range(300)]
+    await eventually(lambda: sum(f.done() for f in futures) >= 30, within=30)
+    frozen = processes.started[1]
+    frozen.send_signal(signal.SIGSTOP)  # connected, but neither its loop nor libzmq answers
+    try:
+        records = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        assert [r.generated_tokens for r in records] == [
+            expected_tokens(f"freeze {i}", 20) for i in range(300)
+        ]
+        status = await wait_for_engines(client, 1)
+        assert status["counters"].get("redispatched", 0) > 0
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+
+
+async def test_busy_engine_is_not_mistaken_for_a_dead_one(processes, client, port):
+    # Each step takes twice the heartbeat timeout, as a long prefill under load can.
+    await start(processes, client, port, engines=1, engine_args=("--step-delay", "3"))
+    record = await asyncio.wait_for(
+        client.add_request("slow", SamplingParams(num_tokens_to_generate=2)), 30
+    )
+    assert record.generated_tokens == expected_tokens("slow", 2)
+    status = await client.get_status()
+    assert status["engines"] == 1
+    assert status["counters"].get("redispatched", 0) == 0
