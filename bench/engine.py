@@ -155,9 +155,10 @@ def run_through_coordinator(
     batch_size: int,
     repeat: int = 1,
     startup_timeout: float = 180.0,
+    engines: int = 1,
 ) -> tuple[float, int]:
-    """The whole stack: ``dpserve coordinator`` and one ``dpserve engine`` (ModelRunner) as
-    subprocesses, the requests sent concurrently by an ``InferenceClient``. Timed from the
+    """The whole stack: ``dpserve coordinator`` and ``engines`` ``dpserve engine`` processes
+    (ModelRunner), the requests sent concurrently by an ``InferenceClient``. Timed from the
     first submission to the last result (best of ``repeat`` rounds); start-up and one warm-up
     request are not counted."""
     from dpserve.client import InferenceClient
@@ -175,22 +176,27 @@ def run_through_coordinator(
             env=env,
             stderr=subprocess.DEVNULL,
         ),
-        subprocess.Popen(
-            [
-                *cli,
-                "engine",
-                "--coordinator",
-                str(port),
-                "--model",
-                model_path,
-                "--max-batch-size",
-                str(batch_size),
-                "--device",
-                "cpu",
-            ],
-            cwd=root,
-            env=env,
-            stderr=subprocess.DEVNULL,
+        *(
+            subprocess.Popen(
+                [
+                    *cli,
+                    "engine",
+                    "--coordinator",
+                    str(port),
+                    "--rank",
+                    str(rank),
+                    "--model",
+                    model_path,
+                    "--max-batch-size",
+                    str(batch_size),
+                    "--device",
+                    "cpu",
+                ],
+                cwd=root,
+                env=env,
+                stderr=subprocess.DEVNULL,
+            )
+            for rank in range(engines)
         ),
     ]
 
@@ -199,7 +205,7 @@ def run_through_coordinator(
         client = InferenceClient(port, handshake_timeout=startup_timeout)
         await client.start()
         try:
-            while (await client.get_status())["engines"] < 1:
+            while (await client.get_status())["engines"] < engines:
                 if time.monotonic() > deadline:
                     raise TimeoutError("the engine did not register with the coordinator")
                 await asyncio.sleep(0.2)
@@ -323,12 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         results.update({name: min(timings) for name, timings in rounds.items()})
 
         if "coordinator" not in args.skip:
-            try:
-                results["coordinator + 1 engine"] = run_through_coordinator(
-                    model_path, workload, args.batch_size, args.repeat
-                )
-            except Exception as exc:
-                results["coordinator + 1 engine"] = f"failed: {type(exc).__name__}: {exc}"
+            for engines in (1, 2):
+                name = f"coordinator + {engines} engine{'s' * (engines > 1)}"
+                try:
+                    results[name] = run_through_coordinator(
+                        model_path, workload, args.batch_size, args.repeat, engines=engines
+                    )
+                except Exception as exc:
+                    results[name] = f"failed: {type(exc).__name__}: {exc}"
 
     print_table(results)
     return 0
