@@ -149,11 +149,18 @@ def _write_key_file(path: Path, public: bytes, secret: bytes | None, replace: bo
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "w", encoding="ascii") as out:
         os.fchmod(fd, mode)  # exactly this mode, whatever the umask
-        kind = "PUBLIC key: share it" if secret is None else "SECRET key: never share it"
-        out.write(f"#   dpserve CURVE {kind}\nmetadata\ncurve\n")
-        out.write(f'    public-key = "{public.decode()}"\n')
-        if secret is not None:
-            out.write(f'    secret-key = "{secret.decode()}"\n')
+        out.write(key_file_text(public, secret))
+
+
+def key_file_text(public: bytes, secret: bytes | None = None) -> str:
+    """A key file's content (czmq certificate format), as ``dpserve keys generate`` writes
+    it: the public key only, or with ``secret`` the key pair. The Kubernetes operator stores
+    these texts in Secrets, so a mounted Secret is a credentials directory."""
+    kind = "PUBLIC key: share it" if secret is None else "SECRET key: never share it"
+    text = f'#   dpserve CURVE {kind}\nmetadata\ncurve\n    public-key = "{public.decode()}"\n'
+    if secret is not None:
+        text += f'    secret-key = "{secret.decode()}"\n'
+    return text
 
 
 def _read_key_file(path: Path, *, secret: bool) -> tuple[bytes, bytes | None]:
@@ -458,6 +465,7 @@ __all__ = [
     "forbidden",
     "generate_credentials",
     "is_loopback",
+    "key_file_text",
     "load_api_keys",
     "load_peer_keys",
     "load_server_keys",

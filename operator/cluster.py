@@ -36,6 +36,7 @@ KIND_RESOURCES: dict[str, str] = {
     "Service": "services",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
+    "Secret": "secrets",
 }
 
 ApplyResult = Literal["created", "updated", "unchanged"]
@@ -345,8 +346,10 @@ def replacement_for(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict
     if foreign:
         meta["ownerReferences"] = [*(meta.get("ownerReferences") or []), *foreign]
 
+    if "spec" not in replacement:  # a Secret
+        return replacement
     live_spec = live.get("spec") or {}
-    spec = replacement.setdefault("spec", {})
+    spec = replacement["spec"]
     if desired.get("kind") == "Service":
         for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
             if key not in spec and key in live_spec:

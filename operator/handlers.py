@@ -6,9 +6,12 @@
   and removes it on deletion), create-or-replace each, then write the status;
 - ``spec.dataParallelSize`` changes → ``scale_engines``: patch only the StatefulSet's replicas
   (what ``kubectl scale infd/NAME`` does through the CRD's scale subresource);
-- every 2 s → ``refresh_status``: status from the StatefulSet, the coordinator Deployment
-  and the coordinator's ``/health`` (through the API server's service proxy). It writes
-  only when something changed, so idle deployments cost three GETs and no writes;
+- every 2 s, every 0.5 s while converging (not Ready, or registeredEngines != desired) →
+  ``refresh_status``: status from the StatefulSet, the coordinator Deployment and the
+  coordinator's ``/health`` (through the API server's service proxy), plus a GET of the
+  ``<name>-credentials`` Secret: when it is gone, a reconcile generates new keys (rotation,
+  see ``credentials``). It writes only when something changed, so idle deployments cost
+  four GETs and no writes;
 - every 60 s → ``correct_drift``: re-apply the children (recreates a deleted child, and
   retries after a reconcile gave up), writing nothing when all match.
 
@@ -22,14 +25,15 @@ times, after which the drift timer keeps trying.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
-from . import manifests
-from .cluster import ApiError, Cluster, bearer_token, load_configuration
+from . import credentials, manifests
+from .cluster import ApiError, Cluster, bearer_token, load_configuration, replacement_for
 from .spec import DeploymentSpec, InvalidSpec, parse_spec
 from .status import (
     DEGRADED,
@@ -47,6 +51,8 @@ GROUP, VERSION, PLURAL = "dpserve.io", "v1alpha1", "inferencedeployments"
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 STATUS_REFRESH_SECONDS = 2.0
+# The timer ticks this often; converged deployments skip ticks up to STATUS_REFRESH_SECONDS.
+STATUS_TICK_SECONDS = 0.5
 DRIFT_CHECK_SECONDS = 60.0
 RETRY_DELAY_SECONDS = 10.0
 MAX_RETRIES = 12
@@ -141,7 +147,7 @@ def reconcile(
 @kopf.timer(
     *RESOURCE,
     id="refresh-status",
-    interval=STATUS_REFRESH_SECONDS,
+    interval=STATUS_TICK_SECONDS,
     initial_delay=STATUS_REFRESH_SECONDS,
 )
 def refresh_status(
@@ -155,9 +161,23 @@ def refresh_status(
         spec = parse_spec(body.get("spec"), name=name)
     except InvalidSpec as invalid:
         spec_error = str(invalid)
+    # `memo` is kopf's per-object copy of the operator's memo: this deployment's clock.
+    now = time.monotonic()
+    if converged(status, spec, generation) and (
+        now - getattr(memo, "last_status_refresh", float("-inf")) < STATUS_REFRESH_SECONDS
+    ):
+        return
+    memo.last_status_refresh = now
+    cluster = _cluster(memo)
     try:
+        if spec is not None and not cluster.read(
+            "v1", "Secret", body["metadata"]["namespace"], credentials.credentials_secret_name(name)
+        ):
+            # The keys' Secret was deleted: rotate (new keys, new client Secret, pods roll).
+            _apply(cluster, body, status, patch, retry_transient_errors=False)
+            return
         _write_status(
-            _cluster(memo),
+            cluster,
             body,
             status,
             patch,
@@ -183,7 +203,38 @@ def correct_drift(
         log.warning("drift check of %s failed: %s", body["metadata"]["name"], error)
 
 
+def converged(status: Mapping[str, Any], spec: DeploymentSpec | None, generation: int) -> bool:
+    """Ready with every desired engine registered, for the current generation: the status
+    timer may then slow down to STATUS_REFRESH_SECONDS."""
+    return (
+        spec is not None
+        and status.get("phase") == READY
+        and status.get("registeredEngines") == spec.data_parallel_size
+        and status.get("observedGeneration") == generation
+    )
+
+
 # --------------------------------------------------------------------------- the work
+
+
+def _ensure_credentials(
+    cluster: Cluster, body: kopf.Body, name: str, namespace: str
+) -> tuple[dict[str, str], str | None]:
+    """The key files of ``<name>-credentials``, generating (and storing) new ones when the
+    Secret is missing or does not hold a valid key set. Returns (files, what was done)."""
+    secret_name = credentials.credentials_secret_name(name)
+    live = cluster.read("v1", "Secret", namespace, secret_name)
+    files = credentials.decode_secret_data(live)
+    if live is not None and credentials.valid_key_files(files):
+        return files, None
+    files = credentials.generate_key_files()
+    desired = manifests.credentials_secret(name, namespace, files)
+    kopf.adopt(desired, owner=body)
+    if live is None:
+        cluster.create(desired)
+        return files, f"created Secret/{secret_name} (new keys)"
+    cluster.replace(replacement_for(desired, live))
+    return files, f"replaced Secret/{secret_name} (new keys: it held no valid key set)"
 
 
 def _apply(
@@ -208,11 +259,29 @@ def _apply(
         )  # fmt: skip
         return
 
-    children = manifests.all_children(
-        name, namespace, spec, pdb_api_version=cluster.pdb_api_version()
-    )
-    kopf.adopt(children, owner=body)
     changes: list[str] = []
+    try:
+        files, generated = _ensure_credentials(cluster, body, name, namespace)
+    except ApiError as error:
+        if error.transient and retry_transient_errors:
+            raise kopf.TemporaryError(
+                f"Secret/{credentials.credentials_secret_name(name)}: {error}",
+                delay=RETRY_DELAY_SECONDS,
+            ) from error
+        raise
+    if generated is not None:
+        changes.append(generated)
+    children = [
+        manifests.client_credentials_secret(name, namespace, files),
+        *manifests.all_children(
+            name,
+            namespace,
+            spec,
+            pdb_api_version=cluster.pdb_api_version(),
+            credentials_hash=credentials.credentials_hash(files),
+        ),
+    ]
+    kopf.adopt(children, owner=body)
     for child in children:
         child_ref = f"{child['kind']}/{child['metadata']['name']}"
         try:

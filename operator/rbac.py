@@ -54,6 +54,9 @@ REQUIRED_RULES: tuple[Rule, ...] = (
           "engine PodDisruptionBudget (policy/v1 or policy/v1beta1)"),
     _rule("networking.k8s.io", "networkpolicies", ["get", "create", "update"],
           "coordinator and engine NetworkPolicies"),
+    _rule("", "secrets", ["get", "create", "update"],
+          "<name>-credentials (CURVE keys; read to notice a deletion, which rotates them) and "
+          "<name>-client-credentials"),
 )
 
 

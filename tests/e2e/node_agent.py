@@ -13,7 +13,11 @@ What it does, and where it differs from kubelet:
   there), then the agent's ``pod_env`` (the fixture sets KUBECONFIG to the test
   cluster's: no service-account token is mounted), then HOSTNAME (the Pod's
   name), then ``envFrom`` and ``env`` (``value``, ``fieldRef``, ``secretKeyRef``,
-  ``configMapKeyRef``). Volumes, ports, resources, securityContext are ignored;
+  ``configMapKeyRef``). ``secret`` volumes the container mounts are written
+  (their ``items`` or every key, with ``mode``/``defaultMode``) to a fresh
+  per-container directory at each start, and a mountPath at the start of an
+  argv element or env value is rewritten to that directory. Other volumes,
+  ports, resources and securityContext are ignored;
   ``workingDir`` is used if it exists here, else a per-Pod scratch directory.
 * Networking: every Pod shares 127.0.0.1 (it is the reported podIP/hostIP), so
   two Pods listening on the same port collide. There is no DNS: Service names
@@ -872,7 +876,16 @@ class NodeAgent:
             )
         declared = self._container_env(pod, container)
         argv = [expand_vars(arg, declared) for arg in [*command, *(container.get("args") or [])]]
-        rewrite = self._service_rewriter(pod["metadata"]["namespace"])
+        services = self._service_rewriter(pod["metadata"]["namespace"])
+        mounts = self._secret_mounts(pod, container)
+
+        def rewrite(text: str) -> str:
+            for mount_path, local in mounts.items():
+                if text == mount_path or text.startswith(mount_path + "/"):
+                    text = str(local) + text[len(mount_path) :]
+                    break
+            return services(text)
+
         argv = [rewrite(arg) for arg in argv]
         # pytest's per-test variables would leak one test's name into another's Pods.
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -883,6 +896,38 @@ class NodeAgent:
         declared = {name: rewrite(value) for name, value in declared.items()}
         env.update(declared)
         return argv, env, declared
+
+    def _secret_mounts(self, pod: JSON, container: JSON) -> dict[str, Path]:
+        """Write the container's ``secret`` volumes to local directories: mountPath → dir."""
+        meta = pod["metadata"]
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or [] if "secret" in v}
+        base = self.work_dir / "volumes" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            volume = volumes.get(mount["name"])
+            if volume is None:
+                continue
+            source = volume["secret"]
+            optional = bool(source.get("optional"))
+            data = self._secret_data(meta["namespace"], source["secretName"], optional) or {}
+            items = source.get("items") or [{"key": key, "path": key} for key in data]
+            local = base / container["name"] / mount["name"]
+            shutil.rmtree(local, ignore_errors=True)
+            local.mkdir(mode=0o700, parents=True)
+            for item in items:
+                if item["key"] not in data:
+                    if optional:
+                        continue
+                    raise ContainerConfigError(
+                        f"couldn't find key {item['key']} in Secret "
+                        f"{meta['namespace']}/{source['secretName']}"
+                    )
+                target = local / item["path"]
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                target.write_text(data[item["key"]])
+                target.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
+            mounts[mount["mountPath"].rstrip("/")] = local
+        return mounts
 
     def _container_env(self, pod: JSON, container: JSON) -> dict[str, str]:
         namespace = pod["metadata"]["namespace"]

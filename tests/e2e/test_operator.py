@@ -10,9 +10,12 @@ in file order, each building on the state the previous one checked:
    the operator creates every child with an owner reference, the pods carry the hardening
    the operator asked for (as stored by the API server), the engines register, the status
    turns Ready with ``registeredEngines == 2`` and ``kubectl get infd`` shows it;
-3. ``dpserve generate`` and the HTTP front answer through the coordinator;
+3. the pods run with CURVE (each mounting only its keys); ``dpserve generate``, with the
+   client credentials fetched from ``demo-client-credentials`` as docs/kubernetes.md says,
+   and the HTTP front answer through the coordinator; no credentials, no answer;
 4. under a steady request load, ``kubectl patch`` (2 → 3), ``kubectl edit`` (3 → 1) and
-   ``kubectl scale`` (1 → 2) resize the engines without a single failed request;
+   ``kubectl scale`` (1 → 2) resize the engines without a single failed request; deleting
+   ``demo-credentials`` rotates the keys: new Secret, pods rolled, old keys refused;
 5. the API server rejects invalid resources naming the field; the operator reports what the
    schema cannot check as Degraded/InvalidSpec;
 6. deleting the resource garbage-collects every child; the fixture then uninstalls as
@@ -31,6 +34,7 @@ but not exercised here (tests/unit/test_chart.py checks it equals operator/rbac.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import subprocess
@@ -88,7 +92,20 @@ CHILDREN = [
     ("poddisruptionbudget.policy", f"{NAME}-engine", "PodDisruptionBudget"),
     ("networkpolicy.networking.k8s.io", f"{NAME}-coordinator", "NetworkPolicy"),
     ("networkpolicy.networking.k8s.io", f"{NAME}-engine", "NetworkPolicy"),
+    ("secret", f"{NAME}-credentials", "Secret"),
+    ("secret", f"{NAME}-client-credentials", "Secret"),
 ]
+HASH_ANNOTATION = "dpserve.io/credentials-hash"
+CLIENT_SECRET = f"{NAME}-client-credentials"
+# docs/kubernetes.md, "Talk to it": fetching the client credentials (a test checks the docs
+# hold these very lines; the test runs them with `kubectl` pointed at the test cluster).
+FETCH_CREDENTIALS = """\
+umask 077; mkdir -p demo-credentials
+for file in coordinator.key client.key_secret admin.key_secret; do
+  kubectl get secret demo-client-credentials \\
+    -o go-template="{{index .data \\"$file\\" | base64decode}}" > "demo-credentials/$file"
+done
+"""
 
 
 # -- shared state -------------------------------------------------------------------------
@@ -116,6 +133,8 @@ class Inference:
     custom: k8s.CustomObjectsApi
     agent: NodeAgent
     operator: Operator
+    workdir: Path
+    credentials: Path | None = None  # the client credentials, once fetched
 
     @property
     def address(self) -> str:
@@ -191,6 +210,48 @@ def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, str]:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def fetch_client_credentials(kubectl: Kubectl, namespace: str, workdir: Path) -> Path:
+    """Run the docs' commands in ``workdir``; returns the credentials directory."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert FETCH_CREDENTIALS in docs, "docs/kubernetes.md no longer shows FETCH_CREDENTIALS"
+    shim = workdir / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "kubectl").write_text(
+        f'#!/bin/sh\nexec "{kubectl.binary}" --kubeconfig="{kubectl.kubeconfig}" '
+        f'-n "{namespace}" "$@"\n'
+    )
+    (shim / "kubectl").chmod(0o755)
+    result = subprocess.run(
+        ["bash", "-ec", FETCH_CREDENTIALS],
+        cwd=workdir,
+        env={"PATH": f"{shim}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    directory = workdir / "demo-credentials"
+    for file in ("coordinator.key", "client.key_secret", "admin.key_secret"):
+        assert "public-key" in (directory / file).read_text(), file
+        assert (directory / file).stat().st_mode & 0o077 == 0, file
+    return directory
+
+
+def dpserve_generate(
+    address: str, credentials: Path | None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    extra = [] if credentials is None else ["--credentials", str(credentials)]
+    return subprocess.run(
+        [str(DPSERVE), "generate", "Hello", "--address", address, "--max-tokens", "8", *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 # -- fixtures -----------------------------------------------------------------------------
@@ -369,7 +430,8 @@ def inference(
     manifest["spec"]["dataParallelSize"] = 2
     manifest["spec"]["coordinator"]["zmqPort"] = zmq_port
     manifest["spec"]["coordinator"]["httpPort"] = http_port
-    path = tmp_path_factory.mktemp("operator") / "inference.yaml"
+    workdir = tmp_path_factory.mktemp("operator")
+    path = workdir / "inference.yaml"
     path.write_text(yaml.safe_dump(manifest))
     state = Inference(
         namespace=namespace,
@@ -381,6 +443,7 @@ def inference(
         custom=k8s.CustomObjectsApi(k8s_client),
         agent=node_agent,
         operator=operator,
+        workdir=workdir,
     )
     try:
         kubectl("apply", "-f", str(path), "-n", namespace)
@@ -476,6 +539,30 @@ def test_pods_carry_the_security_settings(inference: Inference) -> None:
     assert names[1:] == [f"{NAME}-engine-0", f"{NAME}-engine-1"], names
     for pod in stored:
         assert_hardened(pod, expect_token=False)
+        assert_credentials_mounted(pod)
+
+
+def assert_credentials_mounted(pod: JSON) -> None:
+    """CURVE, no --insecure; each pod projects only its part of demo-credentials."""
+    name = pod["metadata"]["name"]
+    (container,) = pod["spec"]["containers"]
+    command = container["command"]
+    assert "--insecure" not in command, name
+    assert command[command.index("--credentials") + 1] == "/etc/dpserve/credentials", name
+    assert {"name": "credentials", "mountPath": "/etc/dpserve/credentials", "readOnly": True} in (
+        container["volumeMounts"]
+    ), name
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "credentials"]
+    assert volume["secret"]["secretName"] == f"{NAME}-credentials", name
+    assert volume["secret"]["defaultMode"] == 0o440, name
+    paths = {item["key"]: item["path"] for item in volume["secret"]["items"]}
+    if name.startswith(f"{NAME}-engine-"):
+        assert paths == {"engine.key_secret": "engine.key_secret",
+                         "coordinator.key": "coordinator.key"}, name  # fmt: skip
+    else:
+        assert "coordinator.key_secret" in paths and "admin.key_secret" not in paths, name
+        assert paths["admin.key"] == "allowed/admin/admin.key", name
+    assert len(pod["metadata"]["annotations"][HASH_ANNOTATION]) == 16, name
 
 
 def assert_hardened(pod: JSON, *, expect_token: bool) -> None:
@@ -532,15 +619,12 @@ def test_engines_register_and_status_turns_ready(inference: Inference, kubectl: 
 # -- 3. serving ---------------------------------------------------------------------------
 
 
-def test_generate_through_the_coordinator(inference: Inference) -> None:
+def test_generate_through_the_coordinator(inference: Inference, kubectl: Kubectl) -> None:
     # docs/kubernetes.md, "Talk to it", with the loopback in place of port-forward.
-    result = subprocess.run(
-        [str(DPSERVE), "generate", "Hello", "--address", inference.address, "--max-tokens", "8"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    inference.credentials = fetch_client_credentials(
+        kubectl, inference.namespace, inference.workdir / "client"
     )
+    result = dpserve_generate(inference.address, inference.credentials)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), f"no completion printed: {result.stdout!r} {result.stderr!r}"
 
@@ -560,6 +644,13 @@ def test_generate_through_the_coordinator(inference: Inference) -> None:
     assert code == 200, body
     assert json.loads(body)["engines"] == 2
 
+    # Without keys, the coordinator does not even complete the handshake.
+    refused = subprocess.run(
+        [str(DPSERVE), "generate", "Hello", "--address", inference.address, "--timeout", "3"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0, refused.stdout
+
 
 # -- 4. scaling under load ----------------------------------------------------------------
 
@@ -569,6 +660,7 @@ class Load:
     """Requests of a few tokens each, sent steadily from a thread until stopped."""
 
     address: str
+    credentials: Path
     minimum: int = 100
     concurrency: int = 3
     pause: float = 0.1
@@ -598,7 +690,7 @@ class Load:
 
         params = SamplingParams(num_tokens_to_generate=4, temperature=0.0)
         try:
-            async with InferenceClient(self.address) as client:
+            async with InferenceClient(self.address, credentials=self.credentials) as client:
 
                 async def worker(index: int) -> None:
                     sequence = 0
@@ -628,7 +720,8 @@ def test_scaling_under_load_loses_no_request(
     tmp_path: Path,
 ) -> None:
     ns = inference.namespace
-    load = Load(inference.address)
+    assert inference.credentials is not None, "test_generate_through_the_coordinator fetches them"
+    load = Load(inference.address, inference.credentials)
     load.start()
     try:
         wait_for(lambda: load.done >= 10 or load.failures, 30, "the load to get going")
@@ -713,6 +806,78 @@ def test_scaling_under_load_loses_no_request(
     statefulset = inference.statefulset()
     assert statefulset["status"]["replicas"] == 2
     assert statefulset["status"]["readyReplicas"] == 2
+
+
+def test_deleting_the_credentials_secret_rotates_the_keys(
+    inference: Inference, kubectl: Kubectl
+) -> None:
+    ns = inference.namespace
+    old_credentials = inference.credentials
+    assert old_credentials is not None
+    old_secret = kubectl.json("get", "secret", f"{NAME}-credentials", "-n", ns)
+    old_hash = old_secret["metadata"]["annotations"][HASH_ANNOTATION]
+    old_client = kubectl.json("get", "secret", CLIENT_SECRET, "-n", ns)["data"]
+    old_pods = {p["metadata"]["uid"] for p in inference.pods(INSTANCE_SELECTOR)}
+    assert len(old_pods) == 3
+
+    kubectl("delete", "secret", f"{NAME}-credentials", "-n", ns)
+
+    def new_secret() -> JSON | None:
+        result = kubectl("get", "secret", f"{NAME}-credentials", "-n", ns, "-o", "json",
+                         check=False)  # fmt: skip
+        if result.returncode != 0:
+            return None
+        secret: JSON = json.loads(result.stdout)
+        return secret if secret["metadata"]["annotations"][HASH_ANNOTATION] != old_hash else None
+
+    secret = wait_for(new_secret, 30, "a new demo-credentials", diagnostics=inference.diagnostics)
+    new_hash = secret["metadata"]["annotations"][HASH_ANNOTATION]
+    assert secret["metadata"]["ownerReferences"][0]["name"] == NAME
+    # Only public keys are hashed: no key of the Secret appears in its annotation.
+    assert all(value not in json.dumps(secret["metadata"]) for value in secret["data"].values())
+    new_client = wait_for(
+        lambda: (
+            data
+            if (data := kubectl.json("get", "secret", CLIENT_SECRET, "-n", ns)["data"])
+            != old_client
+            else None
+        ),
+        30,
+        "demo-client-credentials with the new keys",
+    )
+    assert new_client["coordinator.key"] != old_client["coordinator.key"]
+    assert new_client["admin.key_secret"] != old_client["admin.key_secret"]
+
+    # Every pod rolled onto the new keys, and the deployment serves again.
+    def rolled() -> bool:
+        pods = inference.pods(INSTANCE_SELECTOR)
+        return len(pods) == 3 and all(
+            p["metadata"]["uid"] not in old_pods
+            and p["metadata"]["annotations"].get(HASH_ANNOTATION) == new_hash
+            and not p["metadata"].get("deletionTimestamp")
+            for p in pods
+        )
+
+    wait_for(rolled, READY_TIMEOUT, "every pod replaced", diagnostics=inference.diagnostics)
+    inference.wait_status("Ready with 2 engines after rotation", ready_with(2), READY_TIMEOUT)
+
+    inference.credentials = fetch_client_credentials(kubectl, ns, inference.workdir / "rotated")
+    result = dpserve_generate(inference.address, inference.credentials)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    stale = subprocess.run(
+        [str(DPSERVE), "generate", "Hello", "--address", inference.address,
+         "--credentials", str(old_credentials), "--timeout", "3"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert stale.returncode != 0, f"the old keys still work: {stale.stdout}"
+    # The operator never logs key material.
+    operator_log = inference.agent.read_log(OPERATOR_NS, inference.operator.pod)
+    for value in (*new_client.values(), *old_client.values()):
+        text = base64.b64decode(value).decode()
+        for line in text.splitlines():
+            if "secret-key" in line:
+                assert line.split('"')[1] not in operator_log
 
 
 # -- 5. validation ------------------------------------------------------------------------
@@ -820,7 +985,10 @@ def test_deleting_the_resource_garbage_collects_every_child(
     kubectl("delete", "infd", NAME, "-n", ns, "--timeout=60s", timeout=90)
 
     def leftovers() -> list[str]:
-        kinds = "deployment,replicaset,statefulset,service,poddisruptionbudget,networkpolicy,pod"
+        kinds = (
+            "deployment,replicaset,statefulset,service,poddisruptionbudget,networkpolicy,pod,"
+            "secret"
+        )
         result = kubectl("get", kinds, "-n", ns, "-l", INSTANCE_SELECTOR, "-o", "name")
         return result.stdout.split()
 

@@ -152,7 +152,8 @@ def test_coordinator_deployment() -> None:
     coordinator = container(deployment)
     assert coordinator["image"] == IMAGE
     assert coordinator["command"] == [
-        "dpserve", "coordinator", "--host", "0.0.0.0", "--insecure", "--port", "5555",
+        "dpserve", "coordinator", "--host", "0.0.0.0",
+        "--credentials", "/etc/dpserve/credentials", "--port", "5555",
         "--http-port", "8000", "--data-parallel-size", "0",
         "--tokenizer", "smollm2-135m-instruct", "--routing", "least-outstanding",
     ]  # fmt: skip
@@ -195,6 +196,7 @@ def test_engine_statefulset() -> None:
         "dpserve", "engine",
         "--coordinator", "tcp://demo-coordinator.inference.svc:6000",
         "--rank", "auto",
+        "--credentials", "/etc/dpserve/credentials",
         "--model", "/models/llama",
         "--max-batch-size", "32", "--dtype", "bfloat16", "--device", "cuda",
     ]  # fmt: skip
@@ -374,8 +376,8 @@ CONTAINER = ("spec", "template", "spec", "containers", 0)
          "ghcr.io/dpserve/runtime-cpu:0.2.0"),
         ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, ENGINES, (*CONTAINER, "image"),
          "ghcr.io/dpserve/runtime-cpu:0.2.0"),
-        ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 7), "other/model"),
-        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 12), "other/model"),
+        ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 9), "other/model"),
+        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 13), "other/model"),
         ({"coordinator": {"zmqPort": 7000}}, ENGINES, (*CONTAINER, "command", 3),
          "tcp://demo-coordinator.inference.svc:7000"),
         ({"coordinator": {"zmqPort": 7000}}, COORDINATOR_POLICY,
@@ -414,6 +416,7 @@ def test_pod_commands_parse_with_the_dpserve_cli() -> None:
     )  # fmt: skip
     assert (coordinator.http_port, coordinator.data_parallel_size) == (9000, 0)
     assert (coordinator.tokenizer, coordinator.routing) == ("/models/llama", "round-robin")
+    assert (coordinator.credentials, coordinator.insecure) == ("/etc/dpserve/credentials", False)
 
     engine = build_parser().parse_args(
         container(objects[("StatefulSet", "demo-engine")])["command"][1:]
@@ -421,6 +424,7 @@ def test_pod_commands_parse_with_the_dpserve_cli() -> None:
     assert (engine.command, engine.rank, engine.model) == ("engine", "auto", "/models/llama")
     assert engine.coordinator == "tcp://demo-coordinator.inference.svc:6000"
     assert (engine.max_batch_size, engine.dtype, engine.device) == (32, "bfloat16", "cuda")
+    assert engine.credentials == "/etc/dpserve/credentials"
 
 
 # --------------------------------------------------------------------------- invalid specs

@@ -1,0 +1,140 @@
+"""CURVE credentials of an InferenceDeployment, as Secrets (pure, no I/O).
+
+The operator generates one key set per InferenceDeployment ``<name>`` (``dpserve keys
+generate``'s layout, see ``dpserve.security``) and keeps it in two Secrets it owns:
+
+- ``<name>-credentials``: every key file. Pods mount it through ``items:`` projections that
+  rebuild, per pod, just the part of the credentials directory that pod needs:
+
+  - coordinator: ``coordinator.key_secret``, ``allowed/{engine,client,admin}/<role>.key``,
+    and ``client.key_secret`` + ``coordinator.key`` for its own HTTP front;
+  - engines: ``engine.key_secret`` and ``coordinator.key``.
+
+  Nothing mounts the admin key pair; engines cannot read the coordinator's secret key.
+- ``<name>-client-credentials``: what people and jobs outside the cluster need
+  (``client.key[_secret]``, ``admin.key[_secret]``, ``coordinator.key``); mounted by nothing.
+  Extracted to a directory, it is a ``--credentials DIR`` for ``dpserve generate``/``http``.
+
+Deleting ``<name>-credentials`` rotates the keys: the operator generates new ones, rewrites
+the client Secret, and the pod templates' ``dpserve.io/credentials-hash`` annotation (a hash
+of the *public* keys only) changes, which rolls every pod.
+
+Never log, post as an event or put in the status anything of ``key_files``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from dpserve import security
+
+MOUNT_PATH = "/etc/dpserve/credentials"
+VOLUME_NAME = "credentials"
+HASH_ANNOTATION = "dpserve.io/credentials-hash"
+COMPONENT = "credentials"  # the Secrets' app.kubernetes.io/component label
+# 0440: readable by the pod's fsGroup (the runtime user), by nobody else.
+SECRET_FILE_MODE = 0o440
+
+_NAMES = (security.COORDINATOR, *security.ROLES)
+KEY_FILES = tuple(f"{n}.key{suffix}" for n in _NAMES for suffix in ("", "_secret"))
+CLIENT_KEY_FILES = (
+    "coordinator.key", "client.key", "client.key_secret", "admin.key", "admin.key_secret",
+)  # fmt: skip
+
+_PUBLIC_KEY = re.compile(r'^\s*public-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
+_SECRET_KEY = re.compile(r'^\s*secret-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
+
+
+def credentials_secret_name(name: str) -> str:
+    return f"{name}-credentials"
+
+
+def client_secret_name(name: str) -> str:
+    return f"{name}-client-credentials"
+
+
+# --------------------------------------------------------------------------- key material
+
+
+def generate_key_files() -> dict[str, str]:
+    """A fresh key set: file name → file text, the files ``dpserve keys generate`` writes
+    at the top of its directory (``allowed/`` is built by the pods' projections)."""
+    files: dict[str, str] = {}
+    for name in _NAMES:
+        public, secret = zmq.curve_keypair()
+        files[f"{name}.key"] = security.key_file_text(public)
+        files[f"{name}.key_secret"] = security.key_file_text(public, secret)
+    return files
+
+
+def public_key(text: str) -> str | None:
+    match = _PUBLIC_KEY.search(text)
+    return match.group(1) if match else None
+
+
+def valid_key_files(files: Mapping[str, str]) -> bool:
+    """Every key file present, each pair consistent (the public key belongs to the secret)."""
+    for name in _NAMES:
+        public_text, secret_text = files.get(f"{name}.key"), files.get(f"{name}.key_secret")
+        if public_text is None or secret_text is None:
+            return False
+        public, secret = public_key(public_text), _SECRET_KEY.search(secret_text)
+        if public is None or secret is None or public_key(secret_text) != public:
+            return False
+        try:
+            if zmq.curve_public(secret.group(1).encode()).decode() != public:
+                return False
+        except (ValueError, zmq.ZMQError):
+            return False
+    return True
+
+
+def credentials_hash(files: Mapping[str, str]) -> str:
+    """A short hash of the public keys (never of secret keys): changes when keys rotate."""
+    digest = hashlib.sha256()
+    for name in _NAMES:
+        digest.update(f"{name}={public_key(files[f'{name}.key']) or ''};".encode())
+    return digest.hexdigest()[:16]
+
+
+def decode_secret_data(secret: Mapping[str, Any] | None) -> dict[str, str]:
+    data = (secret or {}).get("data") or {}
+    decoded: dict[str, str] = {}
+    for key, value in data.items():
+        try:
+            decoded[key] = base64.b64decode(value).decode("ascii")
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return decoded
+
+
+# --------------------------------------------------------------------------- Secret data
+
+
+def secret_data(files: Mapping[str, str], keys: tuple[str, ...]) -> dict[str, str]:
+    """The ``data`` of a Secret holding ``keys`` of ``files`` (base64, as the API wants)."""
+    return {key: base64.b64encode(files[key].encode()).decode() for key in keys}
+
+
+# --------------------------------------------------------------------------- mounts
+
+# key in <name>-credentials → path under MOUNT_PATH, per component.
+COORDINATOR_ITEMS: tuple[tuple[str, str], ...] = (
+    ("coordinator.key_secret", "coordinator.key_secret"),
+    ("engine.key", f"{security.ALLOWED_DIR}/engine/engine.key"),
+    ("client.key", f"{security.ALLOWED_DIR}/client/client.key"),
+    ("admin.key", f"{security.ALLOWED_DIR}/admin/admin.key"),
+    # The coordinator's HTTP front is a client of its own ZMQ socket.
+    ("client.key_secret", "client.key_secret"),
+    ("coordinator.key", "coordinator.key"),
+)
+ENGINE_ITEMS: tuple[tuple[str, str], ...] = (
+    ("engine.key_secret", "engine.key_secret"),
+    ("coordinator.key", "coordinator.key"),
+)
