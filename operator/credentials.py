@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,9 +43,15 @@ COMPONENT = "credentials"  # the Secrets' app.kubernetes.io/component label
 SECRET_FILE_MODE = 0o440
 
 _NAMES = (security.COORDINATOR, *security.ROLES)
-KEY_FILES = tuple(f"{n}.key{suffix}" for n in _NAMES for suffix in ("", "_secret"))
+# The HTTP front's bearer token (``--api-key-file``), rotated with the keys.
+API_TOKEN_FILE = "http-api-token"
+KEY_FILES = (
+    *(f"{n}.key{suffix}" for n in _NAMES for suffix in ("", "_secret")),
+    API_TOKEN_FILE,
+)
 CLIENT_KEY_FILES = (
     "coordinator.key", "client.key", "client.key_secret", "admin.key", "admin.key_secret",
+    API_TOKEN_FILE,
 )  # fmt: skip
 
 _PUBLIC_KEY = re.compile(r'^\s*public-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
@@ -70,6 +77,7 @@ def generate_key_files() -> dict[str, str]:
         public, secret = zmq.curve_keypair()
         files[f"{name}.key"] = security.key_file_text(public)
         files[f"{name}.key_secret"] = security.key_file_text(public, secret)
+    files[API_TOKEN_FILE] = secrets.token_urlsafe(32) + "\n"
     return files
 
 
@@ -79,7 +87,10 @@ def public_key(text: str) -> str | None:
 
 
 def valid_key_files(files: Mapping[str, str]) -> bool:
-    """Every key file present, each pair consistent (the public key belongs to the secret)."""
+    """Every key file present, each pair consistent (the public key belongs to the secret),
+    and an HTTP token."""
+    if not files.get(API_TOKEN_FILE, "").strip():
+        return False
     for name in _NAMES:
         public_text, secret_text = files.get(f"{name}.key"), files.get(f"{name}.key_secret")
         if public_text is None or secret_text is None:
@@ -133,6 +144,7 @@ COORDINATOR_ITEMS: tuple[tuple[str, str], ...] = (
     # The coordinator's HTTP front is a client of its own ZMQ socket.
     ("client.key_secret", "client.key_secret"),
     ("coordinator.key", "coordinator.key"),
+    (API_TOKEN_FILE, API_TOKEN_FILE),
 )
 ENGINE_ITEMS: tuple[tuple[str, str], ...] = (
     ("engine.key_secret", "engine.key_secret"),

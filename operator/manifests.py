@@ -89,11 +89,13 @@ def _metadata(name: str, namespace: str, object_name: str, component: str) -> di
 def coordinator_command(spec: DeploymentSpec) -> list[str]:
     # --data-parallel-size 0: do not wait for engines at start; they come and go with scaling.
     # --credentials: CURVE, keys from the mounted <name>-credentials Secret (its coordinator
-    # part); the NetworkPolicy stays as a second fence.
+    # part); --api-key-file: HTTP /v1/* need the Secret's bearer token. The NetworkPolicy
+    # stays as a second fence.
     return [
         "dpserve", "coordinator",
         "--host", "0.0.0.0",
         "--credentials", credentials.MOUNT_PATH,
+        "--api-key-file", f"{credentials.MOUNT_PATH}/{credentials.API_TOKEN_FILE}",
         "--port", str(spec.coordinator.zmq_port),
         "--http-port", str(spec.coordinator.http_port),
         "--data-parallel-size", "0",

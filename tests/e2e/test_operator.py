@@ -101,7 +101,7 @@ CLIENT_SECRET = f"{NAME}-client-credentials"
 # hold these very lines; the test runs them with `kubectl` pointed at the test cluster).
 FETCH_CREDENTIALS = """\
 umask 077; mkdir -p demo-credentials
-for file in coordinator.key client.key_secret admin.key_secret; do
+for file in coordinator.key client.key_secret admin.key_secret http-api-token; do
   kubectl get secret demo-client-credentials \\
     -o go-template="{{index .data \\"$file\\" | base64decode}}" > "demo-credentials/$file"
 done
@@ -238,6 +238,8 @@ def fetch_client_credentials(kubectl: Kubectl, namespace: str, workdir: Path) ->
     for file in ("coordinator.key", "client.key_secret", "admin.key_secret"):
         assert "public-key" in (directory / file).read_text(), file
         assert (directory / file).stat().st_mode & 0o077 == 0, file
+    assert len((directory / "http-api-token").read_text().strip()) >= 32
+    assert (directory / "http-api-token").stat().st_mode & 0o077 == 0
     return directory
 
 
@@ -628,14 +630,22 @@ def test_generate_through_the_coordinator(inference: Inference, kubectl: Kubectl
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), f"no completion printed: {result.stdout!r} {result.stderr!r}"
 
-    request = urllib.request.Request(
-        f"http://{LOOPBACK}:{inference.http_port}/v1/completions",
-        data=json.dumps(
-            {"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4}
-        ).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as reply:
+    def completion_request(headers: dict[str, str]) -> urllib.request.Request:
+        return urllib.request.Request(
+            f"http://{LOOPBACK}:{inference.http_port}/v1/completions",
+            data=json.dumps(
+                {"model": "smollm2-135m-instruct", "prompt": "Hello", "max_tokens": 4}
+            ).encode(),
+            headers={"Content-Type": "application/json", **headers},
+        )
+
+    # The HTTP API wants the bearer token from the same Secret.
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:
+        urllib.request.urlopen(completion_request({}), timeout=30)
+    assert unauthorized.value.code == 401
+    token = (inference.credentials / "http-api-token").read_text().strip()
+    authorized = completion_request({"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(authorized, timeout=30) as reply:
         completion = json.load(reply)
     assert completion["usage"]["completion_tokens"] >= 1, completion
     assert isinstance(completion["choices"][0]["text"], str)

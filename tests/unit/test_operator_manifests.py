@@ -153,7 +153,8 @@ def test_coordinator_deployment() -> None:
     assert coordinator["image"] == IMAGE
     assert coordinator["command"] == [
         "dpserve", "coordinator", "--host", "0.0.0.0",
-        "--credentials", "/etc/dpserve/credentials", "--port", "5555",
+        "--credentials", "/etc/dpserve/credentials",
+        "--api-key-file", "/etc/dpserve/credentials/http-api-token", "--port", "5555",
         "--http-port", "8000", "--data-parallel-size", "0",
         "--tokenizer", "smollm2-135m-instruct", "--routing", "least-outstanding",
     ]  # fmt: skip
@@ -377,7 +378,7 @@ CONTAINER = ("spec", "template", "spec", "containers", 0)
         ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, ENGINES, (*CONTAINER, "image"),
          "ghcr.io/dpserve/runtime-cpu:0.2.0"),
         ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 9), "other/model"),
-        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 13), "other/model"),
+        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 15), "other/model"),
         ({"coordinator": {"zmqPort": 7000}}, ENGINES, (*CONTAINER, "command", 3),
          "tcp://demo-coordinator.inference.svc:7000"),
         ({"coordinator": {"zmqPort": 7000}}, COORDINATOR_POLICY,
