@@ -126,7 +126,6 @@ class DataParallelInferenceCoordinator:
         # How a drained batch is received and handled: plain, or with each message's role.
         self.authenticator: security.RoleAuthenticator | None = None
         self._receive: Callable[[], list] = self._drain
-        self._process: Callable[[list], None] = self._handle_batch
         if keys is not None:
             self._use_curve(keys)
         elif not security.is_loopback(host):
@@ -191,7 +190,6 @@ class DataParallelInferenceCoordinator:
         self._receive = functools.partial(
             security.receive_with_roles, self.router_socket, _MAX_BATCH
         )
-        self._process = self._handle_authenticated_batch
 
     # ----------------------------------------------------------------- seed API
 
@@ -305,7 +303,7 @@ class DataParallelInferenceCoordinator:
         if self.pipe_connection is not None and self.pipe_connection.fileno() in events:
             self._on_pipe()
         if self.router_socket in events:
-            self._process(self._receive())
+            self._handle_batch(self._receive())
         self._on_tick(time.monotonic())
 
     def _on_pipe(self) -> None:
@@ -316,44 +314,30 @@ class DataParallelInferenceCoordinator:
         if message == "stop":
             self._running = False
 
-    def _drain(self) -> list[list[bytes]]:
+    def _drain(self) -> list[tuple[bytes, bytes | None, None]]:
+        """Every message waiting on a plain socket, as ``(identity, payload, role=None)``;
+        the payload is None when the message does not have exactly one frame after it."""
         batch = []
         recv = self.router_socket.recv_multipart
         try:
             while len(batch) < _MAX_BATCH:
-                batch.append(recv(zmq.NOBLOCK))
+                frames = recv(zmq.NOBLOCK)
+                batch.append((frames[0], frames[1] if len(frames) == 2 else None, None))
         except zmq.Again:
             pass
         return batch
 
-    def _handle_batch(self, batch: list[list[bytes]]) -> None:
-        decode, limit = protocol.decode, self.max_message_bytes
-        for frames in batch:
-            identity = frames[0]
-            try:
-                if len(frames) != 2:
-                    raise ProtocolError(
-                        f"expected one frame after the identity, got {len(frames) - 1}"
-                    )
-                header, fields = decode(frames[1], limit)
-                self._handlers[header](identity, fields)
-            except ProtocolError as exc:
-                self._bad_input(identity, str(exc))
-            except Exception:  # a bug must not take the coordinator down with it
-                log.exception("error handling a message from %r", identity)
-        self._flush_submits()
-        self._flush_results()
-
-    def _handle_authenticated_batch(self, batch: list[tuple[bytes, bytes | None, str]]) -> None:
-        """``_handle_batch`` for a CURVE socket: a message its connection's role may not send
-        is refused before any handler sees it."""
+    def _handle_batch(self, batch: list[tuple[bytes, bytes | None, str | None]]) -> None:
+        """Handle ``(identity, payload, role)`` messages. On a CURVE socket every message
+        carries its connection's role, and one that role may not send is refused before any
+        handler sees it; on a plain socket the role is None and nothing is checked."""
         decode, limit, permitted = protocol.decode, self.max_message_bytes, security.PERMITTED
         for identity, payload, role in batch:
             try:
                 if payload is None:
                     raise ProtocolError("expected one frame after the identity")
                 header, fields = decode(payload, limit)
-                if header in permitted.get(role, ()):
+                if role is None or header in permitted.get(role, ()):
                     self._handlers[header](identity, fields)
                 else:
                     self._forbidden(identity, role, header, fields)

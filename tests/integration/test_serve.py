@@ -105,48 +105,25 @@ def test_serve_answers_generate_and_http_then_stops_cleanly(
         children = descendants(serve.pid)
         assert len(children) >= 3, "a coordinator and two engines"
 
-        generated = subprocess.run(
-            [
-                DPSERVE,
-                "generate",
-                "Hello there",
-                "--address",
-                f"127.0.0.1:{port}",
-                "--max-tokens",
-                "8",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert generated.returncode == 0, generated.stderr
-        assert generated.stdout.strip(), "generate must print the completion"
+        def generate(*flags: str) -> str:
+            result = subprocess.run(
+                [DPSERVE, "generate", "Hello there", "--address", f"127.0.0.1:{port}",
+                 "--max-tokens", "8", *flags],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.strip(), "generate must print the completion"
+            return result.stdout
 
-        streamed = subprocess.run(
-            [
-                DPSERVE,
-                "generate",
-                "Hello there",
-                "--address",
-                f"127.0.0.1:{port}",
-                "--max-tokens",
-                "8",
-                "--stream",
-                "--chat",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert streamed.returncode == 0, streamed.stderr
-        assert streamed.stdout.strip()
+        generated = generate()
+        generate("--stream", "--chat")
 
         base = f"http://127.0.0.1:{http_port}"
         completion = http_json(f"{base}/v1/completions", {"prompt": "Hello there", "max_tokens": 8})
         assert completion["usage"]["completion_tokens"] > 0
         assert completion["choices"][0]["text"]
         if mode == "fake":
-            assert completion["choices"][0]["text"] == generated.stdout.rstrip("\n")
+            assert completion["choices"][0]["text"] == generated.rstrip("\n")
         events = sse_events(
             f"{base}/v1/chat/completions",
             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
