@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
+
+from dpserve.limits import DEFAULT_REQUEST_LIMITS
+
+# Temperatures below this sample greedily (as vLLM does below 1e-5).
+GREEDY_TEMPERATURE: Final = 1e-5
 
 
 class InvalidSamplingParams(ValueError):
@@ -27,6 +32,8 @@ class SamplingParams:
     return_log_probs: bool = False
     seed: int | None = None  # same seed, prompt and model -> same tokens
     stream: bool = False
+    ignore_eos: bool = False  # vLLM's extension: EOS / termination_id do not end the request
+    min_tokens: int = 0  # EOS, termination_id and stop strings are ignored before this many
 
     def __post_init__(self) -> None:
         # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
@@ -37,7 +44,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature this small makes sampling greedy in every float format anyway, and
+        # dividing logits by it overflows: such requests are decoded greedily.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         _require_number("temperature", self.temperature)
@@ -64,9 +73,22 @@ class SamplingParams:
             isinstance(s, str) and s for s in self.stop_strings
         ):
             raise InvalidSamplingParams("stop_strings must be a list of non-empty strings")
-        if len(self.stop_strings) > 16:
-            raise InvalidSamplingParams("at most 16 stop_strings are allowed")
-        for flag in ("return_log_probs", "stream"):
+        limits = DEFAULT_REQUEST_LIMITS
+        if len(self.stop_strings) > limits.max_stop_strings:
+            raise InvalidSamplingParams(
+                f"at most {limits.max_stop_strings} stop_strings are allowed"
+            )
+        if any(len(s) > limits.max_stop_string_chars for s in self.stop_strings):
+            raise InvalidSamplingParams(
+                f"a stop string may have at most {limits.max_stop_string_chars} characters"
+            )
+        _require_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.num_tokens_to_generate:
+            raise InvalidSamplingParams(
+                f"min_tokens must be in [0, num_tokens_to_generate={self.num_tokens_to_generate}],"
+                f" got {self.min_tokens}"
+            )
+        for flag in ("return_log_probs", "stream", "ignore_eos"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSamplingParams(f"{flag} must be true or false")
         if self.seed is not None:

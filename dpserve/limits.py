@@ -1,0 +1,55 @@
+"""Every limit a request can hit, in one place.
+
+The HTTP front checks a request against ``RequestLimits`` before it sends anything on (a 400 or
+413 that names the limit), the coordinator checks the same values again for clients that speak
+ZMQ directly, and the CLI, the docs (docs/security.md) and the operator's CRD take their
+defaults from here. Nothing else defines a limit's number.
+
+The sizes are chosen so that everything that fits the HTTP body limit also fits a ZMQ message:
+a request travels as MessagePack, which is never larger than its JSON for the same text, and
+``MESSAGE_HEADROOM_BYTES`` covers the fields the front adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+MIB: Final = 1024 * 1024
+# What the front adds around a request's own text (ids, sampling parameters, resume tokens'
+# framing) stays far below this.
+MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Per-request size limits (the edge enforces all of them)."""
+
+    max_body_bytes: int = 8 * MIB  # HTTP request body
+    max_prompt_chars: int = 1_000_000  # prompt text, or all chat messages' text together
+    max_prompt_tokens: int = 32_768  # after tokenization (or token ids given directly)
+    max_new_tokens: int = 1_000_000  # max_tokens; a runner also clamps to its context size
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1_000
+    max_json_depth: int = 64  # nesting of the HTTP JSON body
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The ZMQ message limit that every request passing the edge fits into."""
+        return self.max_body_bytes + MESSAGE_HEADROOM_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """How much the coordinator holds at once before it refuses new work."""
+
+    max_inflight_per_client: int = 10_000
+    max_inflight_requests: int = 1_000_000
+    max_queued_requests: int = 100_000
+    queue_timeout: float = 30.0  # seconds a request may wait for an engine
+    # A request in flight on this many engines that each died is failed, not sent again.
+    max_dispatch_attempts: int = 3
+
+
+DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
+DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()
