@@ -22,11 +22,9 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+    from dpserve.supervise import configure_logging
+
+    configure_logging(logging.DEBUG if verbose else logging.INFO)
 
 
 def resolve_rank(rank: str) -> int:
@@ -86,11 +84,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             if coordinator is not None:
                 coordinator.stop()
         return 0
-    from dpserve.http import run_http_with_coordinator
+    from dpserve.openai.server import FrontConfig, default_model_name
+    from dpserve.supervise import run_http_with_coordinator
 
-    return run_http_with_coordinator(
-        args, tokenizer, options, credentials=front_keys, api_keys=api_keys
+    front = FrontConfig(
+        "",  # filled in once the coordinator's socket is bound
+        tokenizer,
+        args.host,
+        args.http_port,
+        default_model_name(tokenizer),
+        credentials=front_keys,
+        api_keys=api_keys,
     )
+    return run_http_with_coordinator(args.port, args.deterministic, options, front)
 
 
 def _tokenizer_spec(tokenizer: str | None) -> str | None:
@@ -204,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_http(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dpserve.http import run_http_front
+    from dpserve.openai.server import FrontConfig, run_http_front
 
     address = _zmq_address(args.coordinator)
     try:
@@ -217,17 +223,16 @@ def cmd_http(args: argparse.Namespace) -> int:
         log.warning(
             "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
         )
-    asyncio.run(
-        run_http_front(
-            address,
-            _tokenizer_spec(args.tokenizer),
-            args.host,
-            args.port,
-            args.model_name or args.tokenizer or "dpserve",
-            credentials=keys,
-            api_keys=api_keys,
-        )
+    front = FrontConfig(
+        address,
+        _tokenizer_spec(args.tokenizer),
+        args.host,
+        args.port,
+        args.model_name or args.tokenizer or "dpserve",
+        credentials=keys,
+        api_keys=api_keys,
     )
+    asyncio.run(run_http_front(front))
     return 0
 
 

@@ -186,7 +186,7 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
 
 
 async def run_local(deployment: LocalDeployment, model_name: str) -> int:
-    from dpserve.http import run_http_front
+    from dpserve.openai.server import FrontConfig, run_http_front
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -209,19 +209,16 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
         ready.result()
         if deployment.http_port:
             listening = asyncio.Event()
-            http_task = asyncio.create_task(
-                run_http_front(
-                    deployment.address,
-                    None if deployment.fake else deployment.model_path,
-                    deployment.host,
-                    deployment.http_port,
-                    model_name,
-                    stop,
-                    listening=listening,
-                    credentials=client.keys,
-                    api_keys=deployment.api_keys,
-                )
+            front = FrontConfig(
+                deployment.address,
+                None if deployment.fake else deployment.model_path,
+                deployment.host,
+                deployment.http_port,
+                model_name,
+                credentials=client.keys,
+                api_keys=deployment.api_keys,
             )
+            http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
             # The banner promises a working URL: wait until the port accepts connections.
             started = asyncio.create_task(listening.wait())
             await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)

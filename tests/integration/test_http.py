@@ -29,18 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.client import InferenceClient
 from dpserve.engine.fake import fake_token
-from dpserve.http import (
-    InvalidRequest,
-    TokenRate,
-    create_app,
-    failure_status,
-    health_body,
-    parse_chat_request,
-    parse_completion_request,
-    parse_prompt,
-    run_http_front,
-    token_logprob_pairs,
-)
+from dpserve.limits import HttpLimits
+from dpserve.openai import create_app
+from dpserve.openai.errors import InvalidRequest, failure_status
+from dpserve.openai.health import health_body
+from dpserve.openai.metrics import TokenRate
+from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
+from dpserve.openai.responses import token_logprob_pairs
+from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
 from tests.integration.runtime import Processes, free_port
 
@@ -530,7 +526,9 @@ async def test_request_timeout(cluster: Cluster) -> None:
     client = InferenceClient(cluster.zmq_port, handshake_timeout=20)
     await client.start()
     try:
-        app = create_app(client, ByteTokenizer(), "short-fuse", request_timeout=0.5)
+        app = create_app(
+            client, ByteTokenizer(), "short-fuse", http_limits=HttpLimits(request_timeout=0.5)
+        )
         async with TestClient(TestServer(app)) as http:
             body = {"prompt": "slow", "max_tokens": 5000}
             response = await http.post("/v1/completions", json=body)
@@ -564,11 +562,8 @@ async def test_run_http_front_serves_until_stopped(
 ) -> None:
     port = free_port()
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        run_http_front(
-            f"tcp://127.0.0.1:{cluster.zmq_port}", None, "127.0.0.1", port, "front-2", stop
-        )
-    )
+    front = FrontConfig(f"tcp://127.0.0.1:{cluster.zmq_port}", None, "127.0.0.1", port, "front-2")
+    task = asyncio.create_task(run_http_front(front, stop))
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
