@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from dpserve import security
 from dpserve.client import ClientError, InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.openai.body import parse_json_body
+from dpserve.openai.connections import ConnectionGuard
 from dpserve.openai.errors import (
     HttpError,
     InvalidRequest,
@@ -23,9 +26,14 @@ from dpserve.openai.errors import (
     outcome_for_status,
 )
 from dpserve.openai.generate import Generator, Outcome
-from dpserve.openai.health import health_body
+from dpserve.openai.health import LIVE_BODY, readiness
 from dpserve.openai.metrics import STATUS_TIMEOUT, FrontMetrics
-from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_json_body
+from dpserve.openai.requests import (
+    GenerationRequest,
+    check_message_size,
+    parse_chat_request,
+    parse_completion_request,
+)
 from dpserve.openai.responses import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
@@ -55,6 +63,8 @@ class HttpFront:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
+        self.http_limits = http_limits
+        self.max_message_bytes = limits.max_message_bytes
         self.metrics = FrontMetrics()
         self.generator = Generator(
             client, tokenizer, model_name, http_limits.request_timeout, self.metrics
@@ -83,15 +93,18 @@ class HttpFront:
     async def completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
         try:
             job = parse_completion_request(await self._read_json(request), self.limits)
+            check_message_size(job, self.max_message_bytes)
         except InvalidRequest as exc:
-            return invalid_request_error(exc).response()
+            return _refusal(exc)
         return await self.generator.generate(request, CompletionFormat(), job, outcome)
 
     async def chat_completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
         try:
-            job = parse_chat_request(await self._read_json(request), self.tokenizer, self.limits)
+            body = await self._read_json(request)
+            job: GenerationRequest = parse_chat_request(body, self.tokenizer, self.limits)
+            check_message_size(job, self.max_message_bytes)
         except InvalidRequest as exc:
-            return invalid_request_error(exc).response()
+            return _refusal(exc)
         return await self.generator.generate(request, ChatFormat(), job, outcome)
 
     async def models(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
@@ -103,12 +116,12 @@ class HttpFront:
         }
         return web.json_response({"object": "list", "data": [model]})
 
-    async def health(self, request: web.Request) -> web.Response:
-        status_code, body = health_body(await self.coordinator_status())
-        return web.json_response(body, status=status_code)
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response(LIVE_BODY)
 
-    async def livez(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
+    async def ready(self, request: web.Request) -> web.Response:
+        status_code, body = readiness(await self.coordinator_status())
+        return web.json_response(body, status=status_code)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         body = self.metrics.render(await self.coordinator_status())
@@ -117,20 +130,53 @@ class HttpFront:
     async def coordinator_status(self) -> dict[str, Any] | None:
         """The coordinator's status, or None when it does not answer within STATUS_TIMEOUT."""
         try:
-            return await asyncio.wait_for(self.client.get_status(), STATUS_TIMEOUT)
+            status = await asyncio.wait_for(self.client.get_status(), STATUS_TIMEOUT)
         except (TimeoutError, ClientError, zmq.ZMQError):  # ZMQError: the client was stopped
             return None
+        self._adopt_coordinator_limits(status.get("limits") or {})
+        return status
+
+    def _adopt_coordinator_limits(self, limits: dict[str, Any]) -> None:
+        """A coordinator configured tighter than this front would drop (message size) or
+        refuse (prompt tokens) what the front lets through: check against its values too."""
+        message_bytes = limits.get("message_bytes")
+        if isinstance(message_bytes, int) and message_bytes < self.max_message_bytes:
+            log.info("the coordinator's message limit is %d bytes: checking it", message_bytes)
+            self.max_message_bytes = message_bytes
+        prompt_tokens = limits.get("prompt_tokens")
+        if isinstance(prompt_tokens, int) and prompt_tokens < self.limits.max_prompt_tokens:
+            self.limits = dataclasses.replace(self.limits, max_prompt_tokens=prompt_tokens)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        too_large = InvalidRequest(
+            f"the request body exceeds max_body_bytes={self.limits.max_body_bytes} "
+            "(flag --max-body-bytes)",
+            code="max_body_bytes",
+            status=413,
+        )
+        if (request.content_length or 0) > self.limits.max_body_bytes:
+            raise too_large  # refused before a byte of the body is read
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.http_limits.body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except TimeoutError:
             raise InvalidRequest(
-                f"the request body exceeds {self.limits.max_body_bytes} bytes",
-                code="body_too_large",
-                status=413,
+                f"the request body did not arrive within {self.http_limits.body_timeout:g} s "
+                "(flag --http-body-timeout)",
+                code="body_timeout",
+                status=408,
             ) from None
-        return parse_json_body(raw)
+        return parse_json_body(raw, self.limits)
+
+
+def _refusal(exc: InvalidRequest) -> web.Response:
+    response = invalid_request_error(exc).response()
+    if exc.status in (408, 413):
+        # The body was not read to its end: the connection cannot carry another request.
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -189,11 +235,17 @@ def create_app(
     api_keys: tuple[bytes, ...] | None = None,
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+    guard: ConnectionGuard | None = None,
 ) -> web.Application:
     """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
-    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``."""
+    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``;
+    ``guard`` is told when each request's handler starts and ends (``serve_http``)."""
     front = HttpFront(client, tokenizer, model_name, limits, http_limits)
-    middlewares = [_json_errors] + ([_bearer_auth(api_keys)] if api_keys else [])
+    middlewares = [
+        *([guard.middleware] if guard is not None else []),
+        _json_errors,
+        *([_bearer_auth(api_keys)] if api_keys else []),
+    ]
     app = web.Application(middlewares=middlewares, client_max_size=limits.max_body_bytes)
     app[FRONT_KEY] = front
     app.router.add_post(
@@ -201,7 +253,8 @@ def create_app(
     )
     app.router.add_post(CHAT_ENDPOINT, front.counted(CHAT_ENDPOINT, front.chat_completions))
     app.router.add_get(MODELS_ENDPOINT, front.counted(MODELS_ENDPOINT, front.models))
-    app.router.add_get("/health", front.health)
-    app.router.add_get("/livez", front.livez)
+    app.router.add_get("/health", front.live)
+    app.router.add_get("/livez", front.live)
+    app.router.add_get("/ready", front.ready)
     app.router.add_get("/metrics", front.metrics_page)
     return app

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from typing import Any
 
 from aiohttp import web
 
@@ -25,6 +26,7 @@ from dpserve.openai.errors import (
     timeout_error,
     unavailable_error,
 )
+from dpserve.openai.logprobs import token_pieces
 from dpserve.openai.metrics import FrontMetrics
 from dpserve.openai.requests import GenerationRequest
 from dpserve.openai.responses import (
@@ -33,6 +35,7 @@ from dpserve.openai.responses import (
     ResponseIds,
     sse_event,
     sse_response,
+    usage,
 )
 from dpserve.tokenizer import BatchTokenizer
 
@@ -109,8 +112,8 @@ class Generator:
             handle = self.client.stream(job.prompt, job.params)
         except ClientError as exc:
             return unavailable_error(exc).response()
-        response: web.StreamResponse | None = None
-        first_token_at: float | None = None
+        prompt_tokens = self._prompt_token_count(job) if job.continuous_usage else None
+        sse = _SseStream(request, fmt, ids, prompt_tokens)
         try:
             try:
                 async with (
@@ -118,45 +121,93 @@ class Generator:
                     contextlib.aclosing(handle.events()) as events,
                 ):
                     async for event in events:
-                        if response is None:
-                            response = sse_response()
-                            await response.prepare(request)
-                            for opening in fmt.opening_chunks(ids):
-                                await response.write(sse_event(opening))
+                        await sse.open()
                         if isinstance(event, StreamChunk):
-                            if event.tokens and first_token_at is None:
-                                first_token_at = time.monotonic()
                             self.metrics.add_generated(len(event.tokens))
-                            if event.text:
-                                await response.write(sse_event(fmt.chunk(ids, event.text)))
+                            await sse.chunk(event)
                             continue
-                        await response.write(sse_event(fmt.final_chunk(ids, event.finish_reason)))
-                        if job.include_usage:
-                            await response.write(sse_event(fmt.usage_chunk(ids, event)))
-                        await response.write(SSE_DONE)
-                        await response.write_eof()
-                        ttft = None if first_token_at is None else first_token_at - started
+                        await sse.finish(event, job.include_usage)
+                        ttft = None if sse.first_token_at is None else sse.first_token_at - started
                         self.metrics.finished(fmt.endpoint, event, ttft, time.monotonic() - started)
-                        return response
+                        return sse.opened
                 raise RuntimeError("the stream ended without a result")  # events() yields one
             except ConnectionResetError:
                 outcome.value = "cancelled"  # the client left; there is nobody to tell
-                assert response is not None  # only writing to the client raises it
-                return response
+                return sse.opened
             except TimeoutError:
                 error = timeout_error(self.request_timeout)
             except RequestFailed as exc:
                 error = request_failed_error(exc)
             except ClientError as exc:
                 error = unavailable_error(exc)
-            if response is None:
+            if sse.response is None:
                 return error.response()
-            return await _end_stream_with(response, error, outcome)
+            return await _end_stream_with(sse.response, error, outcome)
         finally:
             handle.cancel()
 
+    def _prompt_token_count(self, job: GenerationRequest) -> int:
+        if isinstance(job.prompt, list):
+            return len(job.prompt)
+        return len(self.tokenizer.encode_batch([job.prompt])[0])
+
     def _token_texts(self, record: RequestRecord) -> list[str]:
-        return self.tokenizer.decode_batch([[token] for token in record.generated_tokens])
+        return token_pieces(self.tokenizer, record.generated_tokens, record.generated_text)
+
+
+class _SseStream:
+    """One SSE response. Headers go out with the first event, so a request refused before
+    its first token still gets a real status. With ``prompt_tokens`` (continuous usage
+    stats), every chunk carries the usage so far."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        fmt: ResponseFormat,
+        ids: ResponseIds,
+        prompt_tokens: int | None,
+    ) -> None:
+        self.request = request
+        self.fmt = fmt
+        self.ids = ids
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.response: web.StreamResponse | None = None
+        self.first_token_at: float | None = None
+
+    @property
+    def opened(self) -> web.StreamResponse:
+        assert self.response is not None  # only called once something was written
+        return self.response
+
+    async def open(self) -> None:
+        if self.response is None:
+            self.response = sse_response()
+            await self.response.prepare(self.request)
+            for opening in self.fmt.opening_chunks(self.ids):
+                await self._write(opening)
+
+    async def chunk(self, chunk: StreamChunk) -> None:
+        if chunk.tokens and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.completion_tokens += len(chunk.tokens)
+        if chunk.text:
+            await self._write(self.fmt.chunk(self.ids, chunk.text))
+
+    async def finish(self, record: RequestRecord, include_usage: bool) -> None:
+        if self.prompt_tokens is not None:
+            self.prompt_tokens = len(record.prompt_tokens)  # the coordinator's count is exact
+            self.completion_tokens = len(record.generated_tokens)
+        await self._write(self.fmt.final_chunk(self.ids, record.finish_reason))
+        if include_usage:
+            await self._write(self.fmt.usage_chunk(self.ids, record))
+        await self.opened.write(SSE_DONE)
+        await self.opened.write_eof()
+
+    async def _write(self, payload: dict[str, Any]) -> None:
+        if self.prompt_tokens is not None:
+            payload = {**payload, "usage": usage(self.prompt_tokens, self.completion_tokens)}
+        await self.opened.write(sse_event(payload))
 
 
 async def _end_stream_with(

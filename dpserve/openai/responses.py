@@ -10,6 +10,7 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 
 from dpserve.client import RequestRecord
+from dpserve.openai.logprobs import token_logprob_pairs
 
 COMPLETIONS_ENDPOINT: Final = "/v1/completions"
 CHAT_ENDPOINT: Final = "/v1/chat/completions"
@@ -37,16 +38,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def record_usage(record: RequestRecord) -> dict[str, int]:
     return usage(len(record.prompt_tokens), len(record.generated_tokens))
-
-
-def token_logprob_pairs(
-    token_texts: list[str], logprobs: list[float]
-) -> list[tuple[str, float | None]]:
-    """Pair every token with its log-prob. Tokens generated before a request moved to another
-    engine may have none; they come first, so the log-probs align with the end."""
-    count = len(token_texts)
-    aligned: list[float | None] = list(logprobs[max(0, len(logprobs) - count) :] if count else [])
-    return list(zip(token_texts, [None] * (count - len(aligned)) + aligned, strict=True))
 
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:

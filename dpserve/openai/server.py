@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import resource
 from pathlib import Path
 
 from aiohttp import web
@@ -14,7 +15,8 @@ from aiohttp import web
 from dpserve import security
 from dpserve.client import InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
-from dpserve.openai.app import create_app
+from dpserve.openai.app import FRONT_KEY, create_app
+from dpserve.openai.connections import ConnectionGuard
 from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
 
 log = logging.getLogger("dpserve.http")
@@ -46,35 +48,63 @@ async def serve_http(
     """Serve the app on ``config.host:config.port`` until cancelled or ``stop_event`` is set.
     In-flight requests get ``shutdown_timeout`` seconds to finish; the client is left to the
     caller."""
+    limits = config.http_limits
+    guard = ConnectionGuard(limits)
     app = create_app(
         client,
         tokenizer,
         config.model_name,
         api_keys=config.api_keys,
         limits=config.limits,
-        http_limits=config.http_limits,
+        http_limits=limits,
+        guard=guard,
     )
+    await app[FRONT_KEY].coordinator_status()  # learn the coordinator's limits before serving
     runner = web.AppRunner(
         app,
         # A client that disconnects cancels its handler, which cancels its request.
         handler_cancellation=True,
-        shutdown_timeout=config.http_limits.shutdown_timeout,
+        shutdown_timeout=limits.shutdown_timeout,
+        keepalive_timeout=limits.keepalive_timeout,
         # One log line per request costs real CPU at benchmark rates: only when debugging.
         access_log=logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None,
     )
     await runner.setup()
+    _allow_open_files(limits.max_connections)
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        log.info("HTTP front for %s on http://%s:%d", config.model_name, config.host, config.port)
-        if listening is not None:
-            listening.set()
-        if stop_event is None:
-            await asyncio.Future()  # until cancelled
-        else:
-            await stop_event.wait()
+        server = await asyncio.get_running_loop().create_server(
+            guard.protocol_factory(runner.server), config.host, config.port, reuse_address=True
+        )
+        try:
+            log.info(
+                "HTTP front for %s on http://%s:%d", config.model_name, config.host, config.port
+            )
+            if listening is not None:
+                listening.set()
+            if stop_event is None:
+                await asyncio.Future()  # until cancelled
+            else:
+                await stop_event.wait()
+        finally:
+            server.close()  # stop accepting; the runner then lets in-flight requests finish
     finally:
         await runner.cleanup()
+
+
+def _allow_open_files(connections: int) -> None:
+    """Raise the soft limit on open files (up to the hard one) so that ``connections`` can be
+    held besides what the process needs for itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            log.warning(
+                "open files are limited to %d: fewer than --http-max-connections %d can be held",
+                new,
+                connections,
+            )
 
 
 async def run_http_front(

@@ -32,7 +32,7 @@ from dpserve.engine.fake import fake_token
 from dpserve.limits import HttpLimits
 from dpserve.openai import create_app
 from dpserve.openai.errors import InvalidRequest, failure_status
-from dpserve.openai.health import health_body
+from dpserve.openai.health import readiness
 from dpserve.openai.metrics import TokenRate
 from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
 from dpserve.openai.responses import token_logprob_pairs
@@ -124,10 +124,10 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def health_is(base_url: str, status_code: int, engines: int | None = None) -> Callable[[], bool]:
+def ready_is(base_url: str, status_code: int, engines: int | None = None) -> Callable[[], bool]:
     def check() -> bool:
         try:
-            code, body = http_json(f"{base_url}/health")
+            code, body = http_json(f"{base_url}/ready")
         except (OSError, ValueError):
             return False  # not listening yet
         return code == status_code and (engines is None or body.get("engines") == engines)
@@ -175,7 +175,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         coordinator, zmq_port, base_url = start_front(processes)
         start_engines(processes, zmq_port, 2)
-        wait_until(health_is(base_url, 200, engines=2), 60, "two engines")
+        wait_until(ready_is(base_url, 200, engines=2), 60, "two engines")
         yield Cluster(base_url, zmq_port, coordinator, processes)
     finally:
         processes.cleanup()
@@ -303,7 +303,7 @@ async def test_logprobs(cluster: Cluster, session: aiohttp.ClientSession) -> Non
     prompt = "with logprobs"
     async with session.post(
         f"{cluster.base_url}/v1/completions",
-        json={"prompt": prompt, "max_tokens": 5, "logprobs": 1},
+        json={"prompt": prompt, "max_tokens": 5, "logprobs": 0},
     ) as response:
         assert response.status == 200
         result = await response.json()
@@ -382,11 +382,14 @@ async def test_models(cluster: Cluster, session: aiohttp.ClientSession) -> None:
     assert result["data"][0]["object"] == "model"
 
 
-async def test_health_reports_the_engines(cluster: Cluster, session: aiohttp.ClientSession) -> None:
-    async with session.get(f"{cluster.base_url}/health") as response:
+async def test_ready_reports_the_engines(cluster: Cluster, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{cluster.base_url}/ready") as response:
         assert response.status == 200
         body = await response.json()
-    assert body == {"status": "ok", "engines": 2, "draining": 0, "queued": 0, "state": "running"}
+    assert body == {"status": "ready", "engines": 2, "draining": 0, "queued": 0, "state": "running"}
+    for live in ("/health", "/livez"):
+        async with session.get(f"{cluster.base_url}{live}") as response:
+            assert (response.status, await response.json()) == (200, {"status": "alive"})
 
 
 async def test_metrics(cluster: Cluster, session: aiohttp.ClientSession) -> None:
@@ -570,7 +573,7 @@ async def test_run_http_front_serves_until_stopped(
         while True:
             assert not task.done(), task
             with contextlib.suppress(aiohttp.ClientConnectionError):
-                async with session.get(f"{base_url}/health") as response:
+                async with session.get(f"{base_url}/ready") as response:
                     if response.status == 200:
                         break
             assert time.monotonic() < deadline
@@ -592,16 +595,17 @@ async def test_run_http_front_serves_until_stopped(
 # ------------------------------------------------------------------- lifecycle
 
 
-def test_health_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
+def test_ready_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
     processes = Processes(tmp_path)
     try:
         coordinator, zmq_port, base_url = start_front(processes)
 
-        code, body = http_json(f"{base_url}/health")
+        code, body = http_json(f"{base_url}/ready")
         assert (code, body["status"], body["engines"]) == (503, "no_engines", 0)
+        assert http_json(f"{base_url}/health") == (200, {"status": "alive"})
 
         start_engines(processes, zmq_port, 2)
-        wait_until(health_is(base_url, 200, engines=2), 60, "two engines")
+        wait_until(ready_is(base_url, 200, engines=2), 60, "two engines")
 
         children = children_of(coordinator.pid)
         [child] = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
@@ -610,14 +614,13 @@ def test_health_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) ->
         os.kill(child, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert http_json(f"{base_url}/health", timeout=10) == (
-                503,
-                {"status": "coordinator_unavailable"},
-            )
+            code, body = http_json(f"{base_url}/ready", timeout=10)
+            assert (code, body["status"]) == (503, "coordinator_unavailable")
+            assert http_json(f"{base_url}/health", timeout=1) == (200, {"status": "alive"})
             assert time.monotonic() - started < 5
         finally:
             os.kill(child, signal.SIGCONT)
-        wait_until(health_is(base_url, 200, engines=2), 30, "the coordinator to answer again")
+        wait_until(ready_is(base_url, 200, engines=2), 30, "the coordinator to answer again")
 
         coordinator.send_signal(signal.SIGTERM)
         assert coordinator.wait(30) == 0
@@ -723,11 +726,20 @@ def test_token_logprob_pairs_align_to_the_end() -> None:
     assert token_logprob_pairs([], [-1.0]) == []
 
 
-def test_health_body() -> None:
-    assert health_body(None) == (503, {"status": "coordinator_unavailable"})
+def test_readiness() -> None:
+    assert readiness(None)[0] == 503
+    assert readiness(None)[1]["status"] == "coordinator_unavailable"
     status = {"engines": 0, "draining": 0, "queued": 4, "state": "running"}
-    assert health_body(status) == (503, {"status": "no_engines", **status})
-    assert health_body({**status, "engines": 1})[0] == 200
+    assert readiness(status)[1] == {
+        "status": "no_engines",
+        "reason": "no engine is registered",
+        **status,
+    }
+    assert readiness({**status, "engines": 1}) == (200, {"status": "ready", **status, "engines": 1})
+    assert readiness({**status, "engines": 2, "draining": 2})[1]["status"] == "draining"
+    for state in ("paused", "suspended", "stopped"):
+        assert readiness({**status, "engines": 1, "state": state})[:1] == (503,)
+        assert readiness({**status, "engines": 1, "state": state})[1]["status"] == state
 
 
 def test_failure_status_mapping() -> None:
