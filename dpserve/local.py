@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dpserve import security
 from dpserve.client import InferenceClient
+from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 
 log = logging.getLogger("dpserve.serve")
 
@@ -46,6 +47,8 @@ class LocalDeployment:
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
+    limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
 
     def __post_init__(self) -> None:
         self.processes: list[tuple[str, subprocess.Popen]] = []
@@ -77,6 +80,7 @@ class LocalDeployment:
             str(self.port),
             *tokenizer,
             *keys,
+            *_coordinator_limit_flags(self.limits),
         )
         for rank in range(self.data_parallel_size):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
@@ -134,6 +138,16 @@ class LocalDeployment:
                     log.warning("%s did not stop in %g s: killing it", name, grace)
                     process.kill()
                     process.wait()
+
+
+def _coordinator_limit_flags(limits: RequestLimits) -> list[str]:
+    """What the coordinator checks itself (also for clients that speak ZMQ directly)."""
+    return [
+        "--max-body-bytes",
+        str(limits.max_body_bytes),
+        "--max-prompt-tokens",
+        str(limits.max_prompt_tokens),
+    ]
 
 
 def banner(deployment: LocalDeployment) -> str:
@@ -217,6 +231,8 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
                 model_name,
                 credentials=client.keys,
                 api_keys=deployment.api_keys,
+                limits=deployment.limits,
+                http_limits=deployment.http_limits,
             )
             http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
             # The banner promises a working URL: wait until the port accepts connections.
