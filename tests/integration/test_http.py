@@ -13,73 +13,47 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.client import InferenceClient
-from dpserve.engine.fake import fake_token
 from dpserve.limits import HttpLimits
 from dpserve.openai import create_app
 from dpserve.openai.errors import InvalidRequest, failure_status
 from dpserve.openai.health import readiness
+from dpserve.openai.logprobs import token_logprob_pairs
 from dpserve.openai.metrics import TokenRate
 from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
-from dpserve.openai.responses import token_logprob_pairs
 from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
+from tests.integration.http_support import (
+    Cluster,
+    expected_text,
+    http_json,
+    metric,
+    metric_samples,
+    ready_is,
+    sse_payloads,
+    start_cluster,
+    start_engines,
+    start_front,
+    wait_for_idle,
+    wait_until,
+)
 from tests.integration.runtime import Processes, free_port
 
 pytestmark = pytest.mark.timeout(90)
 
-STEP_DELAY = 0.01  # seconds per fake-engine step: 100 tokens/s per request
 MODEL_NAME = "dpserve"  # what the front reports without --tokenizer
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def expected_text(prompt: str | list[int], count: int, seed: int | None = None) -> str:
-    """What a fake engine generates for this prompt (byte tokenizer)."""
-    tokens = list(prompt.encode()) if isinstance(prompt, str) else prompt
-    return "".join(chr(fake_token(tokens, seed, position)) for position in range(count))
-
-
-async def sse_payloads(response: aiohttp.ClientResponse) -> list[str]:
-    """Every ``data:`` payload of a server-sent-event stream, in order."""
-    payloads = []
-    async for line in response.content:
-        text = line.decode().rstrip("\r\n")
-        if text.startswith("data: "):
-            payloads.append(text[len("data: ") :])
-        else:
-            assert text == "", f"unexpected SSE line {text!r}"
-    return payloads
-
-
-def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    return [
-        (sample.name, sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    ]
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    for sample_name, sample_labels, value in metric_samples(text):
-        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()):
-            return value
-    return None
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -108,63 +82,6 @@ def is_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
-def http_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as error:
-        return error.code, json.load(error)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def ready_is(base_url: str, status_code: int, engines: int | None = None) -> Callable[[], bool]:
-    def check() -> bool:
-        try:
-            code, body = http_json(f"{base_url}/ready")
-        except (OSError, ValueError):
-            return False  # not listening yet
-        return code == status_code and (engines is None or body.get("engines") == engines)
-
-    return check
-
-
-@dataclass
-class Cluster:
-    base_url: str
-    zmq_port: int
-    coordinator: subprocess.Popen
-    processes: Processes
-
-
-def start_front(processes: Processes) -> tuple[subprocess.Popen, int, str]:
-    zmq_port, http_port = free_port(), free_port()
-    coordinator = processes.coordinator(zmq_port, "--http-port", str(http_port))
-    base_url = f"http://127.0.0.1:{http_port}"
-    wait_until(lambda: _livez_ok(base_url, coordinator), 60, "the HTTP front to listen")
-    return coordinator, zmq_port, base_url
-
-
-def _livez_ok(base_url: str, coordinator: subprocess.Popen) -> bool:
-    if coordinator.poll() is not None:
-        raise AssertionError(f"the coordinator exited with code {coordinator.returncode}")
-    try:
-        return http_json(f"{base_url}/livez")[0] == 200
-    except (OSError, ValueError):
-        return False
-
-
-def start_engines(processes: Processes, zmq_port: int, count: int) -> None:
-    for rank in range(count):
-        processes.fake_engine(zmq_port, rank, "--step-delay", str(STEP_DELAY))
-
-
 # ------------------------------------------------------------------ fixtures
 
 
@@ -173,10 +90,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """``dpserve coordinator --http-port`` with two fake engines, shared by this module."""
     processes = Processes(tmp_path_factory.mktemp("http-cluster"))
     try:
-        coordinator, zmq_port, base_url = start_front(processes)
-        start_engines(processes, zmq_port, 2)
-        wait_until(ready_is(base_url, 200, engines=2), 60, "two engines")
-        yield Cluster(base_url, zmq_port, coordinator, processes)
+        yield start_cluster(processes)
     finally:
         processes.cleanup()
 
@@ -185,19 +99,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
         yield instance
-
-
-async def wait_for_idle(session: aiohttp.ClientSession, base_url: str, within: float) -> str:
-    """Poll /metrics until the coordinator holds no request; return the last scrape."""
-    deadline = time.monotonic() + within
-    while True:
-        async with session.get(f"{base_url}/metrics") as response:
-            text = await response.text()
-        if metric(text, "dpserve_coordinator_inflight_requests") == 0:
-            return text
-        if time.monotonic() > deadline:
-            raise AssertionError(f"requests still in flight:\n{text}")
-        await asyncio.sleep(0.1)
 
 
 # ---------------------------------------------------------------- completions
