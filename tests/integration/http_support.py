@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -55,6 +56,24 @@ def metric(text: str, name: str, **labels: str) -> float | None:
         if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()):
             return value
     return None
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid`` (from /proc) and their command lines."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # it exited while we looked
+        # The command name may hold spaces and parentheses: fields start after the last ')'.
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            children[int(entry.name)] = cmdline
+    return children
 
 
 def http_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:

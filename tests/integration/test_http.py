@@ -34,6 +34,7 @@ from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
 from tests.integration.http_support import (
     Cluster,
+    children_of,
     expected_text,
     http_json,
     metric,
@@ -54,24 +55,6 @@ MODEL_NAME = "dpserve"  # what the front reports without --tokenizer
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """Live child processes of ``pid`` (from /proc) and their command lines."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # it exited while we looked
-        # The command name may hold spaces and parentheses: fields start after the last ')'.
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            children[int(entry.name)] = cmdline
-    return children
 
 
 def is_running(pid: int) -> bool:
