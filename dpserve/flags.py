@@ -31,6 +31,7 @@ HTTP_LIMIT_HELP: Final = {
     "keepalive_timeout": "seconds an idle keep-alive connection stays open",
     "max_connections": "open HTTP connections; one more is answered 503 and closed",
     "shutdown_timeout": "seconds in-flight requests get to finish when the front stops",
+    "linger_timeout": "seconds the rest of a refused (408/413) body is still read and dropped",
 }
 
 

@@ -61,6 +61,9 @@ class HttpLimits:
     keepalive_timeout: float = 15.0  # seconds an idle keep-alive connection is kept open
     max_connections: int = 1_000  # open connections; one more is answered 503 and closed
     shutdown_timeout: float = 10.0  # seconds in-flight requests get when the front stops
+    # After refusing a body it did not read (408, 413), the front still reads and drops what
+    # the client sends for this long, so the client can read the refusal before the close.
+    linger_timeout: float = 1.0
 
 
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()

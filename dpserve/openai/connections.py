@@ -19,16 +19,19 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from dpserve.limits import HttpLimits
-from dpserve.openai.errors import error_body
+from dpserve.openai.errors import error_body, error_type_for_status
 
 log = logging.getLogger("dpserve.http")
 
 
 def _raw_response(status: str, message: str, code: str) -> bytes:
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    """A whole HTTP/1.1 error response, written before (or instead of) aiohttp's parsing."""
+    error_type = error_type_for_status(int(status.split()[0]))
+    body = json.dumps(error_body(message, error_type, None, code)).encode()
+    retry = "Retry-After: 1\r\n" if status.startswith("503") else ""
     return (
         f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        f"Retry-After: 1\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"{retry}Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 

@@ -66,6 +66,7 @@ async def serve_http(
         handler_cancellation=True,
         shutdown_timeout=limits.shutdown_timeout,
         keepalive_timeout=limits.keepalive_timeout,
+        lingering_time=limits.linger_timeout,
         # One log line per request costs real CPU at benchmark rates: only when debugging.
         access_log=logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None,
     )
