@@ -199,9 +199,36 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
         return asyncio.run(run_local(deployment, model_name))
 
 
-async def run_local(deployment: LocalDeployment, model_name: str) -> int:
+async def _start_http(
+    deployment: LocalDeployment, model_name: str, client: InferenceClient, stop: asyncio.Event
+) -> asyncio.Task:
+    """The HTTP front as a task, once its port accepts connections (the banner promises a
+    working URL)."""
     from dpserve.openai.server import FrontConfig, run_http_front
 
+    front = FrontConfig(
+        deployment.address,
+        None if deployment.fake else deployment.model_path,
+        deployment.host,
+        deployment.http_port or 0,
+        model_name,
+        credentials=client.keys,
+        api_keys=deployment.api_keys,
+        limits=deployment.limits,
+        http_limits=deployment.http_limits,
+    )
+    listening = asyncio.Event()
+    http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
+    started = asyncio.create_task(listening.wait())
+    await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    if http_task.done():
+        http_task.result()
+        raise RuntimeError("the HTTP front stopped before it started")
+    return http_task
+
+
+async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -222,26 +249,7 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
         stopped.cancel()
         ready.result()
         if deployment.http_port:
-            listening = asyncio.Event()
-            front = FrontConfig(
-                deployment.address,
-                None if deployment.fake else deployment.model_path,
-                deployment.host,
-                deployment.http_port,
-                model_name,
-                credentials=client.keys,
-                api_keys=deployment.api_keys,
-                limits=deployment.limits,
-                http_limits=deployment.http_limits,
-            )
-            http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
-            # The banner promises a working URL: wait until the port accepts connections.
-            started = asyncio.create_task(listening.wait())
-            await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)
-            started.cancel()
-            if http_task.done():
-                http_task.result()
-                raise RuntimeError("the HTTP front stopped before it started")
+            http_task = await _start_http(deployment, model_name, client, stop)
         print(banner(deployment), file=sys.stderr, flush=True)
         while not stop.is_set():
             deployment.check_alive()
