@@ -248,6 +248,8 @@ def create_app(
     ]
     app = web.Application(middlewares=middlewares, client_max_size=limits.max_body_bytes)
     app[FRONT_KEY] = front
+    if guard is not None:
+        front.metrics.watch_connections(guard)
     app.router.add_post(
         COMPLETIONS_ENDPOINT, front.counted(COMPLETIONS_ENDPOINT, front.completions)
     )

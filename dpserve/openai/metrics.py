@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dpserve.client import RequestRecord
 from dpserve.openai.responses import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
@@ -97,6 +97,32 @@ class _ScrapeCollector:
             )
 
 
+class ConnectionCounts(Protocol):
+    open: int
+    refused: int
+    timed_out: int
+
+
+class _ConnectionCollector:
+    def __init__(self, counts: ConnectionCounts) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "dpserve_http_open_connections", "Open HTTP connections", value=self.counts.open
+        )
+        yield CounterMetricFamily(
+            "dpserve_http_connections_refused",
+            "Connections refused (503) because --http-max-connections were open",
+            value=self.counts.refused,
+        )
+        yield CounterMetricFamily(
+            "dpserve_http_connections_timed_out",
+            "Connections closed for a request head not finished in time, or idle from the start",
+            value=self.counts.timed_out,
+        )
+
+
 class FrontMetrics:
     """The HTTP front's Prometheus metrics, in a registry of its own."""
 
@@ -152,6 +178,10 @@ class FrontMetrics:
         if ttft is not None:
             self.time_to_first_token.labels(endpoint).observe(ttft)
         self.latency.labels(endpoint).observe(latency)
+
+    def watch_connections(self, counts: ConnectionCounts) -> None:
+        """Export the connection guard's counts (``serve_http`` has one; test apps do not)."""
+        self.registry.register(_ConnectionCollector(counts))
 
     def render(self, coordinator_status: Mapping[str, Any] | None) -> bytes:
         self._scrape.status = coordinator_status

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
-from tests.integration.http_support import Cluster, expected_text, start_cluster
+from tests.integration.http_support import Cluster, expected_text, metric, start_cluster
 from tests.integration.runtime import Processes
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,6 +129,10 @@ async def test_tricklers_are_closed_while_normal_requests_keep_their_latency(
         assert seconds < BODY_TIMEOUT + 1.0 + SLACK, seconds
     # Normal requests were served throughout, about as fast as before.
     assert statistics.median(during) < baseline + 0.25, (baseline, during)
+    async with session.get(f"{cluster.base_url}/metrics") as reply:
+        scrape = await reply.text()
+    assert (metric(scrape, "dpserve_http_connections_timed_out_total") or 0) >= 10
+    assert (metric(scrape, "dpserve_http_open_connections") or 0) <= 2  # the session's own
 
 
 async def test_idle_connections_are_closed(cluster: Cluster) -> None:
@@ -157,6 +161,8 @@ async def test_connections_over_the_cap_are_refused_with_503(
         assert answer.startswith(b"HTTP/1.1 503"), answer
         error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
         assert error["code"] == "max_connections"
+        async with session.get(f"{cluster.base_url}/metrics") as reply:
+            assert reply.status == 503  # the cap holds for everybody, scrapers included
     finally:
         for _, held_writer in held:
             held_writer.close()
@@ -165,3 +171,5 @@ async def test_connections_over_the_cap_are_refused_with_503(
         f"{cluster.base_url}/v1/completions", json={"prompt": "room again", "max_tokens": 3}
     ) as reply:
         assert reply.status == 200
+    async with session.get(f"{cluster.base_url}/metrics") as reply:
+        assert (metric(await reply.text(), "dpserve_http_connections_refused_total") or 0) >= 2
