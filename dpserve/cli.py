@@ -11,9 +11,9 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from dpserve import security
+from dpserve import flags, security
 from dpserve.coordinator.routing import RoutingPolicy
-from dpserve.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from dpserve.limits import MESSAGE_HEADROOM_BYTES
 
 log = logging.getLogger("dpserve")
 
@@ -22,11 +22,9 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+    from dpserve.supervise import configure_logging
+
+    configure_logging(logging.DEBUG if verbose else logging.INFO)
 
 
 def resolve_rank(rank: str) -> int:
@@ -59,6 +57,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = _tokenizer_spec(args.tokenizer)
+    limits = flags.request_limits(args)
     options = {
         "host": args.host,
         "routing": args.routing,
@@ -67,8 +66,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "max_inflight_per_client": args.max_inflight_per_client,
         "max_inflight_requests": args.max_inflight_requests,
         "max_queued_requests": args.max_queued_requests,
-        "max_message_bytes": args.max_message_bytes,
-        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_message_bytes": args.max_message_bytes or limits.max_message_bytes,
+        "max_prompt_tokens": limits.max_prompt_tokens,
         # The directory, not the keys: nothing secret travels to the coordinator's process.
         "credentials": args.credentials or None,
     }
@@ -86,11 +85,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             if coordinator is not None:
                 coordinator.stop()
         return 0
-    from dpserve.http import run_http_with_coordinator
+    from dpserve.openai.server import FrontConfig, default_model_name
+    from dpserve.supervise import run_http_with_coordinator
 
-    return run_http_with_coordinator(
-        args, tokenizer, options, credentials=front_keys, api_keys=api_keys
+    front = FrontConfig(
+        "",  # filled in once the coordinator's socket is bound
+        tokenizer,
+        args.host,
+        args.http_port,
+        default_model_name(tokenizer),
+        credentials=front_keys,
+        api_keys=api_keys,
+        limits=limits,
+        http_limits=flags.http_limits(args),
     )
+    return run_http_with_coordinator(args.port, args.deterministic, options, front)
 
 
 def _tokenizer_spec(tokenizer: str | None) -> str | None:
@@ -197,6 +206,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fake=args.fake,
         credentials=args.credentials or None,
         api_keys=api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 
@@ -204,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_http(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dpserve.http import run_http_front
+    from dpserve.openai.server import FrontConfig, run_http_front
 
     address = _zmq_address(args.coordinator)
     try:
@@ -217,17 +228,18 @@ def cmd_http(args: argparse.Namespace) -> int:
         log.warning(
             "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
         )
-    asyncio.run(
-        run_http_front(
-            address,
-            _tokenizer_spec(args.tokenizer),
-            args.host,
-            args.port,
-            args.model_name or args.tokenizer or "dpserve",
-            credentials=keys,
-            api_keys=api_keys,
-        )
+    front = FrontConfig(
+        address,
+        _tokenizer_spec(args.tokenizer),
+        args.host,
+        args.port,
+        args.model_name or args.tokenizer or "dpserve",
+        credentials=keys,
+        api_keys=api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
     )
+    asyncio.run(run_http_front(front))
     return 0
 
 
@@ -382,11 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for an engine (default: %(default)s)",
     )
     coordinator.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="default: 8 MiB"
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest ZMQ message (default: --max-body-bytes + "
+        f"{MESSAGE_HEADROOM_BYTES // 1024} KiB, so every request the HTTP edge admits fits)",
     )
-    coordinator.add_argument(
-        "--max-prompt-tokens", type=int, default=32_768, help="default: %(default)s"
-    )
+    flags.add_request_limits(coordinator)
+    flags.add_http_limits(coordinator)
     _add_api_key_file(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)
 
@@ -426,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
     )
     _add_api_key_file(serve)
+    flags.add_request_limits(serve)
+    flags.add_http_limits(serve)
     serve.set_defaults(func=cmd_serve)
 
     http = commands.add_parser(
@@ -438,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--model-name", default=None, help="name reported by /v1/models")
     _add_credentials(http, roles=True)
     _add_api_key_file(http)
+    flags.add_request_limits(http)
+    flags.add_http_limits(http)
     http.set_defaults(func=cmd_http)
 
     generate = commands.add_parser("generate", help="send one prompt and print the completion")
