@@ -315,17 +315,25 @@ def test_output_is_clamped_to_the_context(runner: ModelRunner) -> None:
     assert outcome.finish == "length"
 
 
-def test_max_tokens_in_batch_bounds_prompts_and_prefill(tiny_model_path: Path) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_tokens_in_batch=64)
-    with pytest.raises(RequestRejected) as rejected:
-        runner.add(request(1, [7] * 65))
-    assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
-    assert "64" in rejected.value.message
+def test_max_num_batched_tokens_bounds_every_step(tiny_model_path: Path, reference: Any) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_num_batched_tokens=64)
+    prompts = random_prompts(4, seed=17, low=100, high=150)
+    schedule = {0: [request(i, prompts[i], num_tokens_to_generate=6) for i in range(4)]}
+    prefill_per_step: list[int] = []
+    last = [0]
+
+    def record(_: int) -> None:
+        total = runner.stats()["prefill_tokens"]
+        prefill_per_step.append(total - last[0])
+        last[0] = total
+
+    outcomes = run(runner, schedule, on_step=record)
+    # Prompts longer than the budget are accepted and prefilled in chunks of at most 64 tokens.
+    record(0)
+    assert max(prefill_per_step) <= 64
+    assert sum(prefill_per_step) == sum(len(p) for p in prompts)
     for i in range(4):
-        runner.add(request(10 + i, [7] * 30, num_tokens_to_generate=5))
-    runner.step()
-    # 30-token prompts in a 64-token budget: two per prefill.
-    assert runner.stats()["running"] == 2 and runner.stats()["waiting"] == 2
+        assert outcomes[i].tokens == greedy_reference(reference, prompts[i], 6)[0], f"request {i}"
 
 
 def test_bad_token_ids_and_empty_prompts_are_rejected(runner: ModelRunner) -> None:
