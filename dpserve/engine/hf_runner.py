@@ -32,7 +32,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from dpserve.engine.backend import Consume
 from dpserve.engine.sequences import Sequence
 
-DEFAULT_BATCH_SIZE: Final = 8
 # Spare cache columns allocated beyond the current width: a buffer copy every this many steps
 # instead of a full-cache concatenation on every step.
 _SLACK_COLUMNS: Final = 64

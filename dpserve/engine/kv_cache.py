@@ -17,12 +17,10 @@ from typing import Final
 
 import torch
 
+from dpserve.engine.defaults import DEFAULT_BLOCK_SIZE
+
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_SIZE: Final = 16
-# The byte budget of the pool on CPU unless --kv-cache-bytes says otherwise.
-DEFAULT_CPU_KV_CACHE_BYTES: Final = 1024**3
-DEFAULT_GPU_MEMORY_UTILIZATION: Final = 0.9
 # CUDA memory kept free beyond the activation estimate: allocator fragmentation, cuBLAS
 # workspaces, CUDA graph pools.
 _CUDA_FIXED_HEADROOM_BYTES: Final = 512 * 1024**2

@@ -24,13 +24,17 @@ from typing import Any
 import torch
 
 from dpserve.engine.backend import Backend
-from dpserve.engine.hf_runner import DEFAULT_BATCH_SIZE, HFBatchRunner
-from dpserve.engine.kv_cache import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION
+from dpserve.engine.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_HF_BATCH_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+)
+from dpserve.engine.hf_runner import HFBatchRunner
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_runner import PagedConfig, PagedRunner
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
 from dpserve.engine.sampler import make_generator, sample_next_tokens, token_logprobs
-from dpserve.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from dpserve.engine.sequences import Sequence
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
@@ -172,7 +176,7 @@ class ModelRunner:
         pad_candidates = (self.tokenizer.pad_token_id, self.eos_token_id, 0)
         return HFBatchRunner(
             model,
-            capacity=max_batch_size or DEFAULT_BATCH_SIZE,
+            capacity=max_batch_size or DEFAULT_HF_BATCH_SIZE,
             prefill_budget=max_num_batched_tokens
             or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(self.device.type, 4096),
             # Fills the left padding of a prefill batch; masked, so any valid id works.

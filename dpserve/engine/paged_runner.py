@@ -19,16 +19,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import torch
 
 from dpserve.engine.backend import Consume
 from dpserve.engine.cuda_graphs import DecodeGraphs
-from dpserve.engine.kv_cache import (
+from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    TOKENS_PER_SEQUENCE,
+)
+from dpserve.engine.kv_cache import (
     RESERVED_BLOCKS,
     KVCacheShape,
     PagedKVCache,
@@ -38,13 +43,10 @@ from dpserve.engine.kv_cache import (
 from dpserve.engine.llama import ForwardBatch, LlamaExecutor
 from dpserve.engine.paged_attention import decode_attention_backend
 from dpserve.engine.paged_batch import build_forward_batch
-from dpserve.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, Scheduler
+from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequences import Sequence
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_NUM_SEQS: Final = 256  # the largest CUDA graph bucket
-TOKENS_PER_SEQUENCE: Final = 512  # what a typical sequence is assumed to hold, for capacity
 
 
 @dataclass(frozen=True, slots=True)

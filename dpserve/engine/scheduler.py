@@ -27,13 +27,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Protocol
 
 from dpserve.engine.kv_cache import BlockPool
-
-# Tokens one step computes by default. On CPU a forward is compute bound well below 512 tokens,
-# so a larger step only stalls the running requests (and the engine's heartbeats) for longer.
-DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = {"cpu": 512, "cuda": 8192}
 
 
 class PagedSequence(Protocol):
