@@ -134,6 +134,8 @@ def cuda_kv_budget_bytes(
     free now (other processes may hold memory)."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    # Memory freed while loading (the unfused weights) sits in torch's cache, not counted free.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     allowed = int(total * gpu_memory_utilization) - torch.cuda.memory_allocated(device)
     headroom = activation_bytes + _CUDA_FIXED_HEADROOM_BYTES

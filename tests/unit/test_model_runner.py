@@ -583,3 +583,64 @@ def test_transformers_path_still_serves_llama_exactly(
     )
     for i in range(4):
         assert outcomes[i].tokens == greedy_reference(reference, prompts[i], 10)[0], f"request {i}"
+
+
+# ---------------------------------------------------------------- Llama-family variants
+
+
+def _variant_config(kind: str, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.3,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    if kind == "qwen2":  # biases on q/k/v, not on o
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None, head_dim=32)
+    # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(
+        **common,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3-rope-tied-biases"])
+def test_llama_family_variants_match_generate(
+    kind: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(_variant_config(kind, tokenizer)).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    runner = ModelRunner(str(tmp_path), max_num_batched_tokens=40, block_size=8)
+    assert runner.stats()["executor"] == "llama (paged)"
+    prompts = random_prompts(4, seed=26, low=20, high=120)
+    requests = [request(i, prompts[i], num_tokens_to_generate=25) for i in range(4)]
+    outcomes = run(runner, {0: requests})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for i in range(4):
+        expected, finish = greedy_reference(reference, prompts[i], 25)
+        assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"
