@@ -102,13 +102,17 @@ class PagedRunner:
         self.scheduler.waiting.extend(waiting)
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self.executor,
-                    self.cache,
-                    self.capacity,
-                    shape.blocks_for(self.context_size),
-                )
+            try:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(
+                        self.executor,
+                        self.cache,
+                        self.capacity,
+                        shape.blocks_for(self.context_size),
+                    )
+            except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
+                log.error("CUDA graph capture failed, decoding eagerly: %s", exc)
+                torch.cuda.synchronize()
 
     def _use_graphs(self) -> bool:
         return (
