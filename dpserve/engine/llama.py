@@ -186,14 +186,6 @@ class LlamaExecutor:
             block_size=block_size,
         )
 
-    def parameter_bytes(self) -> int:
-        tensors = [self.embedding, self.norm, self.cos, self.sin]
-        if self.lm_head.data_ptr() != self.embedding.data_ptr():
-            tensors.append(self.lm_head)
-        for layer in self.layers:
-            tensors += [t for t in vars_of(layer) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def activation_bytes(self, max_tokens: int, max_logit_rows: int) -> int:
         """A generous bound on what one forward of ``max_tokens`` tokens allocates beside the
         cache: a few hidden-size and intermediate-size rows per token, the logits in fp32."""
@@ -274,7 +266,3 @@ class LlamaExecutor:
         return paged_decode_attention(
             query, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale
         )
-
-
-def vars_of(layer: _Layer) -> list[torch.Tensor | None]:
-    return [getattr(layer, name) for name in layer.__slots__]
