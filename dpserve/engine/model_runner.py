@@ -46,7 +46,9 @@ EXECUTORS = ("auto", "llama", "transformers")
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
     """One token per row of ``logits`` and, when a row asks for them, the log-probabilities;
-    the one place that talks to the sampler."""
+    the one place that talks to the sampler. (With the batched on-device sampler this becomes
+    ``sampler.sample(logits, params, positions)``, positions being each row's
+    ``context_length()``, the position of the token it samples.)"""
     params = [sequence.params for sequence in sequences]
     chosen = sample_next_tokens(logits, params, [s.generator for s in sequences])
     want_logprobs = any(p.return_log_probs for p in params)
@@ -85,10 +87,11 @@ class ModelRunner:
         cuda_graphs: bool = True,
         executor: str = "auto",
     ) -> None:
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+        if (max_batch_size is not None and max_batch_size < 1) or executor not in EXECUTORS:
+            raise ValueError(
+                f"need max_batch_size >= 1 (got {max_batch_size}) and an executor in "
+                f"{EXECUTORS} (got {executor!r})"
+            )
         self.model_path = resolve_model(model_path_or_id)
         self._dtype_name = dtype
         self._device_name = device
@@ -123,13 +126,8 @@ class ModelRunner:
         )
         self.capacity: int = self.backend.capacity
         self.context_size: int = self.backend.context_size
-        log.info(
-            "model %s on %s (%s): %s",
-            self.model_path,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-            ", ".join(f"{key} {value}" for key, value in self.backend.describe().items()),
-        )
+        facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
+        log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._released = False
         self._tokens_generated = 0
