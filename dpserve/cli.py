@@ -119,6 +119,18 @@ def _client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | 
 # -------------------------------------------------------------------------- engine
 
 
+def engine_device(requested: str, rank: int) -> str:
+    """One GPU per engine: on CUDA, engine rank r uses GPU r modulo the GPUs it can see (on
+    Kubernetes every engine pod sees exactly its own one)."""
+    if requested == "cpu":
+        return requested
+    import torch
+
+    if not torch.cuda.is_available():
+        return requested
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
 def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     from dpserve.engine.defaults import (
         DEFAULT_BLOCK_SIZE,
@@ -178,7 +190,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
-            device=args.device,
+            device=engine_device(args.device, rank),
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -98,6 +98,9 @@ class ModelRunner:
         self._gguf_file = gguf_file
         self._attn_implementation = attn_implementation
         self.device, self.dtype = pick_device_and_dtype(device, dtype)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Streams, CUDA graphs and Triton launches follow the current device.
+            torch.cuda.set_device(self.device)
 
         self.model: Any = None
         self.tokenizer: Any = None
