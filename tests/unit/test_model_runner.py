@@ -438,6 +438,25 @@ def test_chunked_prefill_across_chunk_and_block_boundaries_matches_generate(
     assert runner.stats()["kv_free_blocks"] == runner.stats()["kv_blocks"] - 1
 
 
+def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
+    tiny_model_path: Path,
+) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_num_batched_tokens=24)
+    runner.eos_token_ids = frozenset()
+    long_prompts = random_prompts(5, seed=27, low=180, high=200)
+    schedule = {
+        0: [request(0, [7, 8, 9], num_tokens_to_generate=30)],
+        2: [request(i, long_prompts[i - 1], num_tokens_to_generate=3) for i in range(1, 6)],
+    }
+    outcomes = run(runner, schedule)
+    # ~950 prompt tokens arrive at step 2 and are prefilled 23 at a time beside request 0,
+    # which still gets a token in every step: one per step, finishing at step 29.
+    assert [len(update.tokens) for update in outcomes[0].updates] == [1] * 30
+    assert outcomes[0].finished_at_step == 29
+    assert max(outcomes[i].finished_at_step for i in range(1, 6)) > 29  # still prefilling
+    assert runner.stats()["prefill_tokens"] == 3 + sum(map(len, long_prompts))
+
+
 def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
     """A runner whose KV pool has ``blocks`` 4-token blocks (block 0 included)."""
     probe = ModelRunner(
