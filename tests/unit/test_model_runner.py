@@ -273,8 +273,11 @@ def test_held_back_tokens_are_released_when_no_stop_string_follows(
     assert any(len(update.tokens) > 1 for update in outcome.updates)
 
 
-def test_release_and_reload_continue_requests(tiny_model_path: Path, reference: Any) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu")
+@pytest.mark.parametrize("executor", ["llama", "transformers"])
+def test_release_and_reload_continue_requests(
+    tiny_model_path: Path, reference: Any, executor: str
+) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu", executor=executor)
     prompts = random_prompts(3, seed=12)
     lengths = [30, 12, 20]
     schedule = {0: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in range(3)]}
