@@ -458,8 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-size",
         type=int,
         default=None,
-        help="sequences running at once (default: what the KV cache holds, at most 256; "
-        "fake engines: 256)",
+        help="sequences running at once (default: derived from the KV cache pool)",
     )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
