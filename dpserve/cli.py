@@ -128,6 +128,59 @@ def _client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | 
 # -------------------------------------------------------------------------- engine
 
 
+def engine_device(requested: str, rank: int) -> str:
+    """One GPU per engine: on CUDA, engine rank r uses GPU r modulo the GPUs it can see (on
+    Kubernetes every engine pod sees exactly its own one)."""
+    if requested == "cpu":
+        return requested
+    import torch
+
+    if not torch.cuda.is_available():
+        return requested
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    from dpserve.engine.defaults import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CPU_KV_CACHE_BYTES,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    )
+
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of the GPU's memory for weights, activations and the KV cache "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"size of the KV cache pool in bytes (default on CPU: {DEFAULT_CPU_KV_CACHE_BYTES}; "
+        "on CUDA: from --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV cache block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step computes, prefill chunks and decodes together "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on CUDA)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
+    )
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
     from dpserve.engine.server import EngineServer
@@ -143,9 +196,14 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
         runner = ModelRunner(
             resolve_model(args.model),
-            max_batch_size=args.max_batch_size or 8,
+            max_batch_size=args.max_batch_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
-            device=args.device,
+            device=engine_device(args.device, rank),
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cuda_graphs=not args.no_cuda_graphs,
         )
     address = _zmq_address(args.coordinator)
     try:
@@ -411,11 +469,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
-    engine.add_argument("--max-batch-size", type=int, default=None)
+    engine.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="sequences running at once (default: derived from the KV cache pool)",
+    )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    _add_kv_cache_flags(engine)
     engine.add_argument("--stream-interval", type=float, default=0.05)
     _add_credentials(engine)
     engine.set_defaults(func=cmd_engine)
