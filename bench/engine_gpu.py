@@ -249,7 +249,7 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     roofline = decode_roofline(workload, params * model.dtype.itemsize, shape, bandwidth)
     outputs = [n for _, n in workload]
     lines = [
-        f"== {name} shape: {params / 1e9:.2f}B params, {args.dtype} on {device_name(args.device)}",
+        f"== {name} shape: {params / 1e6:,.1f}M params, {args.dtype} on {device_name(args.device)}",
         f"   {len(workload)} requests, prompts 32-512 tokens, outputs {min(outputs)}-"
         f"{max(outputs)} ({wanted} tokens), greedy, EOS ignored, all at once",
         f"   memory bandwidth (copy) {bandwidth / 1e9:,.0f} GB/s -> decode roofline "
