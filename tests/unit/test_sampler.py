@@ -128,7 +128,8 @@ def test_seeds_and_positions_change_the_draw() -> None:
     assert draws(1, 0) == draws(1, 0)
     assert draws(1, 0) != draws(2, 0)
     assert draws(2**63 - 1, 0) != draws(0, 0)
-    assert draws(1, 0)[1:] == draws(1, 1)[:-1]  # a position's draw is its own, not an offset
+    # The draw belongs to (seed, position), not to the row that carries it.
+    assert draws(1, 0)[1:] == draws(1, 1)[:-1]
 
 
 def test_hashed_noise_is_exact_integer_arithmetic() -> None:
