@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -156,11 +156,12 @@ def run_through_coordinator(
     repeat: int = 1,
     startup_timeout: float = 180.0,
     engines: int = 1,
+    engine_args: Sequence[str] = ("--device", "cpu"),
 ) -> tuple[float, int]:
     """The whole stack: ``dpserve coordinator`` and ``engines`` ``dpserve engine`` processes
-    (ModelRunner), the requests sent concurrently by an ``InferenceClient``. Timed from the
-    first submission to the last result (best of ``repeat`` rounds); start-up and one warm-up
-    request are not counted."""
+    (ModelRunner, started with ``engine_args``), the requests sent concurrently by an
+    ``InferenceClient``. Timed from the first submission to the last result (best of ``repeat``
+    rounds); start-up and one warm-up request are not counted."""
     from dpserve.client import InferenceClient
 
     port = _free_port()
@@ -189,8 +190,7 @@ def run_through_coordinator(
                     model_path,
                     "--max-batch-size",
                     str(batch_size),
-                    "--device",
-                    "cpu",
+                    *engine_args,
                 ],
                 cwd=root,
                 env=env,

@@ -1,4 +1,8 @@
-"""Next-token selection: greedy, temperature, top-k, top-p, seeded generators, log-probs."""
+"""Next-token selection: greedy, temperature, top-k, top-p, hashed seeds, log-probs.
+
+Distribution checks put thousands of copies of one row in a single batch: ``sample`` does the
+whole batch at once, so this is also what a full engine step looks like.
+"""
 
 from __future__ import annotations
 
@@ -8,146 +12,208 @@ from collections import Counter
 import pytest
 import torch
 
-from dpserve.engine.sampler import make_generator, sample_next_tokens, token_logprobs
+from dpserve.engine import sampler
+from dpserve.engine.sampler import (
+    SampleOutput,
+    make_generator,
+    sample,
+    sample_next_tokens,
+    token_logprobs,
+)
 from dpserve.sampling import SamplingParams
 
 # Four tokens with probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1.
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()
+DRAWS = 4000
 
 
-def draw(
-    params: SamplingParams, times: int, seed: int = 0, logits: torch.Tensor = LOGITS
-) -> Counter:
-    generator = make_generator(seed, "cpu")
-    counts: Counter = Counter()
-    for _ in range(times):
-        token = sample_next_tokens(logits.unsqueeze(0), [params], [generator])
-        counts[int(token[0])] += 1
-    return counts
+def frequencies(params: SamplingParams, logits: torch.Tensor = LOGITS) -> dict[int, float]:
+    """Token frequencies over DRAWS rows of one batch (seeded rows at DRAWS positions)."""
+    torch.manual_seed(0)
+    batch = logits.unsqueeze(0).expand(DRAWS, -1)
+    tokens = sample(batch, [params] * DRAWS, range(DRAWS)).tokens
+    counts = Counter(tokens.tolist())
+    return {token: count / DRAWS for token, count in counts.items()}
 
 
-def test_greedy_takes_the_argmax_per_row() -> None:
-    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9], [0.0, 0.0, 0.5]])
-    params = [SamplingParams(temperature=0.0)] * 3
-    tokens = sample_next_tokens(logits, params, [None, None, None])
-    assert tokens.tolist() == [1, 0, 2]
-    assert tokens.dtype == torch.long
+def test_greedy_rows_take_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9], [0.0, 0.0, 0.5], [2.0, 1.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1e-6),  # below the greedy threshold
+        SamplingParams(temperature=5.0, top_k=1),  # one candidate: greedy at any temperature
+        SamplingParams(temperature=0.0, seed=3),
+    ]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = sample(logits.to(dtype), params, [0, 1, 2, 3])
+        assert out.tokens.tolist() == [1, 0, 2, 0]
+        assert out.tokens.dtype == torch.long and out.logprobs is None
 
 
-def test_top_k_1_is_greedy_even_at_high_temperature() -> None:
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(temperature=5.0, top_k=1, seed=i) for i in range(6)]
-    generators = [make_generator(i, "cpu") for i in range(6)]
-    assert sample_next_tokens(logits, params, generators).tolist() == logits.argmax(-1).tolist()
-
-
-def test_sampling_follows_the_distribution() -> None:
-    counts = draw(SamplingParams(temperature=1.0), 4000)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_follows_the_distribution(seeded: bool) -> None:
+    seen = frequencies(SamplingParams(temperature=1.0, seed=11 if seeded else None))
     for token, probability in enumerate(PROBS.tolist()):
-        assert counts[token] / 4000 == pytest.approx(probability, abs=0.03)
+        assert seen.get(token, 0.0) == pytest.approx(probability, abs=0.03)
 
 
 def test_top_k_keeps_only_the_k_most_likely() -> None:
-    counts = draw(SamplingParams(temperature=1.0, top_k=2), 2000)
-    assert set(counts) == {0, 1}
-    # Renormalised over the two survivors: 0.5 / 0.8 and 0.3 / 0.8.
-    assert counts[0] / 2000 == pytest.approx(0.625, abs=0.04)
+    seen = frequencies(SamplingParams(temperature=1.0, top_k=2, seed=5))
+    assert set(seen) == {0, 1}
+    assert seen[0] == pytest.approx(0.625, abs=0.03)  # renormalised: 0.5 / 0.8
 
 
 @pytest.mark.parametrize(
     ("top_p", "survivors"),
     # Away from the exact cumulative sums (0.5, 0.8, 0.95), where rounding decides.
-    [(0.45, {0}), (0.6, {0, 1}), (0.79, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3})],
+    [(1e-9, {0}), (0.45, {0}), (0.6, {0, 1}), (0.85, {0, 1, 2}), (0.99, {0, 1, 2, 3})],
 )
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, survivors: set[int]) -> None:
-    counts = draw(SamplingParams(temperature=1.0, top_p=top_p), 1500)
-    assert set(counts) == survivors
+    assert set(frequencies(SamplingParams(temperature=1.0, top_p=top_p))) == survivors
 
 
 def test_top_k_and_top_p_combine() -> None:
     # top_k=3 leaves 0.5/0.3/0.15 (renormalised 0.526/0.316/0.158); top_p=0.8 then drops token 2.
-    counts = draw(SamplingParams(temperature=1.0, top_k=3, top_p=0.8), 1500)
-    assert set(counts) == {0, 1}
+    assert set(frequencies(SamplingParams(temperature=1.0, top_k=3, top_p=0.8))) == {0, 1}
+
+
+def test_top_k_ties_at_the_boundary_keep_the_lowest_ids() -> None:
+    seen = frequencies(SamplingParams(temperature=1.0, top_k=3, seed=2), torch.zeros(10))
+    assert set(seen) == {0, 1, 2}
 
 
 def test_temperature_sharpens_and_flattens() -> None:
-    cold = draw(SamplingParams(temperature=0.2), 1000)
-    hot = draw(SamplingParams(temperature=5.0), 1000)
-    assert cold[0] > 900  # 0.5 vs 0.3 at T=0.2: ~93% on token 0
-    assert hot[3] > 120  # nearly uniform at T=5: the 5% token reaches ~18%
+    cold = frequencies(SamplingParams(temperature=0.2))
+    hot = frequencies(SamplingParams(temperature=5.0))
+    assert cold[0] > 0.9  # 0.5 vs 0.3 at T=0.2: ~93% on token 0
+    assert hot[3] > 0.12  # nearly uniform at T=5: the 5% token reaches ~18%
 
 
-def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch() -> None:
+def test_a_seeded_row_does_not_depend_on_its_batch_mates() -> None:
+    vocab = 50
+    target = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
+    mine = SamplingParams(temperature=1.0, top_p=0.95, seed=7)
+    mates = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=5, seed=8),
+        SamplingParams(temperature=2.0, seed=7),  # same seed, other logits and position
+    ]
+
+    def tokens_in(batch_mates: list[SamplingParams], row: int) -> list[int]:
+        out = []
+        for position in range(30):
+            logits = torch.randn(len(batch_mates) + 1, vocab)
+            logits[row] = target
+            params = [*batch_mates[:row], mine, *batch_mates[row:]]
+            positions = [position if i == row else 99 for i in range(len(params))]
+            out.append(int(sample(logits, params, positions).tokens[row]))
+        return out
+
+    alone = tokens_in([], 0)
+    assert tokens_in(mates, 2) == alone
+    assert tokens_in(mates[:2], 0) == alone
+    assert tokens_in(mates[1:], 3) == alone
+    assert len(set(alone)) > 5  # it really sampled
+
+
+def test_seeds_and_positions_change_the_draw() -> None:
+    logits = torch.zeros(20, 1000)  # uniform: 20 agreeing draws would be a broken hash
+
+    def draws(seed: int, first_position: int) -> list[int]:
+        params = [SamplingParams(temperature=1.0, seed=seed)] * 20
+        return sample(logits, params, range(first_position, first_position + 20)).tokens.tolist()
+
+    assert draws(1, 0) == draws(1, 0)
+    assert draws(1, 0) != draws(2, 0)
+    assert draws(2**63 - 1, 0) != draws(0, 0)
+    # The draw belongs to (seed, position), not to the row that carries it.
+    assert draws(1, 0)[1:] == draws(1, 1)[:-1]
+
+
+def test_hashed_noise_is_exact_integer_arithmetic() -> None:
+    # A plain-Python lowbias32 gives the same bits: no int64 overflow anywhere, so every device
+    # computes the same noise.
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    key = sampler._row_key(2**63 - 1, 123_456)
+    low, high = key & 0xFFFFFFFF, key >> 32
+    vocab = 3000
+    noise = sampler._hashed_gumbel(torch.tensor([[low, high]]), vocab)[0]
+    for column in (0, 1, 2**11, vocab - 1):
+        state = mix(mix((column + low) & 0xFFFFFFFF) ^ high)
+        uniform = (state + 0.5) * 2.0**-32
+        assert float(noise[column]) == pytest.approx(-math.log(-math.log(uniform)), rel=1e-6)
+    assert torch.isfinite(noise).all()
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_chosen_tokens() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, return_log_probs=True), SamplingParams()]
+    out = sample(logits, params, [0, 0])
+    assert out.logprobs is not None
+    tokens, logprobs = out.tolist()
+    assert tokens[0] == 2 and isinstance(tokens[1], int)
+    assert logprobs is not None
+    assert logprobs[0] == pytest.approx(3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3)))
+    assert logprobs[1] == pytest.approx(-math.log(3))  # temperature does not change it
+
+
+def test_tolist_keeps_large_token_ids_exact() -> None:
+    out = SampleOutput(torch.tensor([128_255, 0]), torch.tensor([-0.5, -1e30]))
+    assert out.tolist() == ([128_255, 0], [-0.5, pytest.approx(-1e30)])
+
+
+def test_mismatched_lengths_are_errors() -> None:
+    with pytest.raises(ValueError, match="positions"):
+        sample(torch.zeros(2, 5), [SamplingParams()] * 2, [0])
+    with pytest.raises(ValueError, match="do not match"):
+        sample(torch.zeros(2, 5), [SamplingParams()], [0])
+
+
+# -------------------------------------------------- the earlier interface, still used by callers
+
+
+def test_wrapper_seeded_generators_do_not_depend_on_the_batch() -> None:
     vocab = 40
     target = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=7)
 
-    def tokens_for(batch_mates: int, position: int) -> list[int]:
+    def tokens_for(batch_mates: int, row: int) -> list[int]:
         generator = make_generator(7, "cpu")
         others = [SamplingParams(temperature=1.3, top_p=0.9)] * batch_mates
         out = []
-        for step in range(25):
-            noise = torch.randn(
-                batch_mates + 1, vocab, generator=torch.Generator().manual_seed(step)
-            )
-            logits = noise.clone()
-            logits[position] = target
-            row_params = [*others[:position], params, *others[position:]]
+        for _ in range(25):
+            logits = torch.randn(batch_mates + 1, vocab)
+            logits[row] = target
+            row_params = [*others[:row], params, *others[row:]]
             generators: list[torch.Generator | None] = [None] * (batch_mates + 1)
-            generators[position] = generator
-            out.append(int(sample_next_tokens(logits, row_params, generators)[position]))
+            generators[row] = generator
+            out.append(int(sample_next_tokens(logits, row_params, generators)[row]))
         return out
 
     alone = tokens_for(0, 0)
     assert tokens_for(3, 2) == alone
     assert tokens_for(5, 0) == alone
-    assert len(set(alone)) > 3  # it really sampled
+    assert len(set(alone)) > 3
 
 
-def test_different_seeds_give_different_tokens() -> None:
-    logits = torch.zeros(1, 1000)  # uniform: two seeds agreeing on 20 draws is ~impossible
-    params = [SamplingParams(temperature=1.0)]
-
-    def tokens(seed: int) -> list[int]:
-        generator = make_generator(seed, "cpu")
-        return [int(sample_next_tokens(logits, params, [generator])[0]) for _ in range(20)]
-
-    assert tokens(1) == tokens(1)
-    assert tokens(1) != tokens(2)
+def test_wrapper_greedy_and_logprobs() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [float("nan"), 0.0, 1.0]])
+    params = [SamplingParams(temperature=0.0)] * 2
+    tokens = sample_next_tokens(logits, params, [None, None])
+    assert tokens.tolist() == [1, 2]
+    logprobs = token_logprobs(logits, tokens)
+    assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
 
 
-def test_mixed_batch_greedy_rows_stay_greedy() -> None:
-    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(5))
-    params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.0, seed=1),
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.7, top_k=5, seed=2),
-    ]
-    generators = [None, make_generator(1, "cpu"), None, make_generator(2, "cpu")]
-    tokens = sample_next_tokens(logits, params, generators)
-    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
-    top5 = set(logits[3].topk(5).indices.tolist())
-    assert int(tokens[3]) in top5
-
-
-def test_token_logprobs_are_the_raw_log_softmax() -> None:
-    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    tokens = torch.tensor([2, 1])
-    logprobs = token_logprobs(logits, tokens).tolist()
-    expected_first = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
-    assert logprobs[0] == pytest.approx(expected_first)
-    assert logprobs[1] == pytest.approx(-math.log(3))
-    assert all(lp <= 0 for lp in logprobs)
-
-
-def test_shape_mismatch_is_an_error() -> None:
-    with pytest.raises(ValueError, match="do not match"):
-        sample_next_tokens(torch.zeros(2, 5), [SamplingParams()], [None])
-
-
-def test_unseeded_requests_get_no_generator() -> None:
+def test_make_generator_only_for_seeded_requests() -> None:
     assert make_generator(None, "cpu") is None
     generator = make_generator(5, "cpu")
     assert generator is not None and generator.initial_seed() == 5

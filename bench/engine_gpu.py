@@ -1,0 +1,369 @@
+"""GPU engine throughput on random-weight Llamas of real shapes (issue 10, "What it must show" 1).
+
+    python bench/engine_gpu.py --shape both              # 1B and 8B shapes on one GPU
+    python bench/engine_gpu.py --shape 1b --quick        # fewer requests, shorter outputs
+    python bench/engine_gpu.py --device cpu --shape tiny --quick   # smoke test without a GPU
+
+For each shape it writes a random-weight ``LlamaForCausalLM`` (tied embeddings) to a temporary
+directory in the benchmark dtype, runs the workload (by default 256 requests, prompts of 32-512
+tokens, outputs of 32-256 tokens, greedy, EOS ignored, all submitted at once) and prints, in
+one run:
+
+* dpserve's ``ModelRunner`` driven by its ``step()`` loop: output tok/s, p50/p99
+  time-to-first-token and inter-token latency, and its KV pool as ``stats()`` reports it;
+* the full stack (``dpserve coordinator`` + one ``dpserve engine`` process + an
+  ``InferenceClient``), through ``bench/engine.py``'s ``run_through_coordinator``;
+* one static HF ``generate`` batch (``bench/engine.py``'s ``run_static_batch``);
+* the decode roofline: the bytes every decode step must read (all weights, and the KV cache of
+  every running sequence) over the memory bandwidth measured by timing a large device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine import Workload, run_static_batch, run_through_coordinator
+from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.runner import EngineRequest
+from dpserve.models import load_model_and_tokenizer
+from dpserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # keys and values of every layer, 2-byte dtype
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2
+
+
+SHAPES = {
+    "tiny": LlamaShape(128, 2, 4, 2, 256, 1024),  # CPU smoke test
+    "1b": LlamaShape(2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B's shape
+    "8b": LlamaShape(4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B's shape
+}
+# The issue's static batch for the 8B shape was 64: HF's padded cache at 256 rows of 768
+# columns and its attention temporaries do not leave room.
+STATIC_BATCH = {"tiny": 256, "1b": 256, "8b": 64}
+CONTEXT = 2048
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(shape: LlamaShape, directory: Path, device: str, dtype: torch.dtype) -> Path:
+    """A random-weight Llama of ``shape`` and a small BPE tokenizer (its ids are a prefix of
+    the model's vocabulary: the workload is token ids, and unknown ids decode to nothing)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_model import build_tiny_model
+
+    build_tiny_model(directory)  # the tokenizer; its model files are replaced below
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=CONTEXT,
+        rope_theta=500_000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    # Initialised on the device, in the target dtype: an 8B fp32 init on the CPU takes minutes.
+    with torch.device(device), default_dtype(dtype):
+        model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    del model
+    release_memory()
+    return directory
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_workload(requests: int, vocab: int, quick: bool, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    longest_output = 64 if quick else 256
+    return [
+        (
+            [rng.randrange(16, vocab) for _ in range(rng.randint(32, 512))],
+            rng.randint(32, longest_output),
+        )
+        for _ in range(requests)
+    ]
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    size = (2 << 30) if device == "cuda" else (256 << 20)
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    synchronize(device)
+    copies = 10 if device == "cuda" else 3
+    start = time.perf_counter()
+    for _ in range(copies):
+        target.copy_(source)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    del source, target
+    return 2 * size * copies / seconds
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_roofline(
+    workload: Workload, weight_bytes: int, shape: LlamaShape, bandwidth: float
+) -> float:
+    """Output tok/s if every decode step only streamed the weights and the running sequences'
+    KV cache at ``bandwidth`` (all requests decode together; prefill not counted)."""
+    total_bytes = 0
+    total_tokens = 0
+    for step in range(max(wanted for _, wanted in workload)):
+        running = [len(prompt) + step for prompt, wanted in workload if wanted > step]
+        total_bytes += weight_bytes + sum(running) * shape.kv_bytes_per_token
+        total_tokens += len(running)
+    return total_tokens / (total_bytes / bandwidth)
+
+
+@dataclass
+class EngineRun:
+    seconds: float
+    tokens: int
+    first_token: list[float] = field(default_factory=list)  # seconds after submission
+    between_tokens: list[float] = field(default_factory=list)
+
+
+def engine_params(wanted: int, vocab: int) -> SamplingParams:
+    # ignore_eos, and a termination id no model produces for runners that predate it.
+    return SamplingParams(
+        temperature=0.0, num_tokens_to_generate=wanted, ignore_eos=True, termination_id=vocab
+    )
+
+
+def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str) -> EngineRun:
+    """All requests submitted at once, then ``step()`` until no work; latencies per token."""
+    start = time.perf_counter()
+    for request_id, (prompt, wanted) in enumerate(workload):
+        runner.add(EngineRequest(request_id, prompt, engine_params(wanted, vocab)))
+    run = EngineRun(0.0, 0)
+    last_seen: dict[int, float] = {}
+    while runner.has_work():
+        updates = runner.step()
+        now = time.perf_counter()
+        for update in updates:
+            if not update.tokens:
+                continue
+            run.tokens += len(update.tokens)
+            previous = last_seen.get(update.request_id)
+            if previous is None:
+                run.first_token.append(now - start)
+            else:
+                run.between_tokens.extend(
+                    [(now - previous) / len(update.tokens)] * len(update.tokens)
+                )
+            last_seen[update.request_id] = now
+    synchronize(device)
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def runner_kwargs(capacity: int, device: str, dtype: str) -> dict[str, Any]:
+    """The constructor arguments this ``ModelRunner`` accepts (its signature is evolving)."""
+    wanted = {"device": device, "dtype": dtype, "max_batch_size": capacity}
+    accepted = inspect.signature(ModelRunner).parameters
+    dropped = sorted(set(wanted) - set(accepted))
+    if dropped:
+        print(f"  (this ModelRunner takes no {', '.join(dropped)}: left at its defaults)")
+    return {name: value for name, value in wanted.items() if name in accepted}
+
+
+def percentiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "n/a"
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return f"p50 {cuts[49] * 1e3:.1f} ms, p99 {cuts[98] * 1e3:.1f} ms"
+
+
+def kv_pool(stats: dict[str, Any]) -> str:
+    found = {k: v for k, v in stats.items() if any(word in k for word in ("block", "kv", "pool"))}
+    if not found:
+        return f"not reported by this ModelRunner (stats keys: {', '.join(sorted(stats))})"
+    return ", ".join(f"{key} {value}" for key, value in sorted(found.items()))
+
+
+def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]:
+    """Runs every method on one shape; returns its printed result lines."""
+    shape = SHAPES[name]
+    path = build_model(shape, scratch / name, args.device, getattr(torch, args.dtype))
+    workload = make_workload(args.requests, shape.vocab, args.quick)
+    wanted = sum(n for _, n in workload)
+    bandwidth = measure_bandwidth(args.device)
+    results: dict[str, tuple[float, int] | str] = {}
+
+    model, tokenizer = load_model_and_tokenizer(str(path), args.dtype, args.device)
+    params = sum(p.numel() for p in model.parameters())
+    roofline = decode_roofline(workload, params * model.dtype.itemsize, shape, bandwidth)
+    outputs = [n for _, n in workload]
+    lines = [
+        f"== {name} shape: {params / 1e6:,.1f}M params, {args.dtype} on {device_name(args.device)}",
+        f"   {len(workload)} requests, prompts 32-512 tokens, outputs {min(outputs)}-"
+        f"{max(outputs)} ({wanted} tokens), greedy, EOS ignored, all at once",
+        f"   memory bandwidth (copy) {bandwidth / 1e9:,.0f} GB/s -> decode roofline "
+        f"{roofline:,.0f} tok/s",
+    ]
+    print("\n".join(lines), flush=True)
+    if "static" not in args.skip:
+        static = workload[: min(len(workload), STATIC_BATCH[name])]
+        method = f"static HF generate (batch {len(static)})"
+        results[method] = run_static(model, static, tokenizer.pad_token_id, args.device)
+    del model
+    release_memory()
+
+    runner = ModelRunner(str(path), **runner_kwargs(args.capacity, args.device, args.dtype))
+    run_engine(runner, [(p, min(n, 4)) for p, n in workload[:32]], shape.vocab, args.device)
+    engine = run_engine(runner, workload, shape.vocab, args.device)
+    results["dpserve ModelRunner"] = (engine.seconds, engine.tokens)
+    pool = kv_pool(runner.stats())
+    del runner
+    release_memory()
+
+    if "stack" not in args.skip:
+        results["dpserve full stack (1 engine)"] = run_stack(path, workload, args)
+    report = [
+        *format_table(results, roofline, wanted),
+        f"   ModelRunner time to first token: {percentiles(engine.first_token)}; "
+        f"inter-token latency: {percentiles(engine.between_tokens)}",
+        f"   ModelRunner KV pool: {pool}",
+    ]
+    print("\n".join(report), flush=True)
+    return lines + report
+
+
+def run_static(model: Any, workload: Workload, pad_id: int, device: str) -> tuple[float, int]:
+    model.generation_config.eos_token_id = None  # every row generates its full length
+    with torch.inference_mode():
+        run_static_batch(model, [(workload[0][0], 2)], pad_id)  # warm-up
+        start = time.perf_counter()
+        tokens = run_static_batch(model, workload, pad_id)
+        synchronize(device)
+    return time.perf_counter() - start, tokens
+
+
+def run_stack(path: Path, workload: Workload, args: argparse.Namespace) -> tuple[float, int] | str:
+    engine_args = ("--device", args.device, "--dtype", args.dtype)
+    try:
+        return run_through_coordinator(
+            str(path), workload, args.capacity, startup_timeout=900, engine_args=engine_args
+        )
+    except Exception as exc:  # report it, keep the other figures
+        return f"failed: {type(exc).__name__}: {exc}"
+
+
+def format_table(
+    results: dict[str, tuple[float, int] | str], roofline: float, wanted: int
+) -> list[str]:
+    rows = [f"   {'method':<34} {'seconds':>8} {'tokens':>8} {'tok/s':>10} {'of roofline':>11}"]
+    for method, outcome in results.items():
+        if isinstance(outcome, str):
+            rows.append(f"   {method:<34} {outcome}")
+            continue
+        seconds, tokens = outcome
+        rate = tokens / seconds
+        note = "" if tokens == wanted or method.startswith("static") else f"  (wanted {wanted})"
+        share = rate / roofline
+        rows.append(f"   {method:<34} {seconds:8.2f} {tokens:8d} {rate:10,.0f} {share:10.1%}{note}")
+    return rows
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return "CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="32 requests, outputs of 32-64 tokens")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    parser.add_argument("--capacity", type=int, default=256, help="ModelRunner max_batch_size")
+    parser.add_argument("--skip", action="append", default=[], help="static, stack (repeatable)")
+    args = parser.parse_args(argv)
+    if args.requests is None:
+        args.requests = 32 if args.quick else 256
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --device cpu --shape tiny for a smoke test")
+    shapes = ["1b", "8b"] if args.shape == "both" else [args.shape]
+    print(environment(), flush=True)
+    report = [environment()]
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in shapes:
+            report += bench_shape(name, args, Path(scratch))
+            shutil.rmtree(Path(scratch) / name)  # an 8B checkpoint is 15 GB of disk
+    print("\n--- summary ---\n" + "\n".join(report))
+    return 0
+
+
+def environment() -> str:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return (
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+        f"triton {triton_version}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""Paged decode attention as a Triton split-K ("flash-decoding") kernel.
+
+Same inputs and output as ``paged_attention.paged_decode_attention_reference`` (the layout is
+documented there). Two launches:
+
+1. ``_split_kernel``, one program per (sequence, KV head, KV split): it loads the queries of
+   every query head that reads this KV head (grouped-query attention: K and V are read once for
+   the whole group), walks its span of the sequence's tokens through the block table in tiles,
+   and keeps an online softmax in fp32. It writes the split's normalised output and its
+   log-sum-exp (base 2).
+2. ``_reduce_kernel``, one program per (sequence, query head): merges the splits by their
+   log-sum-exp.
+
+Splitting the KV span is what keeps the GPU busy when ``batch x KV heads`` is smaller than the
+number of SMs (short batches, long contexts). The split count depends only on shapes, never on
+``seq_lens`` values, so a call never synchronises with the device and can be captured in a CUDA
+graph; splits that start past a sequence's end exit at once.
+
+Triton is optional: the module imports without it and only the call raises. On CPU tensors the
+kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the engine works without Triton; only this kernel needs it
+    triton = None
+    tl = None
+
+# Tokens per tile: tl.dot needs every dimension >= 16, so the query group is padded up to 16.
+_MIN_DOT_DIM = 16
+_GPU_TILE_TOKENS = 64
+# The interpreter runs every program in numpy: smaller tiles keep the tests quick.
+_INTERPRETER_TILE_TOKENS = 16
+# A split shorter than this costs more in its merge than it saves in parallelism.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 128
+# Aim for this many programs per SM, so tails of uneven sequence lengths overlap.
+_PROGRAMS_PER_SM = 2
+
+
+class TritonUnavailable(RuntimeError):
+    """The Triton kernel was called where it cannot run."""
+
+
+def _split_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    block_size,
+    split_tokens,
+    query_stride_batch,
+    query_stride_head,
+    cache_stride_block,
+    cache_stride_token,
+    cache_stride_head,
+    table_stride_batch,
+    part_stride_batch,
+    part_stride_head,
+    part_stride_split,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    sequence = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(seq_lens_ptr + sequence)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, length)
+
+    group = tl.arange(0, BLOCK_GROUP)
+    dims = tl.arange(0, BLOCK_DIM)
+    heads = kv_head * GROUP + group
+    group_mask = group < GROUP
+    dim_mask = dims < HEAD_DIM
+    query = tl.load(
+        query_ptr
+        + sequence.to(tl.int64) * query_stride_batch
+        + heads[:, None] * query_stride_head
+        + dims[None, :],
+        mask=group_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+    running_max = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_GROUP], tl.float32)
+    acc = tl.zeros([BLOCK_GROUP, BLOCK_DIM], tl.float32)
+    table_row = block_tables_ptr + sequence.to(tl.int64) * table_stride_batch
+    for tile_start in range(start, end, BLOCK_TOKENS):
+        tokens = tile_start + tl.arange(0, BLOCK_TOKENS)
+        token_mask = tokens < end
+        blocks = tl.load(table_row + tokens // block_size, mask=token_mask, other=0)
+        rows = (
+            blocks.to(tl.int64) * cache_stride_block
+            + (tokens % block_size) * cache_stride_token
+            + kv_head * cache_stride_head
+        )
+        load_mask = token_mask[:, None] & dim_mask[None, :]
+        keys = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=load_mask, other=0.0)
+        scores = tl.dot(query.to(keys.dtype), tl.trans(keys), input_precision=DOT_PRECISION)
+        scores = tl.where(token_mask[None, :], scores * scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        weights = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(running_max - new_max)
+        running_sum = running_sum * rescale + tl.sum(weights, 1)
+        values = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=load_mask, other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(
+            weights.to(values.dtype), values, input_precision=DOT_PRECISION
+        )
+        running_max = new_max
+
+    # An empty split (it starts past the sequence's end) leaves sum 0: output 0, lse -inf.
+    nonempty = running_sum > 0
+    out = acc / tl.where(nonempty, running_sum, 1.0)[:, None]
+    lse = running_max + tl.log2(tl.where(nonempty, running_sum, 1.0))
+    part = (
+        sequence.to(tl.int64) * part_stride_batch
+        + heads * part_stride_head
+        + split * part_stride_split
+    )
+    tl.store(
+        partial_out_ptr + part[:, None] + dims[None, :],
+        out,
+        mask=group_mask[:, None] & dim_mask[None, :],
+    )
+    # partial_lse is partial_out without its last dimension (both contiguous).
+    tl.store(partial_lse_ptr + part // HEAD_DIM, lse, mask=group_mask)
+
+
+def _reduce_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_splits,
+    out_stride_batch,
+    out_stride_head,
+    part_stride_batch,
+    part_stride_head,
+    part_stride_split,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    sequence = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    dims = tl.arange(0, BLOCK_DIM)
+    split_mask = splits < num_splits
+    dim_mask = dims < HEAD_DIM
+    base = sequence.to(tl.int64) * part_stride_batch + head * part_stride_head
+    part = base + splits * part_stride_split
+    lse = tl.load(partial_lse_ptr + part // HEAD_DIM, mask=split_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    # A sequence with no tokens at all (a padding row) has every lse at -inf: output 0.
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp2(lse - top)
+    total = tl.sum(weights, 0)
+    outs = tl.load(
+        partial_out_ptr + part[:, None] + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    merged = tl.sum(outs * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + sequence.to(tl.int64) * out_stride_batch + head * out_stride_head + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _kernels(interpret: bool) -> tuple[Any, Any]:
+    # Decorated on first use, not at import: triton.jit picks the interpreter or the compiler
+    # from TRITON_INTERPRET when it decorates, so the choice follows the environment of the
+    # first call (and the cache key keeps the two apart).
+    del interpret
+    return triton.jit(_split_kernel), triton.jit(_reduce_kernel)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """KV splits per sequence: enough programs to fill the device, no split under
+    ``_MIN_SPLIT_TOKENS`` tokens. Depends on shapes only (no device synchronisation)."""
+    processors = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    wanted = math.ceil(_PROGRAMS_PER_SM * processors / max(1, batch * num_kv_heads))
+    by_length = math.ceil(max_tokens / _MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected query [batch, heads, dim] and caches [blocks, block_size, kv_heads, dim], "
+            f"got {tuple(query.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads of "
+            f"dim {k_cache.shape[3]}"
+        )
+    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError("block_tables and seq_lens need one row per query")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or query.stride(2) != 1:
+        raise ValueError("the caches need the same strides and contiguous head dimensions")
+    devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if triton is None:
+        raise TritonUnavailable(
+            "paged_decode_attention_triton needs the triton package (it ships with torch's CUDA "
+            "wheels; `pip install triton` elsewhere); use paged_decode_attention_reference"
+        )
+    if query.device.type == "cpu" and not _interpreting():
+        raise TritonUnavailable(
+            "CPU tensors run the Triton kernel only in Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before triton is imported, or use paged_decode_attention_reference"
+        )
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``[batch, num_heads, head_dim]`` attention output for one new token per sequence; the
+    layout is ``paged_attention``'s. ``num_splits`` overrides ``default_num_splits``. A row with
+    ``seq_lens == 0`` (batch padding) gets zeros."""
+    _check_inputs(query, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    interpret = query.device.type == "cpu"
+    tile = _INTERPRETER_TILE_TOKENS if interpret else _GPU_TILE_TOKENS
+    max_tokens = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_tokens, query.device)
+    split_tokens = tile * math.ceil(math.ceil(max(1, max_tokens) / num_splits) / tile)
+    num_splits = max(1, math.ceil(max_tokens / split_tokens))
+
+    partial_out = torch.empty(
+        batch, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32
+    )
+    partial_lse = torch.empty(
+        batch, num_heads, num_splits, device=query.device, dtype=torch.float32
+    )
+    out = torch.empty_like(query)
+    block_dim = max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    split_kernel, reduce_kernel = _kernels(interpret)
+    gpu_options: dict[str, int] = {} if interpret else {"num_warps": 4, "num_stages": 2}
+    split_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        scale * math.log2(math.e),
+        block_size,
+        split_tokens,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_GROUP=max(_MIN_DOT_DIM, triton.next_power_of_2(group)),
+        BLOCK_DIM=block_dim,
+        BLOCK_TOKENS=tile,
+        # fp32 caches get exact fp32 products (not TF32): fp32 is the correctness mode.
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        **gpu_options,
+    )
+    reduce_kernel[(batch, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        HEAD_DIM=head_dim,
+        BLOCK_DIM=block_dim,
+        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        **({} if interpret else {"num_warps": 4}),
+    )
+    return out
