@@ -130,9 +130,11 @@ def _client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | 
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
+    from dpserve.engine.runner import Runner
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
+    runner: Runner
     if args.fake:
         from dpserve.engine.fake import FakeRunner
 
