@@ -18,6 +18,7 @@ serve: setup
 test: setup control-plane
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMP)
@@ -38,6 +39,7 @@ control-plane:
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/pip install --quiet --no-deps megatron-core==0.16.1
@@ -45,4 +47,4 @@ bench: setup
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache

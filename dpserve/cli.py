@@ -183,9 +183,11 @@ def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
+    from dpserve.engine.runner import Runner
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
+    runner: Runner
     if args.fake:
         from dpserve.engine.fake import FakeRunner
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
@@ -47,14 +48,18 @@ def add_request_limits(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("request limits (docs/security.md)")
     for field in dataclasses.fields(RequestLimits):
         _add(
-            group, request_limit_flag(field.name), field, DEFAULT_REQUEST_LIMITS, REQUEST_LIMIT_HELP
+            group,
+            request_limit_flag(field.name),
+            field.name,
+            DEFAULT_REQUEST_LIMITS,
+            REQUEST_LIMIT_HELP,
         )
 
 
 def add_http_limits(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP timeouts and connections (docs/security.md)")
     for field in dataclasses.fields(HttpLimits):
-        _add(group, http_limit_flag(field.name), field, DEFAULT_HTTP_LIMITS, HTTP_LIMIT_HELP)
+        _add(group, http_limit_flag(field.name), field.name, DEFAULT_HTTP_LIMITS, HTTP_LIMIT_HELP)
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -66,26 +71,34 @@ def http_limits(args: argparse.Namespace) -> HttpLimits:
 
 
 def _add(
-    group: Any, flag: str, field: dataclasses.Field, defaults: Any, helps: dict[str, str]
+    group: argparse._ArgumentGroup,
+    flag: str,
+    name: str,
+    defaults: RequestLimits | HttpLimits,
+    helps: Mapping[str, str],
 ) -> None:
     prefix = "http_" if isinstance(defaults, HttpLimits) else "limit_"
-    kind = float if isinstance(getattr(defaults, field.name), float) else int
+    default: int | float = getattr(defaults, name)
+    kind = float if isinstance(default, float) else int
     group.add_argument(
         flag,
-        dest=prefix + field.name,
+        dest=prefix + name,
         type=_positive(kind),
-        default=getattr(defaults, field.name),
+        default=default,
         metavar="N" if kind is int else "SECONDS",
-        help=f"{helps[field.name]} (default: %(default)s)",
+        help=f"{helps[name]} (default: %(default)s)",
     )
 
 
-def _values(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+def _values(
+    args: argparse.Namespace, cls: type[RequestLimits] | type[HttpLimits], prefix: str
+) -> dict[str, Any]:
+    # Any: Namespace attributes are untyped; each one here is the number _positive parsed.
     return {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)}
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")

@@ -51,7 +51,7 @@ class LocalDeployment:
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
 
     def __post_init__(self) -> None:
-        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     @property
     def address(self) -> str:
@@ -201,7 +201,7 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
 
 async def _start_http(
     deployment: LocalDeployment, model_name: str, client: InferenceClient, stop: asyncio.Event
-) -> asyncio.Task:
+) -> asyncio.Task[None]:
     """The HTTP front as a task, once its port accepts connections (the banner promises a
     working URL)."""
     from dpserve.openai.server import FrontConfig, run_http_front
@@ -237,7 +237,7 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     client = InferenceClient(
         deployment.port, handshake_timeout=60, credentials=deployment.client_keys()
     )
-    http_task: asyncio.Task | None = None
+    http_task: asyncio.Task[None] | None = None
     try:
         await client.start()
         ready = asyncio.create_task(deployment.wait_until_ready(client))

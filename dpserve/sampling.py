@@ -106,7 +106,7 @@ class SamplingParams:
         return out
 
     @classmethod
-    def deserialize(cls, data: Any) -> SamplingParams:
+    def deserialize(cls, data: object) -> SamplingParams:
         """Build from a dict; unknown keys and invalid values raise ``InvalidSamplingParams``."""
         if data is None:
             return cls()
@@ -126,18 +126,18 @@ class SamplingParams:
             raise InvalidSamplingParams(str(exc)) from None
 
 
-def _require_number(name: str, value: Any) -> None:
+def _require_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidSamplingParams(f"{name} must be a number, got {type(value).__name__}")
 
 
-def _require_int(name: str, value: Any) -> None:
+def _require_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidSamplingParams(f"{name} must be an integer, got {type(value).__name__}")
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_DEFAULTS = {
-    f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
-    for f in dataclasses.fields(SamplingParams)
+_DEFAULT_PARAMS: Final = SamplingParams()
+_DEFAULTS: Final[dict[str, object]] = {
+    name: getattr(_DEFAULT_PARAMS, name) for name in _FIELD_NAMES
 }

@@ -35,10 +35,10 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import zmq
 import zmq.auth
@@ -240,7 +240,7 @@ def as_peer_keys(credentials: PeerKeys | str | os.PathLike[str], role: str | Non
 class RoleAuthenticator(ThreadAuthenticator):
     """pyzmq's ZAP thread, answering with the peer's role as the connection's User-Id."""
 
-    def __init__(self, context: zmq.Context, roles: Mapping[bytes, str]) -> None:
+    def __init__(self, context: zmq.Context[Any], roles: Mapping[bytes, str]) -> None:
         super().__init__(context, log=logging.getLogger("dpserve.security.zap"))
         self.roles = dict(roles)
         self.denied = 0  # written by the ZAP thread only; read for status
@@ -263,7 +263,7 @@ class RoleAuthenticator(ThreadAuthenticator):
         return False
 
 
-def secure_server(socket: zmq.Socket, keys: ServerKeys) -> RoleAuthenticator:
+def secure_server(socket: zmq.Socket[object], keys: ServerKeys) -> RoleAuthenticator:
     """Make ``socket`` (not yet bound) a CURVE server whose peers the returned, running
     authenticator checks. Stop the authenticator before terminating the context."""
     authenticator = RoleAuthenticator(socket.context, keys.roles)
@@ -277,14 +277,16 @@ def secure_server(socket: zmq.Socket, keys: ServerKeys) -> RoleAuthenticator:
     return authenticator
 
 
-def secure_peer(socket: zmq.Socket, keys: PeerKeys) -> None:
+def secure_peer(socket: zmq.Socket[object], keys: PeerKeys) -> None:
     """Make ``socket`` (not yet connected) a CURVE client of the coordinator."""
     socket.curve_secretkey = keys.secret
     socket.curve_publickey = keys.public
     socket.curve_serverkey = keys.server_public
 
 
-def receive_with_roles(socket: zmq.Socket, limit: int) -> list[tuple[bytes, bytes | None, str]]:
+def receive_with_roles(
+    socket: zmq.Socket[bytes], limit: int
+) -> list[tuple[bytes, bytes | None, str]]:
     """Up to ``limit`` waiting messages of a CURVE ROUTER as (identity, payload, role); the
     payload is None for a message that is not exactly one frame after the identity.
     Two ``recv`` calls cost less than one ``recv_multipart``, which pays back most of
@@ -301,7 +303,9 @@ def receive_with_roles(socket: zmq.Socket, limit: int) -> list[tuple[bytes, byte
                 while recv(zmq.NOBLOCK, copy=False).more:
                     pass
             try:
-                role = frame.get("User-Id")
+                # A bytes name: libzmq's string properties come back as str (pyzmq types a
+                # str name's result as int | str, covering its int options too).
+                role = frame.get(b"User-Id")
             except zmq.ZMQError:  # no User-Id: cannot happen behind our ZAP handler
                 role = ""
             batch.append((identity, payload, role))
@@ -310,8 +314,10 @@ def receive_with_roles(socket: zmq.Socket, limit: int) -> list[tuple[bytes, byte
     return batch
 
 
-def forbidden(role: str, header: Header, fields: list) -> tuple[int | None, str]:
+def forbidden(role: str, header: Header, fields: Sequence[Any]) -> tuple[int | None, str]:
     """The id to name and the reason for refusing ``header`` from a ``role`` connection."""
+    # Any: the fields are decoded MessagePack that no handler has checked; the ref goes back
+    # to the peer as it came.
     ref = fields[0] if header in _FIRST_FIELD_IS_REF else None
     if header in CONTROL_SIGNALS:
         return ref, f"{header.name} needs the admin role; this connection has the {role} role"

@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dpserve import security
@@ -71,7 +72,7 @@ class HttpFront:
         )
         self.created = int(time.time())
 
-    def counted(self, endpoint: str, handler: _ApiHandler) -> Callable[[web.Request], Awaitable]:
+    def counted(self, endpoint: str, handler: _ApiHandler) -> Handler:
         """Wrap an API handler so every request is counted once, by endpoint and outcome."""
         requests = self.metrics.requests
 
@@ -130,7 +131,9 @@ class HttpFront:
     async def coordinator_status(self) -> dict[str, Any] | None:
         """The coordinator's status, or None when it does not answer within STATUS_TIMEOUT."""
         try:
-            status = await asyncio.wait_for(self.client.get_status(), STATUS_TIMEOUT)
+            status: dict[str, Any] = await asyncio.wait_for(
+                self.client.get_status(), STATUS_TIMEOUT
+            )
         except (TimeoutError, ClientError, zmq.ZMQError):  # ZMQError: the client was stopped
             return None
         self._adopt_coordinator_limits(status.get("limits") or {})
@@ -180,9 +183,7 @@ def _refusal(exc: InvalidRequest) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own errors (404, 405, ...) and unexpected exceptions as OpenAI-style JSON."""
     try:
         return await handler(request)
@@ -200,14 +201,12 @@ def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
     return {"Allow": allow} if allow else None
 
 
-def _bearer_auth(tokens: tuple[bytes, ...]) -> Callable:
+def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
     """Require one of ``tokens`` on the API (``/v1/...``); health and metrics stay open for
     probes and scrapers."""
 
     @web.middleware
-    async def require_token(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
+    async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/v1" or request.path.startswith("/v1/"):
             authorization = request.headers.get("Authorization")
             if not security.bearer_token_matches(authorization, tokens):

@@ -34,7 +34,7 @@ def parse_json_body(raw: bytes, limits: RequestLimits) -> dict[str, Any]:
 def check_values(body: dict[str, Any], max_depth: int) -> None:
     """Walk the parsed body once, iteratively: its depth and every string, keys included.
     A refusal names the top-level field it was found under."""
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    stack: list[tuple[object, int, str | None]] = [(body, 1, None)]
     while stack:
         value, depth, field = stack.pop()
         if isinstance(value, str):

@@ -9,14 +9,14 @@ from dpserve.openai.values import is_token_id, json_type
 
 # Message fields other than role and content, accepted only at these values (or null): they
 # ask for tool calling, which this server does not do. Anything else in a message is refused.
-_MESSAGE_NO_OPS: Final[dict[str, tuple[Any, ...]]] = {
+_MESSAGE_NO_OPS: Final[dict[str, tuple[object, ...]]] = {
     "tool_calls": ([],),
     "refusal": ("",),
     "annotations": ([],),
 }
 
 
-def parse_prompt(prompt: Any) -> str | list[int]:
+def parse_prompt(prompt: object) -> str | list[int]:
     """One string or one list of token ids (a one-element list of either is unwrapped)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
@@ -45,7 +45,7 @@ def parse_prompt(prompt: Any) -> str | list[int]:
     )
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
+def parse_messages(messages: object) -> list[dict[str, str]]:
     """Chat messages as ``{role, content}`` with text content (text parts joined by newlines)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest(
@@ -82,7 +82,7 @@ def _refuse_other_fields(message: dict[str, Any], where: str) -> None:
             )
 
 
-def _message_text(content: Any, where: str) -> str:
+def _message_text(content: object, where: str) -> str:
     if content is None:  # an assistant turn that only called tools
         return ""
     if isinstance(content, str):

@@ -45,14 +45,14 @@ class Handling(enum.Enum):
 class Field:
     handling: Handling
     note: str
-    no_ops: tuple[Any, ...] = ()
+    no_ops: tuple[object, ...] = ()
 
 
 def _honoured(note: str) -> Field:
     return Field(Handling.HONOURED, note)
 
 
-def _no_op(note: str, *values: Any) -> Field:
+def _no_op(note: str, *values: object) -> Field:
     return Field(Handling.NO_OP_ONLY, note, values)
 
 
@@ -268,7 +268,7 @@ def _param_named_in(message: str, max_tokens_key: str) -> str | None:
     return min(found)[1] if found else None
 
 
-def _stop_strings(stop: Any, limits: RequestLimits) -> tuple[str, ...]:
+def _stop_strings(stop: object, limits: RequestLimits) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
@@ -284,7 +284,7 @@ def _stop_strings(stop: Any, limits: RequestLimits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _completion_logprobs(value: Any) -> bool:
+def _completion_logprobs(value: object) -> bool:
     # Legacy completions take an int: how many alternatives per token besides the sampled one.
     # 0 (or true) asks for the sampled tokens' log-probs, which is what this server returns.
     if value is None or value is False:
@@ -298,7 +298,7 @@ def _completion_logprobs(value: Any) -> bool:
     )
 
 
-def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+def _stream_options(options: object, stream: bool) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats)"""
     if options is None:
         return False, False

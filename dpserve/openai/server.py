@@ -71,6 +71,7 @@ async def serve_http(
         access_log=logging.getLogger("aiohttp.access") if log.isEnabledFor(logging.DEBUG) else None,
     )
     await runner.setup()
+    assert runner.server is not None  # setup() made it
     _allow_open_files(limits.max_connections)
     try:
         server = await asyncio.get_running_loop().create_server(

@@ -4,25 +4,27 @@ field, so the parsers in ``requests`` read like the API they accept."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 from dpserve.openai.errors import InvalidRequest
 
+_Default = TypeVar("_Default")
 
-def is_int(value: Any) -> bool:
+
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_token_id(value: Any) -> bool:
+def is_token_id(value: object) -> TypeGuard[int]:
     return is_int(value) and 0 <= value < 2**31
 
 
-def same_json(value: Any, expected: Any) -> bool:
+def same_json(value: object, expected: object) -> bool:
     # JSON has one number type: 0 and 0.0 are the same, but true is not 1.
     return isinstance(value, bool) == isinstance(expected, bool) and value == expected
 
 
-def json_type(value: Any) -> str:
+def json_type(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -36,7 +38,7 @@ def json_type(value: Any) -> str:
     return "object"
 
 
-def read_int(body: Mapping[str, Any], name: str, default: Any) -> Any:
+def read_int(body: Mapping[str, Any], name: str, default: _Default) -> int | _Default:
     value = body.get(name)
     if value is None:
         return default
@@ -52,7 +54,7 @@ def read_positive_int(body: Mapping[str, Any], name: str, default: int) -> int:
     value = read_int(body, name, default)
     if value < 1:
         raise InvalidRequest(f"{name} must be >= 1, got {value}", param=name)
-    return int(value)
+    return value
 
 
 def read_number(body: Mapping[str, Any], name: str, default: float) -> float:
