@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dpserve.engine import sampler
 from dpserve.engine.backend import Backend
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -34,7 +35,6 @@ from dpserve.engine.hf_runner import HFBatchRunner
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_runner import PagedConfig, PagedRunner
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
-from dpserve.engine.sampler import make_generator, sample_next_tokens, token_logprobs
 from dpserve.engine.sequences import Sequence
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
@@ -45,15 +45,12 @@ EXECUTORS = ("auto", "llama", "transformers")
 
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
-    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities;
-    the one place that talks to the sampler. (With the batched on-device sampler this becomes
-    ``sampler.sample(logits, params, positions)``, positions being each row's
-    ``context_length()``, the position of the token it samples.)"""
+    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities,
+    with one device-to-host copy. A seeded row's noise depends on the position of the token it
+    samples, so a preempted or resumed sequence draws the same tokens again."""
     params = [sequence.params for sequence in sequences]
-    chosen = sample_next_tokens(logits, params, [s.generator for s in sequences])
-    want_logprobs = any(p.return_log_probs for p in params)
-    logprobs = token_logprobs(logits, chosen).tolist() if want_logprobs else None
-    return chosen.tolist(), logprobs
+    positions = [sequence.context_length() for sequence in sequences]
+    return sampler.sample(logits, params, positions).tolist()
 
 
 class ModelRunner:
@@ -221,7 +218,6 @@ class ModelRunner:
             params=params,
             max_generated=min(params.num_tokens_to_generate, self.context_size - prompt_length),
             stop_ids=stop_ids,
-            generator=make_generator(params.seed, self.device),
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
         )

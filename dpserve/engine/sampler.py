@@ -14,9 +14,6 @@ caller copies them to the host once (``SampleOutput.tolist``).
   float; scores are shifted so the row maximum is 0 before dividing by the temperature (no
   overflow for any valid temperature); the noise is finite; a row with no finite logit at all
   falls back to token 0 through the greedy path. Nothing non-finite reaches an argmax as NaN.
-
-``make_generator`` / ``sample_next_tokens`` / ``token_logprobs`` are the earlier per-generator
-interface, kept as thin wrappers for callers that have not moved to ``sample``.
 """
 
 from __future__ import annotations
@@ -201,46 +198,6 @@ def _chosen_logprobs(clean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     chosen = torch.log_softmax(clean, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     # A row without a finite logit has no distribution: report the lowest finite logprob.
     return torch.nan_to_num(chosen, nan=_LOWEST_LOGPROB, neginf=_LOWEST_LOGPROB)
-
-
-# ------------------------------------------------------------ the earlier interface (wrappers)
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator for a seeded request (``None`` for an unseeded one). It lives on the CPU
-    whatever ``device`` is: ``sample_next_tokens`` draws one 64-bit noise key from it per token,
-    and the noise itself is hashed on the device."""
-    del device  # kept for the callers' signature
-    if seed is None:
-        return None
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
-    return generator
-
-
-def sample_next_tokens(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """Pick one token per row of ``logits`` (``[batch, vocab]``); returns ``[batch]`` int64.
-    A seeded row's noise key comes from its generator: one draw per token, so its tokens do not
-    depend on its batch mates."""
-    if len(params) != len(generators):
-        raise ValueError(f"{len(params)} params do not match {len(generators)} generators")
-    keys = [
-        None
-        if generator is None or params[row].greedy
-        else int(torch.randint(0, 2**63 - 1, (1,), generator=generator)) & _MASK_64
-        for row, generator in enumerate(generators)
-    ]
-    return _sample(logits, params, keys, want_logprobs=False).tokens
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each chosen token under the raw model distribution (no temperature
-    or filtering), as OpenAI-style APIs report it; ``[batch]`` fp32, always finite."""
-    return _chosen_logprobs(_finite_above(logits), tokens)
 
 
 def _finite_above(logits: torch.Tensor) -> torch.Tensor:

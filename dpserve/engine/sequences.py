@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from dpserve.engine.runner import EngineRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
@@ -33,7 +31,6 @@ class Sequence:
     params: SamplingParams
     max_generated: int  # num_tokens_to_generate clamped to the context size
     stop_ids: frozenset[int]  # empty with ignore_eos
-    generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)  # generated so far, resume tokens included
     logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
     emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)

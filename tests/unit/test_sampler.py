@@ -15,10 +15,7 @@ import torch
 from dpserve.engine import sampler
 from dpserve.engine.sampler import (
     SampleOutput,
-    make_generator,
     sample,
-    sample_next_tokens,
-    token_logprobs,
 )
 from dpserve.sampling import SamplingParams
 
@@ -178,42 +175,3 @@ def test_mismatched_lengths_are_errors() -> None:
 
 
 # -------------------------------------------------- the earlier interface, still used by callers
-
-
-def test_wrapper_seeded_generators_do_not_depend_on_the_batch() -> None:
-    vocab = 40
-    target = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
-    params = SamplingParams(temperature=1.0, seed=7)
-
-    def tokens_for(batch_mates: int, row: int) -> list[int]:
-        generator = make_generator(7, "cpu")
-        others = [SamplingParams(temperature=1.3, top_p=0.9)] * batch_mates
-        out = []
-        for _ in range(25):
-            logits = torch.randn(batch_mates + 1, vocab)
-            logits[row] = target
-            row_params = [*others[:row], params, *others[row:]]
-            generators: list[torch.Generator | None] = [None] * (batch_mates + 1)
-            generators[row] = generator
-            out.append(int(sample_next_tokens(logits, row_params, generators)[row]))
-        return out
-
-    alone = tokens_for(0, 0)
-    assert tokens_for(3, 2) == alone
-    assert tokens_for(5, 0) == alone
-    assert len(set(alone)) > 3
-
-
-def test_wrapper_greedy_and_logprobs() -> None:
-    logits = torch.tensor([[0.1, 3.0, -1.0], [float("nan"), 0.0, 1.0]])
-    params = [SamplingParams(temperature=0.0)] * 2
-    tokens = sample_next_tokens(logits, params, [None, None])
-    assert tokens.tolist() == [1, 2]
-    logprobs = token_logprobs(logits, tokens)
-    assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
-
-
-def test_make_generator_only_for_seeded_requests() -> None:
-    assert make_generator(None, "cpu") is None
-    generator = make_generator(5, "cpu")
-    assert generator is not None and generator.initial_seed() == 5
