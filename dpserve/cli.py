@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
+from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
 from dpserve.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger("dpserve")
@@ -127,7 +128,11 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.fake:
         from dpserve.engine.fake import FakeRunner
 
-        runner = FakeRunner(capacity=args.max_batch_size or 256, step_delay=args.step_delay)
+        runner = FakeRunner(
+            capacity=args.max_batch_size or 256,
+            step_delay=args.step_delay,
+            max_context=args.context_size,
+        )
     else:
         from dpserve.engine.model_runner import ModelRunner
         from dpserve.models import resolve_model
@@ -396,6 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
+    engine.add_argument(
+        "--context-size",
+        type=int,
+        default=DEFAULT_FAKE_CONTEXT_SIZE,
+        help="the fake engine's context in tokens (a model's comes from its config)",
+    )
     engine.add_argument("--max-batch-size", type=int, default=None)
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
