@@ -3,7 +3,14 @@
 The listener awaits the socket in the event loop (zmq.asyncio) and then drains every waiting
 message without blocking: no sleep-polling. Every request is kept until its result arrives, so
 when the coordinator restarts (a new instance id, or an UNKNOWN_PEER error) the client connects
-again and resubmits them all; the coordinator de-duplicates by (client, client request id).
+again and resubmits them all; the coordinator de-duplicates by (client, client request id). A
+streaming request is resubmitted with the tokens the caller already has as resume tokens, so
+generation continues after them and no text arrives twice.
+
+A request is encoded when it is submitted: one that cannot be (text that is not valid Unicode,
+token ids out of range) or whose message exceeds the message limit raises ``InvalidRequest``
+at once and is never sent. A message over the coordinator's transport limit would make ZMQ
+drop the whole connection, with every other request on it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 import uuid
@@ -24,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve import protocol, security
+from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import ErrorCode, Header, ProtocolError
 from dpserve.sampling import SamplingParams
 
@@ -38,6 +47,10 @@ class ClientError(RuntimeError):
 
 class CoordinatorUnavailable(ClientError):
     """The coordinator did not answer the handshake in time."""
+
+
+class InvalidRequest(ClientError, ValueError):
+    """The client refused a request before sending it; the message says why."""
 
 
 class ClientStopped(ClientError):
@@ -82,6 +95,8 @@ class _Pending:
     submitted_at: float
     chunks: asyncio.Queue | None = None  # set for streaming requests
     first_token_at: float | None = None
+    # Packed tokens the caller already received (streams): a resubmission resumes after them.
+    received: bytearray | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,10 +183,14 @@ class InferenceClient:
         handshake_timeout: float = 10.0,
         heartbeat_interval: float = 0.5,
         credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
     ) -> None:
         """``credentials``: a client's keys, or a credentials directory (its admin key if it
-        holds one, else its client key), for a coordinator that requires CURVE."""
+        holds one, else its client key), for a coordinator that requires CURVE.
+        ``max_message_bytes``: requests whose message is larger are refused before sending
+        (the coordinator's ``--max-message-bytes``)."""
         self.address = coordinator_address(inference_coordinator_port)
+        self.max_message_bytes = max_message_bytes
         # Loaded before any socket exists: a bad directory raises without leaking a context.
         self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
@@ -284,29 +303,70 @@ class InferenceClient:
             raise ClientError("call await client.start() before submitting requests")
         if stream != params.stream:
             params = dataclasses.replace(params, stream=stream)
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-            wire_prompt = prompt
-        else:
-            wire_prompt = protocol.pack_tokens(prompt)
         request_id = self._new_id()
+        wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))
         pending = _Pending(
             wire_prompt,
-            _wire_params(params),
+            wire_params,
             future,
             time.monotonic(),
             asyncio.Queue() if stream else None,
+            received=bytearray() if stream else None,
         )
         self._pending[request_id] = pending
         self.completion_futures[request_id] = future
-        self._send_submit(request_id, pending)
+        self._send(payload)
         return pending
 
-    def _send_submit(self, request_id: int, pending: _Pending) -> None:
-        self._send(
-            protocol.encode(Header.SUBMIT_REQUEST, request_id, pending.prompt, pending.params)
-        )
+    def _encode_submit(
+        self, request_id: int, prompt: Prompt, params: SamplingParams
+    ) -> tuple[str | bytes | list, dict, bytes]:
+        """The request's wire prompt, parameters and SUBMIT_REQUEST message; raises
+        ``InvalidRequest`` for what could never be sent (so a resubmission cannot fail)."""
+        try:
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+                wire_prompt: str | bytes | list = prompt
+            else:
+                wire_prompt = protocol.pack_tokens(prompt)
+            wire_params = _wire_params(params)
+            payload = protocol.encode(Header.SUBMIT_REQUEST, request_id, wire_prompt, wire_params)
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"the request holds text that is not valid Unicode ({exc.reason}: "
+                f"{exc.object[exc.start : exc.end]!r}); it cannot be encoded as UTF-8"
+            ) from None
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+        if len(payload) > self.max_message_bytes:
+            raise InvalidRequest(
+                f"the request encodes to {len(payload)} bytes, over the message limit of "
+                f"{self.max_message_bytes} bytes (max_message_bytes); send a shorter prompt"
+            )
+        return wire_prompt, wire_params, payload
+
+    def _resubmit(self, request_id: int, pending: _Pending) -> None:
+        """Send a pending request again (to a restarted coordinator), with the tokens its
+        stream already delivered as resume tokens."""
+        fields: list[Any] = [request_id, pending.prompt, pending.params]
+        if pending.received:
+            fields.append(bytes(pending.received))
+        payload = protocol.encode(Header.SUBMIT_REQUEST, *fields)
+        if len(payload) > self.max_message_bytes:
+            self._pending.pop(request_id, None)
+            self.completion_futures.pop(request_id, None)
+            self._fail_pending(
+                pending,
+                RequestFailed(
+                    "coordinator_restarted",
+                    "the coordinator restarted and this stream's prompt with the tokens it "
+                    f"already produced exceeds the message limit of {self.max_message_bytes} "
+                    "bytes: it cannot be resumed",
+                ),
+            )
+            return
+        self._send(payload)
 
     def _on_future_done(self, request_id: int, future: asyncio.Future) -> None:
         # A caller that cancels its future no longer wants the work done.
@@ -432,8 +492,8 @@ class InferenceClient:
                 instance,
                 len(self._pending),
             )
-            for request_id, pending in self._pending.items():
-                self._send_submit(request_id, pending)
+            for request_id, pending in list(self._pending.items()):
+                self._resubmit(request_id, pending)
 
     def _reconnect(self, why: str) -> None:
         if self._reconnecting or self._stopped:
@@ -466,7 +526,7 @@ class InferenceClient:
                 generated_tokens=protocol.unpack_tokens(tokens),
                 generated_text=text,
                 finish_reason=reason,
-                log_probs=None if logprobs is None else protocol.unpack_floats(logprobs),
+                log_probs=_log_probs(logprobs, len(tokens) // 4),
                 ttft=ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
@@ -484,6 +544,8 @@ class InferenceClient:
                 continue
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
+            if pending.received is not None:
+                pending.received += tokens
             pending.chunks.put_nowait(StreamChunk(protocol.unpack_tokens(tokens), text))
 
     def _on_error(self, ref: int | None, code: str, message: str) -> None:
@@ -518,11 +580,21 @@ class InferenceClient:
             pending.future.exception()
 
 
+def _log_probs(packed: bytes | None, token_count: int) -> list[float] | None:
+    """A result's log-probs, one per token. A stream resumed after a coordinator restart has
+    none for the tokens generated before it: those are NaN (unknown)."""
+    if packed is None:
+        return None
+    values = protocol.unpack_floats(packed)
+    return [math.nan] * (token_count - len(values)) + values
+
+
 __all__ = [
     "ClientError",
     "ClientStopped",
     "CoordinatorUnavailable",
     "InferenceClient",
+    "InvalidRequest",
     "RequestFailed",
     "RequestRecord",
     "RequestStream",
