@@ -30,13 +30,17 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
+from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import ErrorCode, Header, ProtocolError
 from dpserve.sampling import SamplingParams
 
 log = logging.getLogger("dpserve.client")
+
+_WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
 
 Prompt = str | list[int] | list[dict[str, str]]
 
@@ -47,6 +51,11 @@ class ClientError(RuntimeError):
 
 class CoordinatorUnavailable(ClientError):
     """The coordinator did not answer the handshake in time."""
+
+
+class CoordinatorRefused(CoordinatorUnavailable):
+    """The coordinator refused this client's CURVE handshake (no keys, or a key it does not
+    allow); the message says which."""
 
 
 class InvalidRequest(ClientError, ValueError):
@@ -181,12 +190,16 @@ class InferenceClient:
         inference_coordinator_port: int | str,
         *,
         handshake_timeout: float = 10.0,
+        startup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
         credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
     ) -> None:
         """``credentials``: a client's keys, or a credentials directory (its admin key if it
         holds one, else its client key), for a coordinator that requires CURVE.
+        ``handshake_timeout``: seconds for the coordinator to answer once connected;
+        ``startup_timeout``: seconds to wait for a coordinator that is not listening yet (still
+        starting), with a log line now and then. A refused handshake fails at once.
         ``max_message_bytes``: requests whose message is larger are refused before sending
         (the coordinator's ``--max-message-bytes``)."""
         self.address = coordinator_address(inference_coordinator_port)
@@ -194,6 +207,7 @@ class InferenceClient:
         # Loaded before any socket exists: a bad directory raises without leaking a context.
         self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
+        self.startup_timeout = startup_timeout
         self.heartbeat_interval = heartbeat_interval
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -204,6 +218,16 @@ class InferenceClient:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if self.keys is not None:
             security.secure_peer(self.socket, self.keys)
+        self._watch = HandshakeWatch(
+            self.address,
+            "client",
+            self.keys is not None,
+            f"allowed/{self.keys.role}/" if self.keys is not None else "allowed/",
+        )
+        self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)
+        self._monitor_task: asyncio.Task | None = None
+        self._handshake_news = asyncio.Event()  # set by every monitor event
+        self._refusal: CoordinatorRefused | None = None
         # Sends and drains go through a plain-socket view of the same socket: no Future per
         # message. Only the wait for input goes through the event loop (see _send).
         self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
@@ -222,29 +246,89 @@ class InferenceClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Connect, complete the handshake (or raise ``CoordinatorUnavailable``) and start the
-        listener."""
+        """Connect, complete the handshake (or raise ``CoordinatorUnavailable``, or
+        ``CoordinatorRefused`` at once for refused credentials) and start the listener."""
         del loop  # accepted for Megatron compatibility; the running loop is used
+        self._monitor_task = asyncio.create_task(
+            self._watch_monitor(), name="dpserve-client-monitor"
+        )
         self.socket.connect(self.address)
         self.listener_task = asyncio.create_task(self._recv_task(), name="dpserve-client-listener")
         try:
-            await asyncio.wait_for(
-                self._connect_with_inference_coordinator(), self.handshake_timeout
-            )
-        except TimeoutError:
+            await self._complete_handshake()
+        except BaseException:
             self.stop()
-            raise CoordinatorUnavailable(
-                f"no answer from the coordinator at {self.address} "
-                f"within {self.handshake_timeout:g} s (is it running?"
-                + (
-                    " does it require credentials?)"
-                    if self.keys is None
-                    else f" does it allow this {self.keys.role} key?)"
-                )
-            ) from None
+            raise
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat(), name="dpserve-client-heartbeat"
         )
+
+    async def _complete_handshake(self) -> None:
+        """Wait for CONNECT_ACK: patiently while nothing listens at the address yet, for
+        ``handshake_timeout`` once connected, not at all once the handshake was refused."""
+        loop = asyncio.get_running_loop()
+        handshake = self._connect_with_inference_coordinator()
+        started = loop.time()
+        connected_since: float | None = None
+        next_note = started + min(self.handshake_timeout, _WAITING_NOTE_EVERY)
+        while not handshake.done():
+            if self._refusal is not None:
+                raise self._refusal
+            now = loop.time()
+            if not self._watch.connected:
+                connected_since = None
+                if now - started >= self.startup_timeout:
+                    raise CoordinatorUnavailable(
+                        f"nothing is listening at {self.address} after "
+                        f"{self.startup_timeout:g} s (is the coordinator running?)"
+                    )
+                if now >= next_note:
+                    log.warning(
+                        "waiting for the coordinator at %s: nothing listening yet after %.0f s "
+                        "(still starting?)",
+                        self.address,
+                        now - started,
+                    )
+                    next_note = now + _WAITING_NOTE_EVERY
+                wake = min(next_note, started + self.startup_timeout)
+            else:
+                connected_since = connected_since or now
+                if now - connected_since >= self.handshake_timeout:
+                    raise CoordinatorUnavailable(
+                        f"connected to {self.address}, but no answer to the handshake within "
+                        f"{self.handshake_timeout:g} s (is it a dpserve coordinator?)"
+                    )
+                wake = connected_since + self.handshake_timeout
+            self._handshake_news.clear()
+            news = asyncio.ensure_future(self._handshake_news.wait())
+            try:
+                await asyncio.wait(
+                    {handshake, news},
+                    timeout=max(0.0, wake - now),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                news.cancel()
+
+    async def _watch_monitor(self) -> None:
+        """Follow the socket's connection events; a refused handshake fails everything now
+        (and new requests at once) instead of leaving them to wait for an answer."""
+        while True:
+            frames = await self._monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+                refusal = self._watch.observe(event["event"], event["value"])
+            except Exception:  # a surprise here must not leave start() waiting blind
+                log.exception("cannot interpret a socket monitor event")
+                continue
+            if self._watch.succeeded:
+                self._refusal = None
+            self._handshake_news.set()
+            if refusal is not None and self._refusal is None:
+                self._refusal = CoordinatorRefused(refusal)
+                if self.coordinator_instance is not None:  # refused after a restart
+                    log.error("%s", refusal)
+                    self._fail_everything(RequestFailed("refused", refusal))
 
     def _connect_with_inference_coordinator(self) -> asyncio.Future:
         """Send CONNECT; the returned future resolves on CONNECT_ACK."""
@@ -257,10 +341,16 @@ class InferenceClient:
         if self._stopped:
             return
         self._stopped = True
-        for task in (self.listener_task, self._heartbeat_task):
+        for task in (self.listener_task, self._heartbeat_task, self._monitor_task):
             if task is not None:
                 task.cancel()
-        error = ClientStopped("the client was stopped")
+        self._fail_everything(ClientStopped("the client was stopped"))
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=0)
+        self.context.term()
+
+    def _fail_everything(self, error: Exception) -> None:
         for pending in self._pending.values():
             self._fail_pending(pending, error)
         self._pending.clear()
@@ -269,8 +359,6 @@ class InferenceClient:
             if not future.done():
                 future.set_exception(error)
         self._controls.clear()
-        self.socket.close(linger=0)
-        self.context.term()
 
     async def __aenter__(self) -> InferenceClient:
         await self.start()
@@ -299,6 +387,8 @@ class InferenceClient:
     def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Pending:
         if self._stopped:
             raise ClientStopped("the client was stopped")
+        if self._refusal is not None:
+            raise self._refusal
         if self.listener_task is None:
             raise ClientError("call await client.start() before submitting requests")
         if stream != params.stream:

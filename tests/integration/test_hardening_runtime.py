@@ -7,16 +7,28 @@ position)`` and the byte tokenizer makes prompt tokens the prompt's UTF-8 bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
 
-from dpserve.client import InferenceClient, InvalidRequest, RequestFailed, RequestRecord
+from dpserve import security
+from dpserve.client import (
+    CoordinatorRefused,
+    InferenceClient,
+    InvalidRequest,
+    RequestFailed,
+    RequestRecord,
+)
+from dpserve.engine.cpus import usable_cores
 from dpserve.engine.fake import fake_token
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.sampling import SamplingParams
-from tests.integration.runtime import Processes, eventually, wait_for_engines
+from tests.integration.runtime import DPSERVE, Processes, eventually, free_port, wait_for_engines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -149,3 +161,137 @@ async def test_oversize_request_fails_fast_while_other_streams_finish_exactly(
     with pytest.raises(RequestFailed) as refused:
         await asyncio.wait_for(accepted, 30)
     assert refused.value.code == "prompt_too_long"
+
+
+# ------------------------------------------------------------------ item 9
+
+
+def run_dpserve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a dpserve command without inherited credentials; returns it and its duration."""
+    env = {k: v for k, v in os.environ.items() if k != security.ENV_CREDENTIALS}
+    started = time.monotonic()
+    done = subprocess.run(
+        [DPSERVE, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    return done, time.monotonic() - started
+
+
+async def test_wrong_or_missing_credentials_fail_fast_and_say_why(processes, port, tmp_path):
+    keys = security.generate_credentials(tmp_path / "keys")
+    stranger = security.generate_credentials(tmp_path / "stranger")
+    shutil.copy(keys / "coordinator.key", stranger / "coordinator.key")
+    processes.coordinator(port, *FAST, "--credentials", str(keys))
+    async with InferenceClient(port, credentials=keys) as admin:  # the coordinator is up
+        address = f"127.0.0.1:{port}"
+        # `generate` waits up to --timeout (120 s) for an answer; a refusal must not.
+        no_keys, took = await asyncio.to_thread(run_dpserve, "generate", "hi", "--address", address)
+        assert no_keys.returncode == 1 and took < 10
+        assert "requires CURVE credentials" in no_keys.stderr
+        not_allowed, took = await asyncio.to_thread(
+            run_dpserve, "generate", "hi", "--address", address, "--credentials", str(stranger)
+        )
+        assert not_allowed.returncode == 1 and took < 10
+        assert "key not allowed" in not_allowed.stderr
+        for credentials, cause in ((None, "requires CURVE credentials"), (stranger, "not allowed")):
+            outsider = InferenceClient(port, credentials=credentials)
+            started = time.monotonic()
+            with pytest.raises(CoordinatorRefused, match=cause):
+                await outsider.start()
+            assert time.monotonic() - started < 3
+        # Engines alike: an engine without keys exits with the cause instead of waiting.
+        engine = processes.fake_engine(port, 0)
+        assert await asyncio.to_thread(engine.wait, 30) == 1
+        assert "requires CURVE credentials" in processes.log("engine-0")
+        assert (await admin.get_status())["engines"] == 0
+
+
+async def test_a_coordinator_still_starting_is_waited_for(processes, port, caplog):
+    caplog.set_level(logging.WARNING, logger="dpserve.client")
+    engine = processes.fake_engine(port, 0)
+    client = InferenceClient(port, handshake_timeout=1.0)
+    try:
+        starting = asyncio.create_task(client.start())
+        # Nothing listens for longer than the handshake timeout, as on a cold node.
+        await asyncio.sleep(3.0)
+        assert not starting.done()
+        processes.coordinator(port, *FAST)
+        await asyncio.wait_for(starting, 30)
+        await wait_for_engines(client, 1)
+        record = await client.add_request("late", SamplingParams(num_tokens_to_generate=3))
+        assert record.generated_text == expected_text("late", 3)
+    finally:
+        client.stop()
+    assert "nothing listening yet" in caplog.text
+    assert engine.poll() is None
+
+
+# ------------------------------------------------------------------ item 11
+
+
+async def test_a_long_engine_step_is_not_coordinator_silence(processes, client, port):
+    # Each step takes 2.5 times the engine's coordinator timeout, as a step on an
+    # oversubscribed CPU did (7-11 s against 5 s).
+    await start(
+        processes,
+        client,
+        port,
+        engines=1,
+        engine_args=("--step-delay", "2.5", "--coordinator-timeout", "1"),
+    )
+    params = SamplingParams(num_tokens_to_generate=3)
+    records = await asyncio.wait_for(
+        asyncio.gather(*(client.add_request(f"slow {i}", params) for i in range(4))), 60
+    )
+    for i, record in enumerate(records):
+        assert record.generated_text == expected_text(f"slow {i}", 3)
+    assert "registering again" not in processes.log("engine-0")
+    # A coordinator that is really gone is still noticed within the timeout.
+    processes.started[0].send_signal(signal.SIGKILL)
+    await eventually(lambda: "registering again" in processes.log("engine-0"), within=10)
+
+
+def test_serve_splits_the_cores_among_its_engines_and_streams_hold_up(tmp_path, tiny_model_path):
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        serve = subprocess.Popen(
+            [DPSERVE, "serve", "--model", str(tiny_model_path), "--insecure",
+             "--port", str(port), "--http-port", "0"],
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        records = asyncio.run(_eight_streams(port, serve))
+        assert len(records) == 8
+        # ignore_eos: 32 tokens each once the model runner honours it (item 12).
+        assert all(1 <= len(r.generated_tokens) <= 32 and r.finish_reason for r in records)
+        text = log_path.read_text(errors="replace")
+        threads = max(1, usable_cores() // 2)
+        assert text.count(f"{threads} torch thread(s), from --torch-threads") == 2, text[-3000:]
+        assert "registering again" not in text
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+async def _eight_streams(port: int, serve: subprocess.Popen) -> list[RequestRecord]:
+    client = InferenceClient(port, handshake_timeout=30)
+    try:
+        await client.start()
+        await wait_for_engines(client, 2, within=120)
+        assert serve.poll() is None
+        # ~150-token prompts and 32 new tokens, as the standard benchmark clients send.
+        params = SamplingParams(num_tokens_to_generate=32, temperature=0, ignore_eos=True)
+        prompts = [("The coordinator routes requests to engines. " * 15) + str(i) for i in range(8)]
+        received: list[list[str]] = [[] for _ in prompts]
+        return await asyncio.wait_for(
+            asyncio.gather(
+                *(collect(client.stream(p, params), received[i]) for i, p in enumerate(prompts))
+            ),
+            120,
+        )
+    finally:
+        client.stop()
