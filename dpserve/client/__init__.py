@@ -18,14 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -33,6 +29,21 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
+from dpserve.client.records import (
+    ClientError,
+    ClientStopped,
+    CoordinatorRefused,
+    CoordinatorUnavailable,
+    InvalidRequest,
+    PendingRequest,
+    Prompt,
+    RequestFailed,
+    RequestRecord,
+    RequestStream,
+    StreamChunk,
+    cached_wire_params,
+    coordinator_address,
+)
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import ErrorCode, Header, ProtocolError
@@ -41,147 +52,6 @@ from dpserve.sampling import SamplingParams
 log = logging.getLogger("dpserve.client")
 
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
-
-Prompt = str | list[int] | list[dict[str, str]]
-
-
-class ClientError(RuntimeError):
-    """Base of the client's errors."""
-
-
-class CoordinatorUnavailable(ClientError):
-    """The coordinator did not answer the handshake in time."""
-
-
-class CoordinatorRefused(CoordinatorUnavailable):
-    """The coordinator refused this client's CURVE handshake (no keys, or a key it does not
-    allow); the message says which."""
-
-
-class InvalidRequest(ClientError, ValueError):
-    """The client refused a request before sending it; the message says why."""
-
-
-class ClientStopped(ClientError):
-    """The client was stopped before the request finished."""
-
-
-class RequestFailed(ClientError):
-    """The coordinator or an engine answered the request with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """A finished request."""
-
-    request_id: int
-    prompt_tokens: list[int]
-    generated_tokens: list[int]
-    generated_text: str
-    finish_reason: str
-    log_probs: list[float] | None
-    ttft: float | None  # seconds from the coordinator receiving it to the first token
-    latency: float  # seconds from add_request to the result, on this client
-    engine_rank: int
-
-
-@dataclass(slots=True)
-class StreamChunk:
-    tokens: list[int]
-    text: str
-
-
-@dataclass(slots=True, eq=False)
-class _Pending:
-    prompt: str | bytes | list
-    params: dict
-    future: asyncio.Future
-    submitted_at: float
-    chunks: asyncio.Queue | None = None  # set for streaming requests
-    first_token_at: float | None = None
-    # Packed tokens the caller already received (streams): a resubmission resumes after them.
-    received: bytearray | None = None
-
-
-@functools.lru_cache(maxsize=256)
-def _wire_params(params: SamplingParams) -> dict:
-    # Clients reuse a few parameter objects for many requests; serialize each once.
-    return params.serialize()
-
-
-class RequestStream:
-    """One streaming request: its chunks as they arrive, then its ``RequestRecord``.
-    Leaving the iteration early (or ``cancel()``) cancels the request on its engine."""
-
-    def __init__(self, pending: _Pending) -> None:
-        assert pending.chunks is not None
-        self.future: asyncio.Future = pending.future
-        self._chunks: asyncio.Queue = pending.chunks
-
-    def cancel(self) -> None:
-        """Stop the work (a no-op once finished): the client sends CANCEL to the coordinator."""
-        if not self.future.done():
-            self.future.cancel()
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._chunks_only()
-
-    async def _chunks_only(self) -> AsyncIterator[StreamChunk]:
-        async for event in self.events():
-            if isinstance(event, StreamChunk):
-                yield event
-
-    async def events(self) -> AsyncIterator[StreamChunk | RequestRecord]:
-        """Chunks as they arrive, a last chunk with whatever the result adds, then the record.
-        Raises ``RequestFailed`` (or ``ClientStopped``) when the request fails."""
-        try:
-            sent_tokens = sent_text = 0
-            while (chunk := await self._next_chunk()) is not None:
-                sent_tokens += len(chunk.tokens)
-                sent_text += len(chunk.text)
-                yield chunk
-            record: RequestRecord = self.future.result()
-            rest_tokens = record.generated_tokens[sent_tokens:]
-            rest_text = record.generated_text[sent_text:]
-            if rest_tokens or rest_text:
-                yield StreamChunk(rest_tokens, rest_text)
-            yield record
-        finally:
-            self.cancel()  # the consumer left early (or was cancelled): stop the engine's work
-
-    async def _next_chunk(self) -> StreamChunk | None:
-        """The next chunk, or None once the request is done and every chunk was taken."""
-        while True:
-            if not self._chunks.empty():
-                return self._chunks.get_nowait()
-            if self.future.done():
-                return None
-            getter = asyncio.ensure_future(self._chunks.get())
-            try:
-                await asyncio.wait((getter, self.future), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    # A woken-but-cancelled get() leaves its item in the queue: nothing is lost.
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                return getter.result()
-
-
-def coordinator_address(address: int | str) -> str:
-    """A port, ``host:port``, ``host`` (default port 5555) or a full ``tcp://`` address."""
-    if isinstance(address, int):
-        return f"tcp://127.0.0.1:{address}"
-    if "://" in address:
-        return address
-    if address.isdigit():
-        return f"tcp://127.0.0.1:{address}"
-    host, _, port = address.rpartition(":") if ":" in address else (address, "", "5555")
-    return f"tcp://{host}:{port}"
 
 
 class InferenceClient:
@@ -236,7 +106,7 @@ class InferenceClient:
         self.next_request_id = 0
         self.listener_task: asyncio.Task | None = None
         self.coordinator_instance: str | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingRequest] = {}
         self._controls: dict[int, asyncio.Future] = {}
         self._handshake: asyncio.Future | None = None
         self._reconnecting = False
@@ -384,7 +254,7 @@ class InferenceClient:
         and text as the engine produces them; ``.future`` resolves to the ``RequestRecord``."""
         return RequestStream(self._submit(prompt, sampling_params or SamplingParams(), True))
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Pending:
+    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> PendingRequest:
         if self._stopped:
             raise ClientStopped("the client was stopped")
         if self._refusal is not None:
@@ -397,7 +267,7 @@ class InferenceClient:
         wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))
-        pending = _Pending(
+        pending = PendingRequest(
             wire_prompt,
             wire_params,
             future,
@@ -420,7 +290,7 @@ class InferenceClient:
                 wire_prompt: str | bytes | list = prompt
             else:
                 wire_prompt = protocol.pack_tokens(prompt)
-            wire_params = _wire_params(params)
+            wire_params = cached_wire_params(params)
             payload = protocol.encode(Header.SUBMIT_REQUEST, request_id, wire_prompt, wire_params)
         except UnicodeEncodeError as exc:
             raise InvalidRequest(
@@ -436,7 +306,7 @@ class InferenceClient:
             )
         return wire_prompt, wire_params, payload
 
-    def _resubmit(self, request_id: int, pending: _Pending) -> None:
+    def _resubmit(self, request_id: int, pending: PendingRequest) -> None:
         """Send a pending request again (to a restarted coordinator), with the tokens its
         stream already delivered as resume tokens."""
         fields: list[Any] = [request_id, pending.prompt, pending.params]
@@ -616,7 +486,7 @@ class InferenceClient:
                 generated_tokens=protocol.unpack_tokens(tokens),
                 generated_text=text,
                 finish_reason=reason,
-                log_probs=_log_probs(logprobs, len(tokens) // 4),
+                log_probs=None if logprobs is None else protocol.unpack_floats(logprobs),
                 ttft=ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
@@ -662,7 +532,7 @@ class InferenceClient:
             future.set_result(value)
 
     @staticmethod
-    def _fail_pending(pending: _Pending, error: Exception) -> None:
+    def _fail_pending(pending: PendingRequest, error: Exception) -> None:
         if not pending.future.done():
             pending.future.set_exception(error)
         # Nobody may be awaiting a failed future; mark it retrieved to keep asyncio quiet.
@@ -670,23 +540,17 @@ class InferenceClient:
             pending.future.exception()
 
 
-def _log_probs(packed: bytes | None, token_count: int) -> list[float] | None:
-    """A result's log-probs, one per token. A stream resumed after a coordinator restart has
-    none for the tokens generated before it: those are NaN (unknown)."""
-    if packed is None:
-        return None
-    values = protocol.unpack_floats(packed)
-    return [math.nan] * (token_count - len(values)) + values
-
-
 __all__ = [
     "ClientError",
     "ClientStopped",
+    "CoordinatorRefused",
     "CoordinatorUnavailable",
     "InferenceClient",
     "InvalidRequest",
+    "Prompt",
     "RequestFailed",
     "RequestRecord",
     "RequestStream",
     "StreamChunk",
+    "coordinator_address",
 ]
