@@ -163,6 +163,36 @@ async def test_oversize_request_fails_fast_while_other_streams_finish_exactly(
     assert refused.value.code == "prompt_too_long"
 
 
+# ------------------------------------------------------------------ item 6
+
+
+async def test_fake_engine_honours_its_context_and_finishing_rules(processes, client, port):
+    await start(processes, client, port, engines=1, engine_args=("--context-size", "64"))
+    prompt = "context"
+    most = SamplingParams(num_tokens_to_generate=DEFAULT_REQUEST_LIMITS.max_new_tokens)
+    record = await asyncio.wait_for(client.add_request(prompt, most), 30)
+    assert record.finish_reason == "length"
+    assert record.generated_text == expected_text(prompt, 64 - len(prompt))
+    # The termination token ends a request only from min_tokens on, and never with ignore_eos.
+    text = expected_text(prompt, 40)
+    termination = ord(text[3])
+    first, later = text.index(text[3]), text.index(text[3], 10)
+    cases = {
+        SamplingParams(num_tokens_to_generate=40, termination_id=termination): (first, "stop"),
+        SamplingParams(num_tokens_to_generate=40, termination_id=termination, min_tokens=10): (
+            later,
+            "stop",
+        ),
+        SamplingParams(num_tokens_to_generate=40, termination_id=termination, ignore_eos=True): (
+            40,
+            "length",
+        ),
+    }
+    for params, (count, reason) in cases.items():
+        record = await asyncio.wait_for(client.add_request(prompt, params), 30)
+        assert (record.generated_text, record.finish_reason) == (text[:count], reason), params
+
+
 # ------------------------------------------------------------------ item 9
 
 
