@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from dpserve import flags, security
 from dpserve.coordinator.routing import RoutingPolicy
+from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
 from dpserve.limits import MESSAGE_HEADROOM_BYTES
 
 log = logging.getLogger("dpserve")
@@ -191,11 +192,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.fake:
         from dpserve.engine.fake import FakeRunner
 
-        runner = FakeRunner(capacity=args.max_batch_size or 256, step_delay=args.step_delay)
+        runner = FakeRunner(
+            capacity=args.max_batch_size or 256,
+            step_delay=args.step_delay,
+            max_context=args.context_size,
+        )
     else:
+        import torch
+
+        from dpserve.engine.cpus import torch_threads
         from dpserve.engine.model_runner import ModelRunner
         from dpserve.models import resolve_model
 
+        threads, source = torch_threads(args.torch_threads)
+        torch.set_num_threads(threads)
+        log.info("engine rank %d: %d torch thread(s), from %s", rank, threads, source)
         runner = ModelRunner(
             resolve_model(args.model),
             max_batch_size=args.max_batch_size,
@@ -217,6 +228,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
         runner,
         stream_interval=args.stream_interval,
+        coordinator_timeout=args.coordinator_timeout,
     )
     server.install_signal_handlers()
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
@@ -263,6 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         http_port=None if args.http_port == 0 else args.http_port,
         max_batch_size=args.max_batch_size,
+        torch_threads=args.torch_threads,
         fake=args.fake,
         credentials=args.credentials or None,
         api_keys=api_keys,
@@ -329,7 +342,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         async with InferenceClient(
-            args.address, handshake_timeout=args.timeout, credentials=keys
+            args.address,
+            handshake_timeout=min(args.timeout, 10.0),
+            startup_timeout=args.timeout,
+            credentials=keys,
         ) as client:
             if args.stream:
                 async for chunk in client.stream(prompt, params):
@@ -472,6 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
     engine.add_argument(
+        "--context-size",
+        type=int,
+        default=DEFAULT_FAKE_CONTEXT_SIZE,
+        help="the fake engine's context in tokens (a model's comes from its config)",
+    )
+    engine.add_argument(
         "--max-batch-size",
         type=int,
         default=None,
@@ -483,6 +505,19 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     _add_kv_cache_flags(engine)
     engine.add_argument("--stream-interval", type=float, default=0.05)
+    engine.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's thread count (default: the cores this engine may use: its CPU affinity, "
+        "capped by its container's CPU limit)",
+    )
+    engine.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a heartbeat may go unanswered before registering again (default: 5)",
+    )
     _add_credentials(engine)
     engine.set_defaults(func=cmd_engine)
 
@@ -496,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
     )
     serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per engine (default: this process's cores divided among the engines)",
+    )
     serve.add_argument("--fake", action="store_true", help="fake engines, no model")
     serve.add_argument(
         "--credentials",

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dpserve import security
 from dpserve.client import InferenceClient
+from dpserve.engine.cpus import usable_cores
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 
 log = logging.getLogger("dpserve.serve")
@@ -43,6 +44,7 @@ class LocalDeployment:
     http_port: int | None
     host: str = "127.0.0.1"
     max_batch_size: int | None = None
+    torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
@@ -84,6 +86,8 @@ class LocalDeployment:
         )
         for rank in range(self.data_parallel_size):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
+            if not self.fake:
+                engine += ["--torch-threads", str(self.threads_per_engine())]
             if self.max_batch_size:
                 engine += ["--max-batch-size", str(self.max_batch_size)]
             self._spawn(
@@ -96,6 +100,12 @@ class LocalDeployment:
                 *engine,
                 *keys,
             )
+
+    def threads_per_engine(self) -> int:
+        """Engines that share this machine's cores must not each use all of them."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        return max(1, usable_cores() // self.data_parallel_size)
 
     def check_alive(self) -> None:
         for name, process in self.processes:

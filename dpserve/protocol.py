@@ -114,7 +114,8 @@ MESSAGE_FIELDS: Final[dict[Header, tuple[tuple[type, ...], ...]]] = {
     Header.DRAIN: (),
     Header.DRAIN_ACK: (),
     Header.DEREGISTER: (),
-    Header.SUBMIT_REQUEST: (_INT, _PROMPT, _DICT),  # client request id, prompt, sampling params
+    # client request id, prompt, sampling params[, resume tokens: what the client already has]
+    Header.SUBMIT_REQUEST: (_INT, _PROMPT, _DICT, _BYTES),
     # request id, prompt tokens, sampling params, tokens already generated elsewhere
     Header.ENGINE_REQUEST: (_INT, _BYTES, _DICT, _BYTES),
     Header.ENGINE_REPLY: (_LIST,),  # [EngineUpdate fields, ...]
@@ -131,6 +132,9 @@ MESSAGE_FIELDS: Final[dict[Header, tuple[tuple[type, ...], ...]]] = {
     Header.STATUS_REPLY: (_INT, _DICT),  # query id, status
     Header.ERROR: (_OPT_INT, _STR, _STR),  # request or control id (or nil), code, message
 }
+
+# header -> how many of its last fields a sender may leave out (added after version 1).
+OPTIONAL_TRAILING_FIELDS: Final[dict[Header, int]] = {Header.SUBMIT_REQUEST: 1}
 
 # One entry of ENGINE_REPLY: what an engine produced for one request since its last update.
 # request id, new tokens, their log-probs (float32 bytes) or nil, finish reason or nil,
@@ -171,7 +175,11 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
     if header is None:
         raise ProtocolError(f"unknown header {raw_header}")
     fields = message[1:]
-    check_fields(header.name, fields, MESSAGE_FIELDS[header])
+    types = MESSAGE_FIELDS[header]
+    optional = OPTIONAL_TRAILING_FIELDS.get(header, 0)
+    if len(types) - optional <= len(fields) < len(types):
+        types = types[: len(fields)]
+    check_fields(header.name, fields, types)
     return header, fields
 
 

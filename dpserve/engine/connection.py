@@ -10,21 +10,15 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
+from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.protocol import Header, ProtocolError
 
 log = logging.getLogger("dpserve.engine")
 
-# A CURVE handshake the coordinator refused (a key it does not allow, a wrong coordinator key,
-# CURVE on one side only). ZMQ reports it only as a monitor event, and does not reconnect.
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
 
 class CoordinatorRefused(RuntimeError):
-    """The coordinator refused this engine's handshake; ZMQ will not try again."""
+    """The coordinator refused this engine's handshake (no keys, or a key it does not
+    allow): the engine could only wait forever."""
 
 
 class CoordinatorConnection:
@@ -51,10 +45,11 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.LINGER, 2000)  # let the last replies and DEREGISTER out
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        self._monitor: zmq.Socket | None = None
         if keys is not None:
             security.secure_peer(self.socket, keys)
-            self._monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILED)
+        # A refused CURVE handshake shows only as a monitor event (see dpserve.handshake).
+        self.handshake = HandshakeWatch(address, "engine", keys is not None, "allowed/engine/")
+        self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)
         self.socket.connect(address)
 
     def poll(self, timeout_ms: int) -> bool:
@@ -81,26 +76,22 @@ class CoordinatorConnection:
         """Send REGISTER (about once a second until registered). Raises
         ``CoordinatorRefused`` once the coordinator refused the handshake: the engine could
         only wait forever, so it had better exit and show why."""
-        self._check_handshake()
+        self.check_handshake()
         self.send(Header.REGISTER, self.rank, self.capacity, self.instance)
 
-    def _check_handshake(self) -> None:
-        if self._monitor is None:
-            return
-        try:
-            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-        except zmq.Again:
-            return
-        raise CoordinatorRefused(
-            f"the coordinator at {self.address} refused this engine's CURVE handshake "
-            f"({getattr(event['event'], 'name', event['event'])}, {event['value']}): is the "
-            "engine's key in the coordinator's allowed/engine/, and coordinator.key the "
-            "coordinator's current public key?"
-        )
+    def check_handshake(self) -> None:
+        """Read the socket's connection events; raise ``CoordinatorRefused`` for a refusal."""
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            refusal = self.handshake.observe(event["event"], event["value"])
+            if refusal is not None:
+                raise CoordinatorRefused(refusal)
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self.socket.disable_monitor()
-            self._monitor.close(linger=0)
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close()
         self.context.term()

@@ -3,6 +3,13 @@
 Each step gives every running request one token, derived from its prompt, seed and position,
 so a result can be checked without knowing which engine produced it. Tokens are lowercase
 ASCII letters, readable through the byte tokenizer.
+
+It finishes requests by the model runner's rules: ``num_tokens_to_generate`` (resume tokens
+included) or the context size -> "length"; ``termination_id`` or a stop string -> "stop",
+neither part of the output; ``ignore_eos`` disables the termination token and ``min_tokens``
+defers it and stop strings. A token is computed when it is emitted, so memory never grows with
+``num_tokens_to_generate``: the token sequence repeats every ``PERIOD`` positions, which bounds
+the search for where a request stops.
 """
 
 from __future__ import annotations
@@ -14,47 +21,82 @@ from dataclasses import dataclass
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
 from dpserve.protocol import ErrorCode
 
+PERIOD = 26  # fake tokens repeat with this period in the position (7 and 26 are coprime)
+DEFAULT_CONTEXT_SIZE = 8192
+
+
+def _base(prompt_tokens: list[int], seed: int | None) -> int:
+    return sum(prompt_tokens) * 31 + len(prompt_tokens) + (seed or 0) * 7919
+
+
+def _token_at(base: int, position: int) -> int:
+    return ord("a") + (base + position * 7) % PERIOD
+
 
 def fake_token(prompt_tokens: list[int], seed: int | None, position: int) -> int:
     """The token a fake engine emits at ``position`` (0-based) for this prompt and seed."""
-    base = sum(prompt_tokens) * 31 + len(prompt_tokens) + (seed or 0) * 7919
-    return ord("a") + (base + position * 7) % 26
+    return _token_at(_base(prompt_tokens, seed), position)
 
 
 @dataclass(slots=True)
 class _Sequence:
     request: EngineRequest
-    planned: list[int]  # every token this request will emit (its output is known up front)
+    base: int  # _base() of its prompt and seed
+    end: int  # position (resume tokens included) where the output stops
     finish_reason: str
-    emitted: int = 0
+    position: int  # next position to emit
 
 
-def plan_output(request: EngineRequest) -> tuple[list[int], str]:
-    """The tokens a fake engine emits for a request after its resume tokens, and why it stops.
-    Like the model runner (and OpenAI), neither the termination token nor a stop string is
-    part of the output."""
+def _termination_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
+    """The first position in [start, limit) whose token ends the request, if any."""
     params = request.params
-    start = len(request.resume_tokens)
-    tokens = [
-        fake_token(request.prompt_tokens, params.seed, i)
-        for i in range(start, params.num_tokens_to_generate)
-    ]
-    reason = "length"
-    if params.termination_id in tokens:
-        tokens = tokens[: tokens.index(params.termination_id)]
-        reason = "stop"
+    if params.termination_id is None or params.ignore_eos:
+        return None
+    first = max(start, params.min_tokens)
+    for position in range(first, min(limit, first + PERIOD)):
+        if _token_at(base, position) == params.termination_id:
+            return position
+    return None
+
+
+def _stop_string_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
+    """Where the stop string that appears first (ends first, at or before ``limit`` and not
+    before ``min_tokens``, starting at or after ``start``) starts; None if none does."""
+    params = request.params
+    if not params.stop_strings:
+        return None
+    longest = max(map(len, params.stop_strings))
+    low = max(start, params.min_tokens - longest, 0)
+    high = min(limit, low + PERIOD + longest)
     # Fake tokens are ASCII letters, one character each: text positions are token positions.
-    text = bytes(request.resume_tokens + tokens).decode("latin-1")
-    hits = [i for stop in params.stop_strings if (i := text.find(stop, start)) >= 0]
-    if hits:
-        tokens = tokens[: min(hits) - start]
-        reason = "stop"
-    return tokens, reason
+    window = "".join(chr(_token_at(base, p)) for p in range(low, high))
+    hits = []  # (end, start) of each stop string's first match: the first to end stops
+    for stop in params.stop_strings:
+        offset = window.find(stop, max(0, params.min_tokens - len(stop) - low))
+        if offset >= 0:
+            hits.append((low + offset + len(stop), low + offset))
+    return min(hits)[1] if hits else None
+
+
+def plan_finish(request: EngineRequest, context_size: int) -> tuple[int, str]:
+    """Where a request's output ends (a position, resume tokens included) and why."""
+    params = request.params
+    base = _base(request.prompt_tokens, params.seed)
+    start = len(request.resume_tokens)
+    limit = min(params.num_tokens_to_generate, context_size - len(request.prompt_tokens))
+    end, reason = max(start, limit), "length"
+    termination = _termination_position(request, base, start, limit)
+    if termination is not None:
+        end, reason = termination, "stop"
+    stop = _stop_string_position(request, base, start, end)
+    if stop is not None:
+        end, reason = stop, "stop"
+    return end, reason
 
 
 class FakeRunner:
     def __init__(
-        self, capacity: int = 256, step_delay: float = 0.0, max_context: int = 8192
+        self, capacity: int = 256, step_delay: float = 0.0, max_context: int = DEFAULT_CONTEXT_SIZE
     ) -> None:
         self.capacity = capacity
         self.step_delay = step_delay
@@ -65,12 +107,17 @@ class FakeRunner:
 
     def add(self, request: EngineRequest) -> None:
         length = len(request.prompt_tokens) + len(request.resume_tokens)
+        if not request.prompt_tokens:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
         if length >= self.max_context:
             raise RequestRejected(
                 ErrorCode.PROMPT_TOO_LONG,
-                f"prompt of {length} tokens does not fit the {self.max_context}-token context",
+                f"prompt of {length} tokens leaves no room for a new token in the fake "
+                f"engine's context of {self.max_context} tokens",
             )
-        self._waiting.append(_Sequence(request, *plan_output(request)))
+        end, reason = plan_finish(request, self.max_context)
+        base = _base(request.prompt_tokens, request.params.seed)
+        self._waiting.append(_Sequence(request, base, end, reason, len(request.resume_tokens)))
 
     def cancel(self, request_id: int) -> None:
         self._running.pop(request_id, None)
@@ -91,9 +138,11 @@ class FakeRunner:
         updates = []
         finished = []
         for request_id, sequence in self._running.items():
-            tokens = sequence.planned[sequence.emitted : sequence.emitted + 1]
-            sequence.emitted += len(tokens)
-            done = sequence.emitted >= len(sequence.planned)
+            tokens = []
+            if sequence.position < sequence.end:
+                tokens.append(_token_at(sequence.base, sequence.position))
+                sequence.position += 1
+            done = sequence.position >= sequence.end
             logprobs = [-1.0] * len(tokens) if sequence.request.params.return_log_probs else None
             updates.append(
                 TokenUpdate(request_id, tokens, logprobs, sequence.finish_reason if done else None)

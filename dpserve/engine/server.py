@@ -1,9 +1,14 @@
 """The engine process: protocol, control states and draining around any ``Runner``.
 
-One loop: handle everything the coordinator sent, run one runner step when there is work and
-the engine is not paused, send one ENGINE_REPLY with every finished request (and, at the stream
-interval, the new tokens of streaming requests), heartbeat. The same loop serves the fake and
+One loop: handle everything the coordinator sent, heartbeat, run one runner step when there is
+work and the engine is not paused, send one ENGINE_REPLY with every finished request (and, at
+the stream interval, the new tokens of streaming requests). The same loop serves the fake and
 the model runner.
+
+Liveness: the coordinator answers every HEARTBEAT. It counts as silent only when a heartbeat
+went unanswered for ``coordinator_timeout`` *as of a moment the engine looked at its socket*:
+an answer that arrived during a long step is read right after it, so the engine's own slow
+steps are never mistaken for a silent coordinator.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ log = logging.getLogger("dpserve.engine")
 
 # ControlState numbers as the coordinator sends them in REGISTER_ACK.
 _PAUSED, _SUSPENDED, _STOPPED = 1, 2, 3
+_WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
 
 
 @dataclass(slots=True, eq=False)
@@ -67,7 +73,9 @@ class EngineServer:
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
         self._last_register = 0.0
-        self._last_heard = time.monotonic()
+        # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
+        self._unanswered_since: float | None = None
+        self._last_waiting_note = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
@@ -81,15 +89,15 @@ class EngineServer:
         """Serve until drained or stopped; returns the process exit code."""
         try:
             while not self.stopped:
-                now = time.monotonic()
-                self._keep_registered(now)
                 busy = self.registered and not self.paused and self.runner.has_work()
+                looked_at = time.monotonic()
                 if self.connection.poll(0 if busy else 50):
-                    self._last_heard = time.monotonic()
+                    self._unanswered_since = None
                     for header, fields in self.connection.receive_all():
                         self._handle(header, fields)
                 if self.stopped:
                     break
+                self._keep_registered(looked_at)
                 if self.registered and not self.paused and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._flush(time.monotonic())
@@ -101,26 +109,51 @@ class EngineServer:
 
     # ------------------------------------------------------------- registration
 
-    def _keep_registered(self, now: float) -> None:
-        if self.registered and now - self._last_heard > self.coordinator_timeout:
+    def _keep_registered(self, looked_at: float) -> None:
+        """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
+        found with nothing more to read."""
+        unanswered = self._unanswered_since
+        if (
+            self.registered
+            and unanswered is not None
+            and looked_at - unanswered > self.coordinator_timeout
+        ):
             log.warning(
-                "no word from the coordinator for %.1f s: registering again", now - self._last_heard
+                "no word from the coordinator for %.1f s: registering again",
+                looked_at - unanswered,
             )
             self.registered = False
+        now = time.monotonic()
         if not self.registered:
             if now - self._last_register >= self.heartbeat_interval:
                 self.connection.register()
                 self._last_register = now
+            self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
             self.connection.send(Header.HEARTBEAT, len(self._held))
             self._last_heartbeat = now
+            if self._unanswered_since is None:
+                self._unanswered_since = now
+
+    def _note_waiting(self, now: float) -> None:
+        if now - self._last_waiting_note < _WAITING_NOTE_EVERY:
+            return
+        self._last_waiting_note = now
+        log.info(
+            "engine rank %d waiting for the coordinator at %s: %s",
+            self.connection.rank,
+            self.connection.address,
+            "no answer to REGISTER yet"
+            if self.connection.handshake.connected
+            else "nothing listening yet (still starting?)",
+        )
 
     def _on_register_ack(self, instance: str, state: int) -> None:
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
         self.coordinator_instance = instance
         self.registered = True
-        self._last_heard = time.monotonic()
+        self._unanswered_since = None
         log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
         if state == _STOPPED:
             self.stopped = True

@@ -57,6 +57,19 @@ def test_malformed_messages_raise_protocol_error(payload: bytes, message: str) -
         protocol.decode(payload)
 
 
+def test_optional_trailing_fields_may_be_left_out() -> None:
+    # A resubmission carries the tokens the client already has; a first submit need not.
+    tokens = protocol.pack_tokens([1, 2])
+    full = protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {}, tokens)
+    assert protocol.decode(full) == (Header.SUBMIT_REQUEST, [1, "hi", {}, tokens])
+    short = protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {})
+    assert protocol.decode(short) == (Header.SUBMIT_REQUEST, [1, "hi", {}])
+    with pytest.raises(ProtocolError, match="takes 4 field"):
+        protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi"))
+    with pytest.raises(ProtocolError, match="field 4 must be bytes"):
+        protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {}, [1, 2]))
+
+
 def test_size_limit_is_enforced_before_parsing() -> None:
     payload = protocol.encode(Header.SUBMIT_REQUEST, 1, "x" * 2000, {})
     assert protocol.decode(payload, max_bytes=4096)[0] is Header.SUBMIT_REQUEST

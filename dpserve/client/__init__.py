@@ -3,7 +3,14 @@
 The listener awaits the socket in the event loop (zmq.asyncio) and then drains every waiting
 message without blocking: no sleep-polling. Every request is kept until its result arrives, so
 when the coordinator restarts (a new instance id, or an UNKNOWN_PEER error) the client connects
-again and resubmits them all; the coordinator de-duplicates by (client, client request id).
+again and resubmits them all; the coordinator de-duplicates by (client, client request id). A
+streaming request is resubmitted with the tokens the caller already has as resume tokens, so
+generation continues after them and no text arrives twice.
+
+A request is encoded when it is submitted: one that cannot be (text that is not valid Unicode,
+token ids out of range) or whose message exceeds the message limit raises ``InvalidRequest``
+at once and is never sent. A message over the coordinator's transport limit would make ZMQ
+drop the whole connection, with every other request on it.
 """
 
 from __future__ import annotations
@@ -11,153 +18,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
+from dpserve.client.records import (
+    ClientError,
+    ClientStopped,
+    CoordinatorRefused,
+    CoordinatorUnavailable,
+    InvalidRequest,
+    PendingRequest,
+    Prompt,
+    RequestFailed,
+    RequestRecord,
+    RequestStream,
+    StreamChunk,
+    cached_wire_params,
+    coordinator_address,
+)
+from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
+from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import ErrorCode, Header, ProtocolError
 from dpserve.sampling import SamplingParams
 
 log = logging.getLogger("dpserve.client")
 
-Prompt = str | list[int] | list[dict[str, str]]
-
-
-class ClientError(RuntimeError):
-    """Base of the client's errors."""
-
-
-class CoordinatorUnavailable(ClientError):
-    """The coordinator did not answer the handshake in time."""
-
-
-class ClientStopped(ClientError):
-    """The client was stopped before the request finished."""
-
-
-class RequestFailed(ClientError):
-    """The coordinator or an engine answered the request with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """A finished request."""
-
-    request_id: int
-    prompt_tokens: list[int]
-    generated_tokens: list[int]
-    generated_text: str
-    finish_reason: str
-    log_probs: list[float] | None
-    ttft: float | None  # seconds from the coordinator receiving it to the first token
-    latency: float  # seconds from add_request to the result, on this client
-    engine_rank: int
-
-
-@dataclass(slots=True)
-class StreamChunk:
-    tokens: list[int]
-    text: str
-
-
-@dataclass(slots=True, eq=False)
-class _Pending:
-    prompt: str | bytes | list
-    params: dict
-    future: asyncio.Future
-    submitted_at: float
-    chunks: asyncio.Queue | None = None  # set for streaming requests
-    first_token_at: float | None = None
-
-
-@functools.lru_cache(maxsize=256)
-def _wire_params(params: SamplingParams) -> dict:
-    # Clients reuse a few parameter objects for many requests; serialize each once.
-    return params.serialize()
-
-
-class RequestStream:
-    """One streaming request: its chunks as they arrive, then its ``RequestRecord``.
-    Leaving the iteration early (or ``cancel()``) cancels the request on its engine."""
-
-    def __init__(self, pending: _Pending) -> None:
-        assert pending.chunks is not None
-        self.future: asyncio.Future = pending.future
-        self._chunks: asyncio.Queue = pending.chunks
-
-    def cancel(self) -> None:
-        """Stop the work (a no-op once finished): the client sends CANCEL to the coordinator."""
-        if not self.future.done():
-            self.future.cancel()
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._chunks_only()
-
-    async def _chunks_only(self) -> AsyncIterator[StreamChunk]:
-        async for event in self.events():
-            if isinstance(event, StreamChunk):
-                yield event
-
-    async def events(self) -> AsyncIterator[StreamChunk | RequestRecord]:
-        """Chunks as they arrive, a last chunk with whatever the result adds, then the record.
-        Raises ``RequestFailed`` (or ``ClientStopped``) when the request fails."""
-        try:
-            sent_tokens = sent_text = 0
-            while (chunk := await self._next_chunk()) is not None:
-                sent_tokens += len(chunk.tokens)
-                sent_text += len(chunk.text)
-                yield chunk
-            record: RequestRecord = self.future.result()
-            rest_tokens = record.generated_tokens[sent_tokens:]
-            rest_text = record.generated_text[sent_text:]
-            if rest_tokens or rest_text:
-                yield StreamChunk(rest_tokens, rest_text)
-            yield record
-        finally:
-            self.cancel()  # the consumer left early (or was cancelled): stop the engine's work
-
-    async def _next_chunk(self) -> StreamChunk | None:
-        """The next chunk, or None once the request is done and every chunk was taken."""
-        while True:
-            if not self._chunks.empty():
-                return self._chunks.get_nowait()
-            if self.future.done():
-                return None
-            getter = asyncio.ensure_future(self._chunks.get())
-            try:
-                await asyncio.wait((getter, self.future), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not getter.done():
-                    # A woken-but-cancelled get() leaves its item in the queue: nothing is lost.
-                    getter.cancel()
-            if getter.done() and not getter.cancelled():
-                return getter.result()
-
-
-def coordinator_address(address: int | str) -> str:
-    """A port, ``host:port``, ``host`` (default port 5555) or a full ``tcp://`` address."""
-    if isinstance(address, int):
-        return f"tcp://127.0.0.1:{address}"
-    if "://" in address:
-        return address
-    if address.isdigit():
-        return f"tcp://127.0.0.1:{address}"
-    host, _, port = address.rpartition(":") if ":" in address else (address, "", "5555")
-    return f"tcp://{host}:{port}"
+_WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
 
 
 class InferenceClient:
@@ -166,15 +60,24 @@ class InferenceClient:
         inference_coordinator_port: int | str,
         *,
         handshake_timeout: float = 10.0,
+        startup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
         credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
     ) -> None:
         """``credentials``: a client's keys, or a credentials directory (its admin key if it
-        holds one, else its client key), for a coordinator that requires CURVE."""
+        holds one, else its client key), for a coordinator that requires CURVE.
+        ``handshake_timeout``: seconds for the coordinator to answer once connected;
+        ``startup_timeout``: seconds to wait for a coordinator that is not listening yet (still
+        starting), with a log line now and then. A refused handshake fails at once.
+        ``max_message_bytes``: requests whose message is larger are refused before sending
+        (the coordinator's ``--max-message-bytes``)."""
         self.address = coordinator_address(inference_coordinator_port)
+        self.max_message_bytes = max_message_bytes
         # Loaded before any socket exists: a bad directory raises without leaking a context.
         self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
+        self.startup_timeout = startup_timeout
         self.heartbeat_interval = heartbeat_interval
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -185,6 +88,16 @@ class InferenceClient:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if self.keys is not None:
             security.secure_peer(self.socket, self.keys)
+        self._watch = HandshakeWatch(
+            self.address,
+            "client",
+            self.keys is not None,
+            f"allowed/{self.keys.role}/" if self.keys is not None else "allowed/",
+        )
+        self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)
+        self._monitor_task: asyncio.Task | None = None
+        self._handshake_news = asyncio.Event()  # set by every monitor event
+        self._refusal: CoordinatorRefused | None = None
         # Sends and drains go through a plain-socket view of the same socket: no Future per
         # message. Only the wait for input goes through the event loop (see _send).
         self._sync_socket = zmq.Socket.shadow(self.socket.underlying)
@@ -193,7 +106,7 @@ class InferenceClient:
         self.next_request_id = 0
         self.listener_task: asyncio.Task | None = None
         self.coordinator_instance: str | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingRequest] = {}
         self._controls: dict[int, asyncio.Future] = {}
         self._handshake: asyncio.Future | None = None
         self._reconnecting = False
@@ -203,29 +116,89 @@ class InferenceClient:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Connect, complete the handshake (or raise ``CoordinatorUnavailable``) and start the
-        listener."""
+        """Connect, complete the handshake (or raise ``CoordinatorUnavailable``, or
+        ``CoordinatorRefused`` at once for refused credentials) and start the listener."""
         del loop  # accepted for Megatron compatibility; the running loop is used
+        self._monitor_task = asyncio.create_task(
+            self._watch_monitor(), name="dpserve-client-monitor"
+        )
         self.socket.connect(self.address)
         self.listener_task = asyncio.create_task(self._recv_task(), name="dpserve-client-listener")
         try:
-            await asyncio.wait_for(
-                self._connect_with_inference_coordinator(), self.handshake_timeout
-            )
-        except TimeoutError:
+            await self._complete_handshake()
+        except BaseException:
             self.stop()
-            raise CoordinatorUnavailable(
-                f"no answer from the coordinator at {self.address} "
-                f"within {self.handshake_timeout:g} s (is it running?"
-                + (
-                    " does it require credentials?)"
-                    if self.keys is None
-                    else f" does it allow this {self.keys.role} key?)"
-                )
-            ) from None
+            raise
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat(), name="dpserve-client-heartbeat"
         )
+
+    async def _complete_handshake(self) -> None:
+        """Wait for CONNECT_ACK: patiently while nothing listens at the address yet, for
+        ``handshake_timeout`` once connected, not at all once the handshake was refused."""
+        loop = asyncio.get_running_loop()
+        handshake = self._connect_with_inference_coordinator()
+        started = loop.time()
+        connected_since: float | None = None
+        next_note = started + min(self.handshake_timeout, _WAITING_NOTE_EVERY)
+        while not handshake.done():
+            if self._refusal is not None:
+                raise self._refusal
+            now = loop.time()
+            if not self._watch.connected:
+                connected_since = None
+                if now - started >= self.startup_timeout:
+                    raise CoordinatorUnavailable(
+                        f"nothing is listening at {self.address} after "
+                        f"{self.startup_timeout:g} s (is the coordinator running?)"
+                    )
+                if now >= next_note:
+                    log.warning(
+                        "waiting for the coordinator at %s: nothing listening yet after %.0f s "
+                        "(still starting?)",
+                        self.address,
+                        now - started,
+                    )
+                    next_note = now + _WAITING_NOTE_EVERY
+                wake = min(next_note, started + self.startup_timeout)
+            else:
+                connected_since = connected_since or now
+                if now - connected_since >= self.handshake_timeout:
+                    raise CoordinatorUnavailable(
+                        f"connected to {self.address}, but no answer to the handshake within "
+                        f"{self.handshake_timeout:g} s (is it a dpserve coordinator?)"
+                    )
+                wake = connected_since + self.handshake_timeout
+            self._handshake_news.clear()
+            news = asyncio.ensure_future(self._handshake_news.wait())
+            try:
+                await asyncio.wait(
+                    {handshake, news},
+                    timeout=max(0.0, wake - now),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                news.cancel()
+
+    async def _watch_monitor(self) -> None:
+        """Follow the socket's connection events; a refused handshake fails everything now
+        (and new requests at once) instead of leaving them to wait for an answer."""
+        while True:
+            frames = await self._monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+                refusal = self._watch.observe(event["event"], event["value"])
+            except Exception:  # a surprise here must not leave start() waiting blind
+                log.exception("cannot interpret a socket monitor event")
+                continue
+            if self._watch.succeeded:
+                self._refusal = None
+            self._handshake_news.set()
+            if refusal is not None and self._refusal is None:
+                self._refusal = CoordinatorRefused(refusal)
+                if self.coordinator_instance is not None:  # refused after a restart
+                    log.error("%s", refusal)
+                    self._fail_everything(RequestFailed("refused", refusal))
 
     def _connect_with_inference_coordinator(self) -> asyncio.Future:
         """Send CONNECT; the returned future resolves on CONNECT_ACK."""
@@ -238,10 +211,16 @@ class InferenceClient:
         if self._stopped:
             return
         self._stopped = True
-        for task in (self.listener_task, self._heartbeat_task):
+        for task in (self.listener_task, self._heartbeat_task, self._monitor_task):
             if task is not None:
                 task.cancel()
-        error = ClientStopped("the client was stopped")
+        self._fail_everything(ClientStopped("the client was stopped"))
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self.socket.close(linger=0)
+        self.context.term()
+
+    def _fail_everything(self, error: Exception) -> None:
         for pending in self._pending.values():
             self._fail_pending(pending, error)
         self._pending.clear()
@@ -250,8 +229,6 @@ class InferenceClient:
             if not future.done():
                 future.set_exception(error)
         self._controls.clear()
-        self.socket.close(linger=0)
-        self.context.term()
 
     async def __aenter__(self) -> InferenceClient:
         await self.start()
@@ -277,36 +254,79 @@ class InferenceClient:
         and text as the engine produces them; ``.future`` resolves to the ``RequestRecord``."""
         return RequestStream(self._submit(prompt, sampling_params or SamplingParams(), True))
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> _Pending:
+    def _submit(self, prompt: Prompt, params: SamplingParams, stream: bool) -> PendingRequest:
         if self._stopped:
             raise ClientStopped("the client was stopped")
+        if self._refusal is not None:
+            raise self._refusal
         if self.listener_task is None:
             raise ClientError("call await client.start() before submitting requests")
         if stream != params.stream:
             params = dataclasses.replace(params, stream=stream)
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
-            wire_prompt = prompt
-        else:
-            wire_prompt = protocol.pack_tokens(prompt)
         request_id = self._new_id()
+        wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f, rid=request_id: self._on_future_done(rid, f))
-        pending = _Pending(
+        pending = PendingRequest(
             wire_prompt,
-            _wire_params(params),
+            wire_params,
             future,
             time.monotonic(),
             asyncio.Queue() if stream else None,
+            received=bytearray() if stream else None,
         )
         self._pending[request_id] = pending
         self.completion_futures[request_id] = future
-        self._send_submit(request_id, pending)
+        self._send(payload)
         return pending
 
-    def _send_submit(self, request_id: int, pending: _Pending) -> None:
-        self._send(
-            protocol.encode(Header.SUBMIT_REQUEST, request_id, pending.prompt, pending.params)
-        )
+    def _encode_submit(
+        self, request_id: int, prompt: Prompt, params: SamplingParams
+    ) -> tuple[str | bytes | list, dict, bytes]:
+        """The request's wire prompt, parameters and SUBMIT_REQUEST message; raises
+        ``InvalidRequest`` for what could never be sent (so a resubmission cannot fail)."""
+        try:
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict)):
+                wire_prompt: str | bytes | list = prompt
+            else:
+                wire_prompt = protocol.pack_tokens(prompt)
+            wire_params = cached_wire_params(params)
+            payload = protocol.encode(Header.SUBMIT_REQUEST, request_id, wire_prompt, wire_params)
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                f"the request holds text that is not valid Unicode ({exc.reason}: "
+                f"{exc.object[exc.start : exc.end]!r}); it cannot be encoded as UTF-8"
+            ) from None
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+        if len(payload) > self.max_message_bytes:
+            raise InvalidRequest(
+                f"the request encodes to {len(payload)} bytes, over the message limit of "
+                f"{self.max_message_bytes} bytes (max_message_bytes); send a shorter prompt"
+            )
+        return wire_prompt, wire_params, payload
+
+    def _resubmit(self, request_id: int, pending: PendingRequest) -> None:
+        """Send a pending request again (to a restarted coordinator), with the tokens its
+        stream already delivered as resume tokens."""
+        fields: list[Any] = [request_id, pending.prompt, pending.params]
+        if pending.received:
+            fields.append(bytes(pending.received))
+        payload = protocol.encode(Header.SUBMIT_REQUEST, *fields)
+        if len(payload) > self.max_message_bytes:
+            self._pending.pop(request_id, None)
+            self.completion_futures.pop(request_id, None)
+            self._fail_pending(
+                pending,
+                RequestFailed(
+                    "coordinator_restarted",
+                    "the coordinator restarted and this stream's prompt with the tokens it "
+                    f"already produced exceeds the message limit of {self.max_message_bytes} "
+                    "bytes: it cannot be resumed",
+                ),
+            )
+            return
+        self._send(payload)
 
     def _on_future_done(self, request_id: int, future: asyncio.Future) -> None:
         # A caller that cancels its future no longer wants the work done.
@@ -432,8 +452,8 @@ class InferenceClient:
                 instance,
                 len(self._pending),
             )
-            for request_id, pending in self._pending.items():
-                self._send_submit(request_id, pending)
+            for request_id, pending in list(self._pending.items()):
+                self._resubmit(request_id, pending)
 
     def _reconnect(self, why: str) -> None:
         if self._reconnecting or self._stopped:
@@ -484,6 +504,8 @@ class InferenceClient:
                 continue
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
+            if pending.received is not None:
+                pending.received += tokens
             pending.chunks.put_nowait(StreamChunk(protocol.unpack_tokens(tokens), text))
 
     def _on_error(self, ref: int | None, code: str, message: str) -> None:
@@ -510,7 +532,7 @@ class InferenceClient:
             future.set_result(value)
 
     @staticmethod
-    def _fail_pending(pending: _Pending, error: Exception) -> None:
+    def _fail_pending(pending: PendingRequest, error: Exception) -> None:
         if not pending.future.done():
             pending.future.set_exception(error)
         # Nobody may be awaiting a failed future; mark it retrieved to keep asyncio quiet.
@@ -521,10 +543,14 @@ class InferenceClient:
 __all__ = [
     "ClientError",
     "ClientStopped",
+    "CoordinatorRefused",
     "CoordinatorUnavailable",
     "InferenceClient",
+    "InvalidRequest",
+    "Prompt",
     "RequestFailed",
     "RequestRecord",
     "RequestStream",
     "StreamChunk",
+    "coordinator_address",
 ]

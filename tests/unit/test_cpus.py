@@ -1,0 +1,48 @@
+"""Engines size torch's threads from the cores they may use, container limits included."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dpserve.engine import cpus
+
+
+def cgroup_v2(tmp_path: Path, cpu_max: str, own: str = "") -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    directory = root / own
+    directory.mkdir(parents=True)
+    (directory / "cpu.max").write_text(cpu_max + "\n")
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text(f"0::/{own}\n")
+    return root, proc
+
+
+def test_cgroup_v2_limit_of_a_kubernetes_container(tmp_path):
+    root, proc = cgroup_v2(tmp_path, "150000 100000")  # resources.limits.cpu: 1500m
+    assert cpus.cgroup_cpu_limit(root, proc) == 1.5
+    assert cpus.usable_cores(1.5) == 1  # a fractional core is not a thread of its own
+
+
+def test_cgroup_v2_nested_group_and_no_limit(tmp_path):
+    root, proc = cgroup_v2(tmp_path, "200000 100000", own="kubepods/pod1/engine")
+    (root / "cpu.max").write_text("max 100000\n")
+    assert cpus.cgroup_cpu_limit(root, proc) == 2.0
+    unlimited, proc = cgroup_v2(tmp_path / "other", "max 100000")
+    assert cpus.cgroup_cpu_limit(unlimited, proc) is None
+
+
+def test_cgroup_v1_quota_and_period(tmp_path):
+    root = tmp_path / "cgroup"
+    (root / "cpu,cpuacct").mkdir(parents=True)
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("300000\n")
+    (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpus.cgroup_cpu_limit(root, tmp_path / "missing") == 3.0
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpus.cgroup_cpu_limit(root, tmp_path / "missing") is None
+
+
+def test_at_least_one_thread_and_the_flag_wins():
+    assert cpus.usable_cores(0.2) == 1
+    assert cpus.usable_cores(10_000) == len(os.sched_getaffinity(0))
+    assert cpus.torch_threads(3) == (3, "--torch-threads")

@@ -1,0 +1,114 @@
+"""The fake engine finishes requests by the model runner's rules, without allocating per token."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpserve.engine.fake import FakeRunner, fake_token
+from dpserve.engine.runner import EngineRequest, RequestRejected
+from dpserve.sampling import SamplingParams
+
+
+def run_to_end(runner: FakeRunner, request: EngineRequest) -> tuple[list[int], str]:
+    runner.add(request)
+    tokens: list[int] = []
+    while runner.has_work():
+        for update in runner.step():
+            tokens += update.tokens
+            if update.finish_reason is not None:
+                return tokens, update.finish_reason
+    raise AssertionError("the runner finished without a finish reason")
+
+
+def reference(request: EngineRequest, context_size: int) -> tuple[list[int], str]:
+    """Token-by-token generation as the model runner does it: sample, check the termination
+    token, append, check stop strings (the first to complete wins), check the length."""
+    params = request.params
+    prompt = request.prompt_tokens
+    start = len(request.resume_tokens)
+    limit = min(params.num_tokens_to_generate, context_size - len(prompt))
+    tokens = list(request.resume_tokens)
+    while len(tokens) < limit:
+        token = fake_token(prompt, params.seed, len(tokens))
+        if (
+            token == params.termination_id
+            and not params.ignore_eos
+            and len(tokens) >= params.min_tokens
+        ):
+            return tokens[start:], "stop"
+        tokens.append(token)
+        if len(tokens) >= params.min_tokens:
+            text = bytes(tokens).decode("latin-1")
+            ends_here = [
+                len(text) - len(stop)
+                for stop in params.stop_strings
+                if text.endswith(stop) and len(text) - len(stop) >= start
+            ]
+            if ends_here:
+                return tokens[start : min(ends_here)], "stop"
+    return tokens[start:], "length"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 255), min_size=1, max_size=6),
+    seed=st.none() | st.integers(0, 2**20),
+    num_tokens=st.integers(1, 80),
+    resume=st.integers(0, 30),
+    termination=st.none() | st.integers(ord("a"), ord("z")),
+    ignore_eos=st.booleans(),
+    min_fraction=st.floats(0, 1),
+    stops=st.lists(st.text("abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=4), max_size=3),
+    context_size=st.integers(8, 100),
+)
+def test_fake_finishes_like_token_by_token_generation(
+    prompt, seed, num_tokens, resume, termination, ignore_eos, min_fraction, stops, context_size
+):
+    if len(prompt) + resume >= context_size:
+        return  # rejected: covered below
+    params = SamplingParams(
+        num_tokens_to_generate=num_tokens,
+        seed=seed,
+        termination_id=termination,
+        ignore_eos=ignore_eos,
+        min_tokens=int(min_fraction * num_tokens),
+        stop_strings=tuple(stops),
+    )
+    # Resume tokens are what an earlier engine emitted: the reference's own prefix.
+    unconstrained = SamplingParams(num_tokens_to_generate=num_tokens, seed=seed)
+    earlier, _ = reference(EngineRequest(0, prompt, unconstrained), context_size)
+    request = EngineRequest(1, prompt, params, earlier[:resume])
+    expected = reference(request, context_size)
+    assert run_to_end(FakeRunner(max_context=context_size), request) == expected
+
+
+def test_context_size_ends_a_request_with_length():
+    runner = FakeRunner(max_context=32)
+    params = SamplingParams(num_tokens_to_generate=10**12)
+    tokens, reason = run_to_end(runner, EngineRequest(0, [1, 2, 3], params))
+    assert (len(tokens), reason) == (32 - 3, "length")
+
+
+def test_huge_max_tokens_allocates_nothing_per_token():
+    runner = FakeRunner(max_context=10**13)
+    tracemalloc.start()
+    try:
+        runner.add(EngineRequest(0, [5], SamplingParams(num_tokens_to_generate=10**12)))
+        for _ in range(100):
+            runner.step()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"{peak} bytes traced for a 10**12-token request"
+    assert runner.stats() == {"waiting": 0, "running": 1}
+
+
+def test_prompt_that_fills_the_context_is_rejected():
+    runner = FakeRunner(max_context=4)
+    with pytest.raises(RequestRejected, match="context of 4 tokens") as rejected:
+        runner.add(EngineRequest(0, [1, 2, 3, 4], SamplingParams()))
+    assert rejected.value.code == "prompt_too_long"
