@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
-from dpserve.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
 
 log = logging.getLogger("dpserve")
 
@@ -69,6 +69,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "max_queued_requests": args.max_queued_requests,
         "max_message_bytes": args.max_message_bytes,
         "max_prompt_tokens": args.max_prompt_tokens,
+        "max_prompt_chars": args.max_prompt_chars,
+        "max_dispatch_attempts": args.max_dispatch_attempts,
         # The directory, not the keys: nothing secret travels to the coordinator's process.
         "credentials": args.credentials or None,
     }
@@ -361,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     coordinator.add_argument("--deterministic", action="store_true", help="reproducible routing")
     coordinator.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    coordinator.add_argument("--queue-timeout", type=float, default=30.0)
+    coordinator.add_argument(
+        "--queue-timeout", type=float, default=DEFAULT_ADMISSION_LIMITS.queue_timeout
+    )
     coordinator.add_argument("--http-port", type=int, default=None, help="also serve HTTP here")
     _add_credentials(coordinator)
     coordinator.add_argument(
@@ -370,22 +374,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow a non-loopback --host without --credentials (plain, unauthenticated ZMQ)",
     )
     coordinator.add_argument(
-        "--max-inflight-per-client", type=int, default=10_000, help="default: %(default)s"
+        "--max-inflight-per-client",
+        type=int,
+        default=DEFAULT_ADMISSION_LIMITS.max_inflight_per_client,
+        help="default: %(default)s",
     )
     coordinator.add_argument(
-        "--max-inflight-requests", type=int, default=1_000_000, help="default: %(default)s"
+        "--max-inflight-requests",
+        type=int,
+        default=DEFAULT_ADMISSION_LIMITS.max_inflight_requests,
+        help="default: %(default)s",
     )
     coordinator.add_argument(
         "--max-queued-requests",
         type=int,
-        default=100_000,
+        default=DEFAULT_ADMISSION_LIMITS.max_queued_requests,
         help="requests waiting for an engine (default: %(default)s)",
     )
     coordinator.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="default: 8 MiB"
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_REQUEST_LIMITS.max_message_bytes,
+        help="default: %(default)s",
     )
     coordinator.add_argument(
-        "--max-prompt-tokens", type=int, default=32_768, help="default: %(default)s"
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_REQUEST_LIMITS.max_prompt_tokens,
+        help="default: %(default)s",
+    )
+    coordinator.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_REQUEST_LIMITS.max_prompt_chars,
+        help="characters of a text prompt (default: %(default)s)",
+    )
+    coordinator.add_argument(
+        "--max-dispatch-attempts",
+        type=int,
+        default=DEFAULT_ADMISSION_LIMITS.max_dispatch_attempts,
+        help="a request in flight on this many engines that died is failed, not sent again "
+        "(default: %(default)s)",
     )
     _add_api_key_file(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)

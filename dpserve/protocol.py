@@ -20,14 +20,29 @@ from typing import Any, Final
 
 import msgpack
 
+from dpserve.limits import DEFAULT_REQUEST_LIMITS
+
 PROTOCOL_VERSION: Final = 1
 
-# Large enough for a 128k-token prompt with its sampling parameters; configurable per socket.
-DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+# The default of ``decode``'s size limit (``dpserve.limits.RequestLimits.max_message_bytes``).
+DEFAULT_MAX_MESSAGE_BYTES: Final = DEFAULT_REQUEST_LIMITS.max_message_bytes
 
 
 class ProtocolError(ValueError):
     """A message that is not valid dpserve protocol: wrong size, bytes, shape or types."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message over the size limit; ``header`` and ``reference`` (its first field, the
+    request, control or query id of the messages that have one) are read from its first
+    bytes only, so the sender can be told which request was refused."""
+
+    def __init__(self, size: int, limit: int, header: int | None, reference: int | None) -> None:
+        super().__init__(f"message of {size} bytes exceeds the {limit}-byte limit")
+        self.size = size
+        self.limit = limit
+        self.header = header
+        self.reference = reference
 
 
 class Header(IntEnum):
@@ -88,6 +103,9 @@ class ErrorCode:
     PROMPT_TOO_LONG = "prompt_too_long"
     CANCELLED = "cancelled"
     FORBIDDEN = "forbidden"  # the connection's role may not send this message
+    MESSAGE_TOO_LARGE = "message_too_large"  # over the coordinator's message size limit
+    # In flight on AdmissionLimits.max_dispatch_attempts engines that each died: not retried.
+    QUARANTINED = "quarantined"
 
 
 _NoneType = type(None)
@@ -157,7 +175,7 @@ def encode(header: Header, *fields: Any) -> bytes:
 def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list]:
     """Parse and check one message; raise ``ProtocolError`` for anything malformed."""
     if len(payload) > max_bytes:
-        raise ProtocolError(f"message of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
+        raise MessageTooLarge(len(payload), max_bytes, *_peek_reference(payload))
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
@@ -173,6 +191,22 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
     fields = message[1:]
     check_fields(header.name, fields, MESSAGE_FIELDS[header])
     return header, fields
+
+
+def _peek_reference(payload: bytes) -> tuple[int | None, int | None]:
+    """The header and first field of a message, when both are integers, from its first bytes
+    (an array header and two integers take at most 19 bytes); ``(None, None)`` otherwise."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(payload[:32])
+    try:
+        if unpacker.read_array_header() < 2:
+            return None, None
+        header, reference = unpacker.unpack(), unpacker.unpack()
+    except Exception:  # anything that is not [int, int, ...] has no reference to answer
+        return None, None
+    if type(header) is not int or type(reference) is not int:
+        return None, None
+    return header, reference
 
 
 def check_fields(what: str, fields: Sequence, types: tuple[tuple[type, ...], ...]) -> None:

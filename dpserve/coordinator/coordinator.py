@@ -40,7 +40,8 @@ from dpserve.coordinator.control import (
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest, RequestTable
 from dpserve.coordinator.routing import RoutingPolicy, choose_engine
-from dpserve.protocol import ErrorCode, Header, ProtocolError
+from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.protocol import ErrorCode, Header, MessageTooLarge, ProtocolError
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import as_batch_tokenizer
 
@@ -48,6 +49,10 @@ log = logging.getLogger("dpserve.coordinator")
 
 _MAX_BATCH = 4096  # messages handled per loop turn, so timers still run under a flood
 _LOG_EVERY = 1000  # after the first few, log one bad message in this many
+# libzmq reads messages up to this multiple of the message limit, so that the coordinator can
+# refuse one in-band (an ERROR naming the request); a larger one makes libzmq drop the
+# connection before buffering it, which bounds the memory one peer can make us allocate.
+_TRANSPORT_CEILING_FACTOR = 4
 
 
 class DataParallelInferenceCoordinator:
@@ -66,13 +71,15 @@ class DataParallelInferenceCoordinator:
         routing: RoutingPolicy | str | None = None,
         heartbeat_timeout: float = 5.0,
         engine_hung_timeout: float = 120.0,
-        queue_timeout: float = 30.0,
-        max_queued_requests: int = 100_000,
-        max_inflight_requests: int = 1_000_000,
-        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
+        queue_timeout: float = DEFAULT_ADMISSION_LIMITS.queue_timeout,
+        max_queued_requests: int = DEFAULT_ADMISSION_LIMITS.max_queued_requests,
+        max_inflight_requests: int = DEFAULT_ADMISSION_LIMITS.max_inflight_requests,
+        max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
         engine_wait_timeout: float | None = None,
-        max_inflight_per_client: int = 10_000,
-        max_prompt_tokens: int = 32_768,
+        max_inflight_per_client: int = DEFAULT_ADMISSION_LIMITS.max_inflight_per_client,
+        max_prompt_tokens: int = DEFAULT_REQUEST_LIMITS.max_prompt_tokens,
+        max_prompt_chars: int = DEFAULT_REQUEST_LIMITS.max_prompt_chars,
+        max_dispatch_attempts: int = DEFAULT_ADMISSION_LIMITS.max_dispatch_attempts,
         credentials: security.ServerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
         self.pipe_connection = pipe_connection
@@ -93,6 +100,8 @@ class DataParallelInferenceCoordinator:
         self.max_message_bytes = max_message_bytes
         self.max_inflight_per_client = max_inflight_per_client
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_chars = max_prompt_chars
+        self.max_dispatch_attempts = max_dispatch_attempts
 
         # Engines and clients tell a restarted coordinator from the old one by this id.
         self.instance_id = secrets.token_hex(8)
@@ -116,7 +125,7 @@ class DataParallelInferenceCoordinator:
         self.router_socket.setsockopt(zmq.SNDHWM, 0)
         self.router_socket.setsockopt(zmq.RCVHWM, 0)
         self.router_socket.setsockopt(zmq.LINGER, 0)
-        self.router_socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 64)
+        self.router_socket.setsockopt(zmq.MAXMSGSIZE, _TRANSPORT_CEILING_FACTOR * max_message_bytes)
         # libzmq's own heartbeats run in its I/O thread, so they keep the connection of an
         # engine that is merely busy (a long prefill holds its Python loop) and drop one whose
         # process froze or whose host vanished; sending to a dropped peer then fails
@@ -341,6 +350,8 @@ class DataParallelInferenceCoordinator:
                     self._handlers[header](identity, fields)
                 else:
                     self._forbidden(identity, role, header, fields)
+            except MessageTooLarge as exc:
+                self._too_large(identity, exc)
             except ProtocolError as exc:
                 self._bad_input(identity, str(exc))
             except Exception:  # a bug must not take the coordinator down with it
@@ -365,7 +376,7 @@ class DataParallelInferenceCoordinator:
                     now - engine.last_seen,
                     len(engine.outstanding),
                 )
-                self._remove_engine(engine)
+                self._remove_engine(engine, died=True)
             elif now - engine.last_probe >= 1.0:
                 # Quiet past its heartbeats: dead, or busy in a long step. A send to a peer
                 # whose connection libzmq dropped fails, and _send then removes it (and
@@ -404,13 +415,27 @@ class DataParallelInferenceCoordinator:
         engine = self.registry.get(identity)
         if engine is not None:
             log.warning("engine rank %d unreachable: removing it", engine.rank)
-            self._remove_engine(engine)
+            self._remove_engine(engine, died=True)
         elif self.clients.pop(identity, None) is not None:
             self.counters["clients_vanished"] += 1
             dropped = self.requests.of_client(identity)
             log.info("client %r vanished; cancelling its %d request(s)", identity, len(dropped))
             for request in dropped:
                 self._drop(request, cancel_on_engine=True)
+
+    def _too_large(self, identity: bytes, exc: MessageTooLarge) -> None:
+        """Refuse an oversized request by its id, so that its sender fails it at once."""
+        if exc.header != Header.SUBMIT_REQUEST or identity not in self.clients:
+            self._bad_input(identity, str(exc))
+            return
+        self.counters["too_large"] += 1
+        self._error(
+            identity,
+            exc.reference,
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"the request's message has {exc.size} bytes; this coordinator accepts at most "
+            f"{exc.limit} (--max-message-bytes)",
+        )
 
     def _error(self, identity: bytes, ref: int | None, code: str, message: str) -> None:
         self._send(identity, protocol.encode(Header.ERROR, ref, code, message))
@@ -460,7 +485,8 @@ class DataParallelInferenceCoordinator:
                     identity, protocol.encode(Header.REGISTER_ACK, self.instance_id, self.state)
                 )
                 return
-            self._remove_engine(existing)  # same identity, new process: the old one is gone
+            # Same identity, new process: the old one died.
+            self._remove_engine(existing, died=True)
         engine = Engine(identity, rank, capacity, instance, time.monotonic())
         self.registry.add(engine)
         log.info(
@@ -501,7 +527,7 @@ class DataParallelInferenceCoordinator:
     def _on_deregister(self, identity: bytes, fields: list) -> None:
         engine = self._engine_or_reject(identity)
         log.info("engine rank %d left", engine.rank)
-        self._remove_engine(engine)
+        self._remove_engine(engine, died=False)
 
     def _engine_or_reject(self, identity: bytes) -> Engine:
         engine = self.registry.get(identity)
@@ -510,9 +536,12 @@ class DataParallelInferenceCoordinator:
             raise ProtocolError("message for registered engines from an unknown peer")
         return engine
 
-    def _remove_engine(self, engine: Engine) -> None:
+    def _remove_engine(self, engine: Engine, died: bool) -> None:
         """Forget an engine; every request it held goes to the others, continuing after the
-        tokens already streamed."""
+        tokens already streamed. When it ``died``, the death counts against each request it
+        held that had not produced a token on it yet (one that had, survived its steps there),
+        and a request with ``max_dispatch_attempts`` such deaths is failed instead: it is
+        likely what kills them, and sending it on would take every engine down in turn."""
         self.registry.remove(engine.identity)
         if self.control is not None and engine.identity in self.control.waiting_for:
             self.control.waiting_for.discard(engine.identity)
@@ -525,7 +554,22 @@ class DataParallelInferenceCoordinator:
             self.counters["redispatched"] += len(orphans)
         for request in orphans:
             request.engine = None
-            self._dispatch(request)
+            request.engines_died += died and not request.progressed
+            if request.engines_died >= self.max_dispatch_attempts:
+                self.counters["quarantined"] += 1
+                log.warning(
+                    "request %d was in flight on %d engines that died: failing it",
+                    request.request_id,
+                    request.engines_died,
+                )
+                self._fail(
+                    request,
+                    ErrorCode.QUARANTINED,
+                    f"request was in flight on {request.engines_died} engines that died; "
+                    "not retried",
+                )
+            else:
+                self._dispatch(request)
 
     # ---------------------------------------------------------- request handlers
 
@@ -539,6 +583,15 @@ class DataParallelInferenceCoordinator:
             return
         if self.requests.find(identity, client_request_id) is not None:
             return  # a resubmission (client reconnected) of a request we are already serving
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            self._error(
+                identity,
+                client_request_id,
+                ErrorCode.PROMPT_TOO_LONG,
+                f"the prompt has {len(prompt)} characters; this coordinator accepts at most "
+                f"{self.max_prompt_chars}",
+            )
+            return
         if self.state is ControlState.STOPPED:
             self._error(identity, client_request_id, ErrorCode.STOPPED, "engines have been stopped")
             return
@@ -656,14 +709,13 @@ class DataParallelInferenceCoordinator:
                 request.params,
                 bytes(request.generated),
             )
-            engine = self.registry.engines[identity]
-            engine.outstanding.add(request.request_id)
+            if not self._send(identity, payload):
+                continue  # that engine vanished (_send removed it): the request never got there
+            self.registry.engines[identity].outstanding.add(request.request_id)
             request.engine = identity
+            request.progressed = False
             if request.dispatched_at is None:
                 request.dispatched_at = time.monotonic()
-            if self._send(identity, payload):
-                return
-            # The engine vanished: _send removed it, which re-dispatched this request.
             return
 
     def _dispatch_queued(self) -> None:
@@ -691,6 +743,7 @@ class DataParallelInferenceCoordinator:
             if len(tokens) % 4:
                 raise ProtocolError("packed tokens must be a multiple of 4 bytes")
             request.generated += tokens
+            request.progressed = request.progressed or bool(tokens)
             if logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
@@ -873,6 +926,8 @@ class DataParallelInferenceCoordinator:
                 "queued_requests": self.max_queued_requests,
                 "message_bytes": self.max_message_bytes,
                 "prompt_tokens": self.max_prompt_tokens,
+                "prompt_chars": self.max_prompt_chars,
+                "dispatch_attempts": self.max_dispatch_attempts,
             },
             "counters": counters,
         }
