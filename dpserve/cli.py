@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from dpserve import security
+from dpserve.coordinator.config import CoordinatorConfig, flag_fields
 from dpserve.coordinator.routing import RoutingPolicy
-from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
 
 log = logging.getLogger("dpserve")
 
@@ -59,21 +59,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = _tokenizer_spec(args.tokenizer)
-    options = {
-        "host": args.host,
-        "routing": args.routing,
-        "heartbeat_timeout": args.heartbeat_timeout,
-        "queue_timeout": args.queue_timeout,
-        "max_inflight_per_client": args.max_inflight_per_client,
-        "max_inflight_requests": args.max_inflight_requests,
-        "max_queued_requests": args.max_queued_requests,
-        "max_message_bytes": args.max_message_bytes,
-        "max_prompt_tokens": args.max_prompt_tokens,
-        "max_prompt_chars": args.max_prompt_chars,
-        "max_dispatch_attempts": args.max_dispatch_attempts,
-        # The directory, not the keys: nothing secret travels to the coordinator's process.
-        "credentials": args.credentials or None,
-    }
+    options = _coordinator_config(args).options()
     if args.http_port is None:
         coordinator = None
         try:
@@ -307,6 +293,26 @@ def cmd_operator(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------- parser
 
 
+def _add_coordinator_config(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``CoordinatorConfig`` setting that has a ``help``, with its default."""
+    for setting in flag_fields():
+        parser.add_argument(
+            "--" + setting.name.replace("_", "-"),
+            type=type(setting.default),
+            default=setting.default,
+            help=setting.metadata["help"],
+        )
+
+
+def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    return CoordinatorConfig(
+        **{setting.name: getattr(args, setting.name) for setting in flag_fields()},
+        routing=args.routing,
+        # The directory, not the keys: nothing secret travels to the coordinator's process.
+        credentials=args.credentials or None,
+    )
+
+
 def _add_credentials(parser: argparse.ArgumentParser, roles: bool = False) -> None:
     parser.add_argument(
         "--credentials",
@@ -343,9 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = commands.add_parser(
         "coordinator", help="run the coordinator (and optionally the HTTP front) in the foreground"
     )
-    coordinator.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
-    )
+    _add_coordinator_config(coordinator)
     coordinator.add_argument("--port", type=int, default=DEFAULT_ZMQ_PORT, help="ZMQ port")
     coordinator.add_argument(
         "--data-parallel-size", type=int, default=0, help="engines to wait for before serving"
@@ -362,59 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: least-outstanding (round-robin with --deterministic)",
     )
     coordinator.add_argument("--deterministic", action="store_true", help="reproducible routing")
-    coordinator.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    coordinator.add_argument(
-        "--queue-timeout", type=float, default=DEFAULT_ADMISSION_LIMITS.queue_timeout
-    )
     coordinator.add_argument("--http-port", type=int, default=None, help="also serve HTTP here")
     _add_credentials(coordinator)
     coordinator.add_argument(
         "--insecure",
         action="store_true",
         help="allow a non-loopback --host without --credentials (plain, unauthenticated ZMQ)",
-    )
-    coordinator.add_argument(
-        "--max-inflight-per-client",
-        type=int,
-        default=DEFAULT_ADMISSION_LIMITS.max_inflight_per_client,
-        help="default: %(default)s",
-    )
-    coordinator.add_argument(
-        "--max-inflight-requests",
-        type=int,
-        default=DEFAULT_ADMISSION_LIMITS.max_inflight_requests,
-        help="default: %(default)s",
-    )
-    coordinator.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=DEFAULT_ADMISSION_LIMITS.max_queued_requests,
-        help="requests waiting for an engine (default: %(default)s)",
-    )
-    coordinator.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=DEFAULT_REQUEST_LIMITS.max_message_bytes,
-        help="default: %(default)s",
-    )
-    coordinator.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=DEFAULT_REQUEST_LIMITS.max_prompt_tokens,
-        help="default: %(default)s",
-    )
-    coordinator.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=DEFAULT_REQUEST_LIMITS.max_prompt_chars,
-        help="characters of a text prompt (default: %(default)s)",
-    )
-    coordinator.add_argument(
-        "--max-dispatch-attempts",
-        type=int,
-        default=DEFAULT_ADMISSION_LIMITS.max_dispatch_attempts,
-        help="a request in flight on this many engines that died is failed, not sent again "
-        "(default: %(default)s)",
     )
     _add_api_key_file(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)

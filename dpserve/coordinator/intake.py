@@ -1,0 +1,102 @@
+"""``Intake``: the submit half of the batch step — admit, tokenize (one call per drained
+batch), check the prompt's length, route and send."""
+
+from __future__ import annotations
+
+import time
+
+from dpserve import protocol
+from dpserve.coordinator.admission import Admission, chat_messages, is_chat, token_prompt
+from dpserve.coordinator.control import ControlRelay
+from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.registry import Client
+from dpserve.coordinator.requests import InflightRequest, RequestTable
+from dpserve.coordinator.transport import Transport
+from dpserve.protocol import ErrorCode, ProtocolError
+from dpserve.sampling import InvalidSamplingParams
+from dpserve.tokenizer import BatchTokenizer
+
+
+class Intake:
+    def __init__(
+        self,
+        tokenizer: BatchTokenizer,
+        admission: Admission,
+        transport: Transport,
+        requests: RequestTable,
+        clients: dict[bytes, Client],
+        dispatcher: Dispatcher,
+        control: ControlRelay,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.transport = transport
+        self.requests = requests
+        self.clients = clients
+        self.dispatcher = dispatcher
+        self.control = control
+        # This batch's accepted requests, and those of them whose text is still to tokenize.
+        self._accepted: list[InflightRequest] = []
+        self._texts: list[tuple[InflightRequest, str]] = []
+
+    def on_submit(self, identity: bytes, fields: list) -> None:
+        client_request_id, prompt, raw_params = fields
+        client = self.clients.get(identity)
+        if client is None:
+            self.transport.error(
+                identity, client_request_id, ErrorCode.UNKNOWN_PEER, "connect before submitting"
+            )
+            return
+        if self.requests.find(identity, client_request_id) is not None:
+            return  # a resubmission (client reconnected) of a request we are already serving
+        refusal = self.admission.refusal(client, len(self.requests), self.control.state, prompt)
+        if refusal is not None:
+            self.transport.error(identity, client_request_id, *refusal)
+            return
+        try:
+            params = self.admission.validated_params(raw_params)
+            if is_chat(prompt):
+                prompt = self.tokenizer.apply_chat_template(chat_messages(prompt))
+            prompt_tokens = b"" if isinstance(prompt, str) else token_prompt(prompt)
+        except (InvalidSamplingParams, ProtocolError) as exc:
+            self.transport.error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        request = InflightRequest(
+            request_id=self.requests.new_id(),
+            client=identity,
+            client_request_id=client_request_id,
+            prompt_tokens=prompt_tokens,
+            params=params,
+            stream=bool(params.get("stream")),
+            received_at=time.monotonic(),
+        )
+        self.requests.add(request)
+        client.inflight += 1
+        if isinstance(prompt, str):
+            self._texts.append((request, prompt))  # tokenized with the rest of the batch
+        self._accepted.append(request)
+
+    def on_cancel(self, identity: bytes, fields: list) -> None:
+        (client_request_id,) = fields
+        request = self.requests.find(identity, client_request_id)
+        if request is not None:
+            self.dispatcher.cancel(request)
+
+    def flush(self) -> None:
+        """Tokenize this batch's text prompts in one call, then check and send each request."""
+        if not self._accepted:
+            return
+        if self._texts:
+            texts = [text for _, text in self._texts]
+            for (request, _), tokens in zip(
+                self._texts, self.tokenizer.encode_batch(texts), strict=True
+            ):
+                request.prompt_tokens = protocol.pack_tokens(tokens)
+            self._texts.clear()
+        accepted, self._accepted = self._accepted, []
+        for request in accepted:
+            refusal = self.admission.prompt_tokens_refusal(request.prompt_tokens)
+            if refusal is not None:
+                self.dispatcher.fail(request, *refusal)
+            elif request.request_id in self.requests.by_id:
+                self.dispatcher.dispatch(request)
