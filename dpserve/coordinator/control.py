@@ -1,4 +1,5 @@
-"""Engine control states, the one table of allowed transitions, and ``ControlRelay``: a
+"""The one table of allowed control-state transitions (the states are
+``dpserve.protocol.ControlState``), and ``ControlRelay``: a
 client's control signal relayed to every engine and acknowledged once all of them did.
 
 ``docs/protocol.md`` shows the same table; ``tests/unit/test_coordinator_parts.py`` checks
@@ -9,23 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Final
+from typing import Any, Final
 
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import ErrorCode, Header
+from dpserve.protocol import ControlAck, ControlState, ErrorCode, Header
 
 log = logging.getLogger("dpserve.coordinator")
-
-
-class ControlState(IntEnum):
-    RUNNING = 0
-    PAUSED = 1  # engines keep their requests and accept new ones, but do not step
-    SUSPENDED = 2  # paused, and the model's and KV cache's memory released
-    STOPPED = 3  # engines exited; the coordinator answers every request with an error
 
 
 # (state, signal) -> next state. Anything not listed is answered with INVALID_TRANSITION.
@@ -87,8 +80,9 @@ class ControlRelay:
         self.state = ControlState.RUNNING
         self.operation: ControlOperation | None = None
 
-    def on_signal(self, header: Header, identity: bytes, fields: list) -> None:
-        (control_id,) = fields
+    def on_signal(self, identity: bytes, record: Any) -> None:
+        """A client's PAUSE, UNPAUSE, SUSPEND, RESUME or STOP record."""
+        header, control_id = protocol.HEADER_OF[type(record)], record.control_id
         error = self._refusal(header, identity)
         if error is not None:
             self.transport.error(identity, control_id, *error)
@@ -96,7 +90,7 @@ class ControlRelay:
         self.operation = ControlOperation(
             header, control_id, identity, next_state(self.state, header), set(self.registry.engines)
         )
-        payload = protocol.encode(header, control_id)
+        payload = protocol.encode(record)
         for engine_identity in list(self.operation.waiting_for):
             self.transport.send(engine_identity, payload)
         self._maybe_finish()
@@ -115,8 +109,8 @@ class ControlRelay:
             return ErrorCode.INVALID_TRANSITION, str(exc)
         return None
 
-    def on_ack(self, engine: Engine, fields: list) -> None:
-        _signal, control_id = fields
+    def on_ack(self, engine: Engine, ack: ControlAck) -> None:
+        control_id = ack.control_id
         if self.operation is None or control_id != self.operation.control_id:
             return  # an acknowledgement that arrived after its engine was given up on
         self.operation.waiting_for.discard(engine.identity)
@@ -127,7 +121,8 @@ class ControlRelay:
         if self.operation is not None:
             self.operation.waiting_for.add(identity)
             self.transport.send(
-                identity, protocol.encode(self.operation.signal, self.operation.control_id)
+                identity,
+                protocol.encode(protocol.RECORDS[self.operation.signal](self.operation.control_id)),
             )
 
     def engine_left(self, engine: Engine) -> None:
@@ -149,5 +144,5 @@ class ControlRelay:
         if operation.requester in self.clients:
             self.transport.send(
                 operation.requester,
-                protocol.encode(Header.CONTROL_ACK, operation.signal, operation.control_id),
+                protocol.encode(ControlAck(operation.signal, operation.control_id)),
             )

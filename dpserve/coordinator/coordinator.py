@@ -2,9 +2,10 @@
 
 One thread, one ROUTER socket. The loop waits once (poll), then drains every message already
 waiting and handles them as a batch: one handler per message header (``_handlers``, the table
-below), then the batch step — the submits are tokenized in one call and sent, the finished
-results and stream chunks go out as one RESULTS / STREAM message per client. That is what
-keeps a Python loop at tens of thousands of messages per second.
+below; each gets the message's record from ``dpserve.protocol``), then the batch step: the
+submits are tokenized in one call and sent, the finished results and stream chunks go out as
+one RESULTS / STREAM message per client. That is what keeps a Python loop at tens of thousands
+of messages per second.
 
 The parts, one job each: ``config`` (settings and defaults), ``transport`` (socket, framing,
 CURVE), ``admission`` (limits), ``requests`` (the request table), ``registry`` (engines),
@@ -20,7 +21,6 @@ connection's role before its handler runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import secrets
 import signal
@@ -40,7 +40,7 @@ from dpserve.coordinator.membership import Membership
 from dpserve.coordinator.refusals import Refusals
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.requests import RequestTable
-from dpserve.coordinator.results import Results
+from dpserve.coordinator.results import ResultRouter
 from dpserve.coordinator.routing import choose_engine
 from dpserve.coordinator.status import status_report
 from dpserve.coordinator.transport import Received, Transport
@@ -49,7 +49,7 @@ from dpserve.tokenizer import as_batch_tokenizer
 
 log = logging.getLogger("dpserve.coordinator")
 
-Handler = Callable[[bytes, list], None]
+Handler = Callable[[bytes, Any], None]
 
 
 class DataParallelInferenceCoordinator:
@@ -122,9 +122,10 @@ class DataParallelInferenceCoordinator:
             self.dispatcher,
             self.control,
         )
-        self.results = Results(
+        self.results = ResultRouter(
             self.tokenizer, transport, self.requests, self.dispatcher, self.counters
         )
+        # The loop's table: one handler per message header, called as (identity, record).
         self._handlers: dict[Header, Handler] = {
             Header.CONNECT: self.membership.on_connect,
             Header.REGISTER: self.membership.on_register,
@@ -136,16 +137,13 @@ class DataParallelInferenceCoordinator:
             Header.ENGINE_REPLY: self._from_engine(self.results.on_engine_reply),
             Header.CONTROL_ACK: self._from_engine(self.control.on_ack),
             Header.STATUS: self._on_status,
-            **{
-                signal_header: functools.partial(self.control.on_signal, signal_header)
-                for signal_header in protocol.CONTROL_SIGNALS
-            },
+            **{signal: self.control.on_signal for signal in protocol.CONTROL_SIGNALS},
         }
 
     def _from_engine(self, handler: Callable[[Engine, list], None]) -> Handler:
         """A handler for a message only registered engines may send."""
         engine_or_reject = self.membership.engine_or_reject
-        return lambda identity, fields: handler(engine_or_reject(identity), fields)
+        return lambda identity, record: handler(engine_or_reject(identity), record)
 
     # --------------------------------------------------- Megatron-Core's interface
 
@@ -281,17 +279,22 @@ class DataParallelInferenceCoordinator:
         """Handle ``(identity, payload, role)`` messages, then run the batch step. On a CURVE
         socket every message carries its connection's role, and one that role may not send is
         refused before any handler sees it; on a plain socket the role is None."""
-        decode, limit = protocol.decode, self.config.max_message_bytes
+        decode, header_of, limit = (
+            protocol.decode_record,
+            protocol.HEADER_OF,
+            self.config.max_message_bytes,
+        )
         handlers, permitted = self._handlers, security.PERMITTED
         for identity, payload, role in batch:
             try:
                 if payload is None:
                     raise ProtocolError("expected one frame after the identity")
-                header, fields = decode(payload, limit)
+                record = decode(payload, limit)
+                header = header_of[type(record)]
                 if role is None or header in permitted.get(role, ()):
-                    handlers[header](identity, fields)
+                    handlers[header](identity, record)
                 else:
-                    self.refusals.forbidden(identity, role, header, fields)
+                    self.refusals.forbidden(identity, role, record)
             except MessageTooLarge as exc:
                 self.refusals.too_large(identity, exc)
             except ProtocolError as exc:
@@ -301,11 +304,12 @@ class DataParallelInferenceCoordinator:
         self.intake.flush()
         self.results.flush()
 
-    def _on_status(self, identity: bytes, fields: list) -> None:
-        (query_id,) = fields
+    def _on_status(self, identity: bytes, query: protocol.Status) -> None:
         if identity not in self.clients:
             self.transport.error(
-                identity, query_id, ErrorCode.UNKNOWN_PEER, "connect before asking for status"
+                identity, query.query_id, ErrorCode.UNKNOWN_PEER, "connect before asking for status"
             )
             return
-        self.transport.send(identity, protocol.encode(Header.STATUS_REPLY, query_id, self.status()))
+        self.transport.send(
+            identity, protocol.encode(protocol.StatusReply(query.query_id, self.status()))
+        )

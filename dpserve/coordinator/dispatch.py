@@ -18,7 +18,7 @@ from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest, RequestTable
 from dpserve.coordinator.routing import RoutingPolicy, choose_engine
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import ErrorCode, Header
+from dpserve.protocol import Cancel, EngineRequest, ErrorCode
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -50,11 +50,12 @@ class Dispatcher:
         """Send the request to the engine the policy picks, or queue it when none can."""
         while (identity := choose_engine(self.registry, self.routing)) is not None:
             payload = protocol.encode(
-                Header.ENGINE_REQUEST,
-                request.request_id,
-                request.prompt_tokens,
-                request.params,
-                bytes(request.generated),
+                EngineRequest(
+                    request.request_id,
+                    request.prompt_tokens,
+                    request.params,
+                    bytes(request.generated),
+                )
             )
             if not self.transport.send(identity, payload):
                 continue  # that engine vanished (and was removed): the request never got there
@@ -110,7 +111,7 @@ class Dispatcher:
         engine = None if request.engine is None else self.registry.get(request.engine)
         if engine is not None:
             engine.outstanding.discard(request.request_id)
-            self.transport.send(engine.identity, protocol.encode(Header.CANCEL, request.request_id))
+            self.transport.send(engine.identity, protocol.encode(Cancel(request.request_id)))
         self.forget(request)
 
     def forget(self, request: InflightRequest) -> None:

@@ -12,7 +12,7 @@ from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Client
 from dpserve.coordinator.requests import InflightRequest, RequestTable
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import ErrorCode, ProtocolError
+from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest
 from dpserve.sampling import InvalidSamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -39,8 +39,8 @@ class Intake:
         self._accepted: list[InflightRequest] = []
         self._texts: list[tuple[InflightRequest, str]] = []
 
-    def on_submit(self, identity: bytes, fields: list) -> None:
-        client_request_id, prompt, raw_params = fields
+    def on_submit(self, identity: bytes, submit: SubmitRequest) -> None:
+        client_request_id, prompt, raw_params = submit
         client = self.clients.get(identity)
         if client is None:
             self.transport.error(
@@ -76,9 +76,8 @@ class Intake:
             self._texts.append((request, prompt))  # tokenized with the rest of the batch
         self._accepted.append(request)
 
-    def on_cancel(self, identity: bytes, fields: list) -> None:
-        (client_request_id,) = fields
-        request = self.requests.find(identity, client_request_id)
+    def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
+        request = self.requests.find(identity, cancel.ref)
         if request is not None:
             self.dispatcher.cancel(request)
 

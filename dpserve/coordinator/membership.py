@@ -12,7 +12,19 @@ from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import ErrorCode, Header, ProtocolError
+from dpserve.protocol import (
+    Connect,
+    ConnectAck,
+    Deregister,
+    Drain,
+    DrainAck,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatAck,
+    ProtocolError,
+    Register,
+    RegisterAck,
+)
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -50,8 +62,8 @@ class Membership:
         engine.last_seen = time.monotonic()
         return engine
 
-    def on_connect(self, identity: bytes, fields: list) -> None:
-        (version,) = fields
+    def on_connect(self, identity: bytes, connect: Connect) -> None:
+        version = connect.protocol_version
         if identity in self.registry:
             raise ProtocolError("an engine cannot connect as a client")
         if version != protocol.PROTOCOL_VERSION:
@@ -66,11 +78,11 @@ class Membership:
         self.clients.setdefault(identity, Client(identity))
         self.transport.send(
             identity,
-            protocol.encode(Header.CONNECT_ACK, self.instance_id, protocol.PROTOCOL_VERSION),
+            protocol.encode(ConnectAck(self.instance_id, protocol.PROTOCOL_VERSION)),
         )
 
-    def on_register(self, identity: bytes, fields: list) -> None:
-        rank, capacity, instance = fields
+    def on_register(self, identity: bytes, register: Register) -> None:
+        rank, capacity, instance = register
         if identity in self.clients:
             raise ProtocolError("a client cannot register as an engine")
         if capacity < 1:
@@ -96,10 +108,10 @@ class Membership:
 
     def _ack_register(self, identity: bytes) -> None:
         self.transport.send(
-            identity, protocol.encode(Header.REGISTER_ACK, self.instance_id, self.control.state)
+            identity, protocol.encode(RegisterAck(self.instance_id, self.control.state))
         )
 
-    def on_heartbeat(self, identity: bytes, fields: list) -> None:
+    def on_heartbeat(self, identity: bytes, heartbeat: Heartbeat) -> None:
         engine = self.registry.get(identity)
         if engine is not None:
             engine.last_seen = time.monotonic()
@@ -108,9 +120,9 @@ class Membership:
                 identity, None, ErrorCode.UNKNOWN_PEER, "unknown peer: connect or register first"
             )
             return
-        self.transport.send(identity, protocol.encode(Header.HEARTBEAT_ACK, self.instance_id))
+        self.transport.send(identity, protocol.encode(HeartbeatAck(self.instance_id)))
 
-    def on_drain(self, identity: bytes, fields: list) -> None:
+    def on_drain(self, identity: bytes, drain: Drain) -> None:
         engine = self.engine_or_reject(identity)
         self.registry.start_draining(engine)
         log.info(
@@ -118,9 +130,9 @@ class Membership:
             engine.rank,
             len(engine.outstanding),
         )
-        self.transport.send(identity, protocol.encode(Header.DRAIN_ACK))
+        self.transport.send(identity, protocol.encode(DrainAck()))
 
-    def on_deregister(self, identity: bytes, fields: list) -> None:
+    def on_deregister(self, identity: bytes, deregister: Deregister) -> None:
         engine = self.engine_or_reject(identity)
         log.info("engine rank %d left", engine.rank)
         self.dispatcher.remove_engine(engine, died=False)
@@ -143,5 +155,5 @@ class Membership:
             elif now - engine.last_probe >= PROBE_INTERVAL:
                 engine.last_probe = now
                 self.transport.send(
-                    engine.identity, protocol.encode(Header.HEARTBEAT_ACK, self.instance_id)
+                    engine.identity, protocol.encode(HeartbeatAck(self.instance_id))
                 )

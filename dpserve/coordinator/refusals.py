@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 from dpserve import security
 from dpserve.coordinator.registry import Client
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import ErrorCode, Header, MessageTooLarge
+from dpserve.protocol import HEADER_OF, ErrorCode, Header, MessageTooLarge
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -31,8 +32,8 @@ class Refusals:
         if count <= LOG_FIRST or count % LOG_EVERY == 0:
             log.warning("%s #%d from %r: %s", what, count, identity, reason)
 
-    def forbidden(self, identity: bytes, role: str, header: Header, fields: list) -> None:
-        ref, reason = security.forbidden(role, header, fields)
+    def forbidden(self, identity: bytes, role: str, record: Any) -> None:
+        ref, reason = security.forbidden(role, HEADER_OF[type(record)], record)
         self._count_and_log("forbidden", "refused message", identity, reason)
         self.transport.error(identity, ref, ErrorCode.FORBIDDEN, reason)
 

@@ -17,7 +17,7 @@ import zmq
 
 from dpserve import protocol, security
 from dpserve.coordinator.config import CoordinatorConfig
-from dpserve.protocol import Header
+from dpserve.protocol import Error
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -129,7 +129,7 @@ class Transport:
             raise
 
     def error(self, identity: bytes, ref: int | None, code: str, message: str) -> None:
-        self.send(identity, protocol.encode(Header.ERROR, ref, code, message))
+        self.send(identity, protocol.encode(Error(ref, code, message)))
 
     def close(self) -> None:
         """Release the socket, the authenticator and the context (idempotent)."""
