@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from dpserve import flags, security
+from dpserve.coordinator.config import CoordinatorConfig, flag_fields
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
 from dpserve.limits import MESSAGE_HEADROOM_BYTES
@@ -58,20 +59,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = _tokenizer_spec(args.tokenizer)
-    limits = flags.request_limits(args)
-    options = {
-        "host": args.host,
-        "routing": args.routing,
-        "heartbeat_timeout": args.heartbeat_timeout,
-        "queue_timeout": args.queue_timeout,
-        "max_inflight_per_client": args.max_inflight_per_client,
-        "max_inflight_requests": args.max_inflight_requests,
-        "max_queued_requests": args.max_queued_requests,
-        "max_message_bytes": args.max_message_bytes or limits.max_message_bytes,
-        "max_prompt_tokens": limits.max_prompt_tokens,
-        # The directory, not the keys: nothing secret travels to the coordinator's process.
-        "credentials": args.credentials or None,
-    }
+    options = _coordinator_config(args).options()
     if args.http_port is None:
         coordinator = None
         try:
@@ -97,7 +85,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         default_model_name(tokenizer),
         credentials=front_keys,
         api_keys=api_keys,
-        limits=limits,
+        limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
     )
     return run_http_with_coordinator(args.port, args.deterministic, options, front)
@@ -393,6 +381,32 @@ def cmd_operator(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------- parser
 
 
+def _add_coordinator_config(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``CoordinatorConfig`` setting that has a ``help``, with its default."""
+    for setting in flag_fields():
+        parser.add_argument(
+            "--" + setting.name.replace("_", "-"),
+            type=type(setting.default),
+            default=setting.default,
+            help=setting.metadata["help"],
+        )
+
+
+def _coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
+    limits = flags.request_limits(args)
+    return CoordinatorConfig(
+        **{setting.name: getattr(args, setting.name) for setting in flag_fields()},
+        # The request limits are the HTTP edge's flags (one set for both): the message limit
+        # follows --max-body-bytes so that every request the edge admits fits a message.
+        max_message_bytes=args.max_message_bytes or limits.max_message_bytes,
+        max_prompt_tokens=limits.max_prompt_tokens,
+        max_prompt_chars=limits.max_prompt_chars,
+        routing=args.routing,
+        # The directory, not the keys: nothing secret travels to the coordinator's process.
+        credentials=args.credentials or None,
+    )
+
+
 def _add_credentials(parser: argparse.ArgumentParser, roles: bool = False) -> None:
     parser.add_argument(
         "--credentials",
@@ -429,9 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = commands.add_parser(
         "coordinator", help="run the coordinator (and optionally the HTTP front) in the foreground"
     )
-    coordinator.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
-    )
+    _add_coordinator_config(coordinator)
     coordinator.add_argument("--port", type=int, default=DEFAULT_ZMQ_PORT, help="ZMQ port")
     coordinator.add_argument(
         "--data-parallel-size", type=int, default=0, help="engines to wait for before serving"
@@ -448,26 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: least-outstanding (round-robin with --deterministic)",
     )
     coordinator.add_argument("--deterministic", action="store_true", help="reproducible routing")
-    coordinator.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    coordinator.add_argument("--queue-timeout", type=float, default=30.0)
     coordinator.add_argument("--http-port", type=int, default=None, help="also serve HTTP here")
     _add_credentials(coordinator)
     coordinator.add_argument(
         "--insecure",
         action="store_true",
         help="allow a non-loopback --host without --credentials (plain, unauthenticated ZMQ)",
-    )
-    coordinator.add_argument(
-        "--max-inflight-per-client", type=int, default=10_000, help="default: %(default)s"
-    )
-    coordinator.add_argument(
-        "--max-inflight-requests", type=int, default=1_000_000, help="default: %(default)s"
-    )
-    coordinator.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=100_000,
-        help="requests waiting for an engine (default: %(default)s)",
     )
     coordinator.add_argument(
         "--max-message-bytes",

@@ -13,21 +13,38 @@ Token ids travel as packed little-endian int32 bytes (``pack_tokens``): decoding
 from __future__ import annotations
 
 import sys
+import types
+import typing
 from array import array
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgpack
 
+from dpserve.limits import DEFAULT_REQUEST_LIMITS
+
 PROTOCOL_VERSION: Final = 1
 
-# Large enough for a 128k-token prompt with its sampling parameters; configurable per socket.
-DEFAULT_MAX_MESSAGE_BYTES: Final = 8 * 1024 * 1024
+# The default of ``decode``'s size limit (``dpserve.limits.RequestLimits.max_message_bytes``).
+DEFAULT_MAX_MESSAGE_BYTES: Final = DEFAULT_REQUEST_LIMITS.max_message_bytes
 
 
 class ProtocolError(ValueError):
     """A message that is not valid dpserve protocol: wrong size, bytes, shape or types."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A message over the size limit; ``header`` and ``reference`` (its first field, the
+    request, control or query id of the messages that have one) are read from its first
+    bytes only, so the sender can be told which request was refused."""
+
+    def __init__(self, size: int, limit: int, header: int | None, reference: int | None) -> None:
+        super().__init__(f"message of {size} bytes exceeds the {limit}-byte limit")
+        self.size = size
+        self.limit = limit
+        self.header = header
+        self.reference = reference
 
 
 class Header(IntEnum):
@@ -88,80 +105,255 @@ class ErrorCode:
     PROMPT_TOO_LONG = "prompt_too_long"
     CANCELLED = "cancelled"
     FORBIDDEN = "forbidden"  # the connection's role may not send this message
+    MESSAGE_TOO_LARGE = "message_too_large"  # over the coordinator's message size limit
+    # In flight on AdmissionLimits.max_dispatch_attempts engines that each died: not retried.
+    QUARANTINED = "quarantined"
+
+
+class ControlState(IntEnum):
+    """The engines' control state, as the coordinator sends it in REGISTER_ACK."""
+
+    RUNNING = 0
+    PAUSED = 1  # engines keep their requests and accept new ones, but do not step
+    SUSPENDED = 2  # paused, and the model's and KV cache's memory released
+    STOPPED = 3  # engines exited; the coordinator answers every request with an error
+
+
+# ------------------------------------------------------------------ wire records
+#
+# One NamedTuple per message: its fields after the header, in wire order, with the types
+# ``decode`` accepts. ``encode(record)`` writes ``[header, *record]``; a field with a default
+# may be left off the end on the wire (older senders). docs/protocol.md lists the same
+# records; tests/unit/test_protocol.py checks that the page and these classes agree.
+
+Prompt = str | bytes | list[int] | list[dict[str, str]]
+
+
+class Connect(NamedTuple):
+    protocol_version: int
+
+
+class ConnectAck(NamedTuple):
+    instance: str  # the coordinator's instance id: another one later means it restarted
+    protocol_version: int
+
+
+class Register(NamedTuple):
+    rank: int
+    capacity: int
+    instance: str  # the engine's instance id: another one means a restarted engine
+
+
+class RegisterAck(NamedTuple):
+    instance: str
+    state: int  # ControlState
+
+
+class Heartbeat(NamedTuple):
+    held: int  # requests held by the sender (0 for clients)
+
+
+class HeartbeatAck(NamedTuple):
+    instance: str
+
+
+class Drain(NamedTuple):
+    pass
+
+
+class DrainAck(NamedTuple):
+    pass
+
+
+class Deregister(NamedTuple):
+    pass
+
+
+class SubmitRequest(NamedTuple):
+    client_request_id: int
+    prompt: Prompt  # text, packed tokens, token ids, or chat messages
+    sampling_params: dict[str, Any]
+    # Tokens the client already has (a stream resubmitted after a coordinator restart):
+    # generation continues after them. Optional: added after protocol version 1.
+    resume_tokens: bytes = b""
+
+
+class EngineRequest(NamedTuple):
+    request_id: int
+    prompt_tokens: bytes
+    sampling_params: dict[str, Any]  # validated, SamplingParams.serialize() form
+    resume_tokens: bytes  # generated elsewhere already: generation continues after them
+
+
+class EngineUpdate(NamedTuple):
+    """One entry of ENGINE_REPLY: what an engine produced for one request since its last."""
+
+    request_id: int
+    tokens: bytes
+    logprobs: bytes | None  # float32, one per token, when asked for
+    finish_reason: str | None
+    error: str | None  # the request failed; finish_reason then holds the ErrorCode
+    ttft: float | None  # engine-side seconds to the first token
+    text: str | None = None  # the tokens' text (incremental detokenization on the engine)
+
+
+class EngineReply(NamedTuple):
+    updates: list[EngineUpdate]
+
+
+class ClientResult(NamedTuple):
+    """One entry of RESULTS: a finished request as its client receives it."""
+
+    client_request_id: int
+    prompt_tokens: bytes
+    generated_tokens: bytes
+    text: str
+    finish_reason: str
+    logprobs: bytes | None
+    ttft: float | None  # seconds from the coordinator receiving it to the first token
+    engine_rank: int
+
+
+class Results(NamedTuple):
+    results: list[ClientResult]
+
+
+class StreamChunk(NamedTuple):
+    """One entry of STREAM: a streaming request's new tokens and their text."""
+
+    client_request_id: int
+    tokens: bytes
+    text: str
+
+
+class Stream(NamedTuple):
+    chunks: list[StreamChunk]
+
+
+class Cancel(NamedTuple):
+    ref: int  # client request id (client -> coordinator), request id (coordinator -> engine)
+
+
+class Pause(NamedTuple):
+    control_id: int
+
+
+class Unpause(NamedTuple):
+    control_id: int
+
+
+class Suspend(NamedTuple):
+    control_id: int
+
+
+class Resume(NamedTuple):
+    control_id: int
+
+
+class Stop(NamedTuple):
+    control_id: int
+
+
+class ControlAck(NamedTuple):
+    signal: int  # the signal's Header
+    control_id: int
+
+
+class Status(NamedTuple):
+    query_id: int
+
+
+class StatusReply(NamedTuple):
+    query_id: int
+    status: dict[str, Any]
+
+
+class Error(NamedTuple):
+    ref: int | None  # the request, control or query id, when the refused message had one
+    code: str  # ErrorCode
+    message: str
+
+
+RECORDS: Final[dict[Header, Any]] = {
+    Header.CONNECT: Connect,
+    Header.CONNECT_ACK: ConnectAck,
+    Header.REGISTER: Register,
+    Header.REGISTER_ACK: RegisterAck,
+    Header.HEARTBEAT: Heartbeat,
+    Header.HEARTBEAT_ACK: HeartbeatAck,
+    Header.DRAIN: Drain,
+    Header.DRAIN_ACK: DrainAck,
+    Header.DEREGISTER: Deregister,
+    Header.SUBMIT_REQUEST: SubmitRequest,
+    Header.ENGINE_REQUEST: EngineRequest,
+    Header.ENGINE_REPLY: EngineReply,
+    Header.RESULTS: Results,
+    Header.STREAM: Stream,
+    Header.CANCEL: Cancel,
+    Header.PAUSE: Pause,
+    Header.UNPAUSE: Unpause,
+    Header.SUSPEND: Suspend,
+    Header.RESUME: Resume,
+    Header.STOP: Stop,
+    Header.CONTROL_ACK: ControlAck,
+    Header.STATUS: Status,
+    Header.STATUS_REPLY: StatusReply,
+    Header.ERROR: Error,
+}
+HEADER_OF: Final[dict[type, Header]] = {record: header for header, record in RECORDS.items()}
+CONTROL_SIGNAL_RECORDS: Final = {RECORDS[header] for header in CONTROL_SIGNALS}
+
+FieldTypes = tuple[tuple[type, ...], ...]
+
+
+def _accepted(hint: Any) -> tuple[type, ...]:
+    """The Python types ``decode`` accepts for a field annotated ``hint``."""
+    if isinstance(hint, types.UnionType):
+        return tuple(t for arg in hint.__args__ for t in _accepted(arg))
+    base = typing.get_origin(hint) or hint
+    return (float, int) if base is float else (base,)  # msgpack writes 2.0 as an int
+
+
+def field_types(record: Any) -> FieldTypes:
+    """The accepted types of each field of a record class, in order."""
+    hints = typing.get_type_hints(record)
+    return tuple(_accepted(hints[name]) for name in record._fields)
+
+
+def required_fields(record: Any) -> int:
+    """How many fields a sender must write (the rest have defaults)."""
+    return len(record._fields) - len(record._field_defaults)
 
 
 _NoneType = type(None)
-_INT = (int,)
-_STR = (str,)
-_BYTES = (bytes,)
-_LIST = (list,)
-_DICT = (dict,)
-_FLOAT = (float, int)
-_OPT_INT = (int, _NoneType)
-_OPT_STR = (str, _NoneType)
-_OPT_BYTES = (bytes, _NoneType)
-_OPT_FLOAT = (float, int, _NoneType)
-_PROMPT = (str, bytes, list)
 
 # header -> the allowed types of each field after the header, in order.
-MESSAGE_FIELDS: Final[dict[Header, tuple[tuple[type, ...], ...]]] = {
-    Header.CONNECT: (_INT,),  # protocol version
-    Header.CONNECT_ACK: (_STR, _INT),  # coordinator instance id, protocol version
-    Header.REGISTER: (_INT, _INT, _STR),  # rank, capacity, engine instance id
-    Header.REGISTER_ACK: (_STR, _INT),  # coordinator instance id, control state
-    Header.HEARTBEAT: (_INT,),  # requests held by the sender (0 for clients)
-    Header.HEARTBEAT_ACK: (_STR,),  # coordinator instance id
-    Header.DRAIN: (),
-    Header.DRAIN_ACK: (),
-    Header.DEREGISTER: (),
-    # client request id, prompt, sampling params[, resume tokens: what the client already has]
-    Header.SUBMIT_REQUEST: (_INT, _PROMPT, _DICT, _BYTES),
-    # request id, prompt tokens, sampling params, tokens already generated elsewhere
-    Header.ENGINE_REQUEST: (_INT, _BYTES, _DICT, _BYTES),
-    Header.ENGINE_REPLY: (_LIST,),  # [EngineUpdate fields, ...]
-    Header.RESULTS: (_LIST,),  # [ClientResult fields, ...]
-    Header.STREAM: (_LIST,),  # [[client request id, tokens, text], ...]
-    Header.CANCEL: (_INT,),  # client request id (client->coordinator), request id (->engine)
-    Header.PAUSE: (_INT,),  # control id
-    Header.UNPAUSE: (_INT,),
-    Header.SUSPEND: (_INT,),
-    Header.RESUME: (_INT,),
-    Header.STOP: (_INT,),
-    Header.CONTROL_ACK: (_INT, _INT),  # signal header, control id
-    Header.STATUS: (_INT,),  # query id
-    Header.STATUS_REPLY: (_INT, _DICT),  # query id, status
-    Header.ERROR: (_OPT_INT, _STR, _STR),  # request or control id (or nil), code, message
+MESSAGE_FIELDS: Final[dict[Header, FieldTypes]] = {
+    header: field_types(record) for header, record in RECORDS.items()
 }
-
-# header -> how many of its last fields a sender may leave out (added after version 1).
-OPTIONAL_TRAILING_FIELDS: Final[dict[Header, int]] = {Header.SUBMIT_REQUEST: 1}
-
-# One entry of ENGINE_REPLY: what an engine produced for one request since its last update.
-# request id, new tokens, their log-probs (float32 bytes) or nil, finish reason or nil,
-# error message or nil, engine-side seconds to first token or nil.
-ENGINE_UPDATE_FIELDS: Final = (_INT, _BYTES, _OPT_BYTES, _OPT_STR, _OPT_STR, _OPT_FLOAT)
-
-# One entry of RESULTS: a finished request as the client receives it.
-# client request id, prompt tokens, generated tokens, text, finish reason, log-probs or nil,
-# seconds to first token (measured by coordinator + engine) or nil, engine rank.
-CLIENT_RESULT_FIELDS: Final = (_INT, _BYTES, _BYTES, _STR, _STR, _OPT_BYTES, _OPT_FLOAT, _INT)
-
-# One entry of STREAM: client request id, new tokens, their text.
-STREAM_CHUNK_FIELDS: Final = (_INT, _BYTES, _STR)
+# Fields a sender must write: those added later (with defaults in the record) may be left out.
+_REQUIRED_FIELDS: Final = {header: required_fields(record) for header, record in RECORDS.items()}
+ENGINE_UPDATE_FIELDS: Final = field_types(EngineUpdate)
+CLIENT_RESULT_FIELDS: Final = field_types(ClientResult)
+STREAM_CHUNK_FIELDS: Final = field_types(StreamChunk)
 
 _packer = msgpack.Packer(use_bin_type=True)
 _HEADERS: Final = {int(h): h for h in Header}  # a dict lookup is ~5x cheaper than Header(n)
 
 
-def encode(header: Header, *fields: Any) -> bytes:
-    """Serialize one message. Fields are not checked here: senders are our own code."""
-    return _packer.pack([int(header), *fields])
+def encode(message: Any, *fields: Any) -> bytes:
+    """Serialize one message: a record (``encode(Cancel(7))``), or a header and its fields
+    (``encode(Header.CANCEL, 7)``, the older form). The bytes are the same either way.
+    Fields are not checked here: senders are our own code."""
+    if type(message) is Header:
+        return _packer.pack([int(message), *fields])
+    return _packer.pack([int(HEADER_OF[type(message)]), *message])
 
 
 def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list]:
     """Parse and check one message; raise ``ProtocolError`` for anything malformed."""
     if len(payload) > max_bytes:
-        raise ProtocolError(f"message of {len(payload)} bytes exceeds the {max_bytes}-byte limit")
+        raise MessageTooLarge(len(payload), max_bytes, *_peek_reference(payload))
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
@@ -175,27 +367,51 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
     if header is None:
         raise ProtocolError(f"unknown header {raw_header}")
     fields = message[1:]
-    types = MESSAGE_FIELDS[header]
-    optional = OPTIONAL_TRAILING_FIELDS.get(header, 0)
-    if len(types) - optional <= len(fields) < len(types):
-        types = types[: len(fields)]
-    check_fields(header.name, fields, types)
+    check_fields(header.name, fields, MESSAGE_FIELDS[header], _REQUIRED_FIELDS[header])
     return header, fields
 
 
-def check_fields(what: str, fields: Sequence, types: tuple[tuple[type, ...], ...]) -> None:
-    """Raise ``ProtocolError`` unless ``fields`` has exactly ``len(types)`` items of those types."""
+def _peek_reference(payload: bytes) -> tuple[int | None, int | None]:
+    """The header and first field of a message, when both are integers, from its first bytes
+    (an array header and two integers take at most 19 bytes); ``(None, None)`` otherwise."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(payload[:32])
+    try:
+        if unpacker.read_array_header() < 2:
+            return None, None
+        header, reference = unpacker.unpack(), unpacker.unpack()
+    except Exception:  # anything that is not [int, int, ...] has no reference to answer
+        return None, None
+    if type(header) is not int or type(reference) is not int:
+        return None, None
+    return header, reference
+
+
+def decode_record(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """Parse and check one message into its record (``ProtocolError`` if malformed)."""
+    header, fields = decode(payload, max_bytes)
+    return RECORDS[header](*fields)  # a trailing field left out takes its default
+
+
+def check_fields(
+    what: str, fields: Sequence, types: FieldTypes, required: int | None = None
+) -> None:
+    """Raise ``ProtocolError`` unless ``fields`` holds ``len(types)`` items of those types, or,
+    when ``required`` is given, at least that many (the first ones)."""
+    count = len(fields)
+    required = len(types) if required is None else required
     # Fast path first (this runs for every message); no field of any message is a bool, and a
     # flag where a number belongs (bool is an int subclass) is still a malformed message.
     if (
-        len(fields) == len(types)
+        required <= count <= len(types)
         and all(map(isinstance, fields, types))
         and bool not in set(map(type, fields))
     ):
         return
-    if len(fields) != len(types):
-        raise ProtocolError(f"{what} takes {len(types)} field(s), got {len(fields)}")
-    for index, (value, allowed) in enumerate(zip(fields, types, strict=True)):
+    if not required <= count <= len(types):
+        expected = f"{required}-{len(types)}" if required < len(types) else f"{len(types)}"
+        raise ProtocolError(f"{what} takes {expected} field(s), got {count}")
+    for index, (value, allowed) in enumerate(zip(fields, types, strict=False)):
         if not isinstance(value, allowed) or type(value) is bool:
             names = "/".join("nil" if t is _NoneType else t.__name__ for t in allowed)
             raise ProtocolError(
@@ -203,12 +419,14 @@ def check_fields(what: str, fields: Sequence, types: tuple[tuple[type, ...], ...
             )
 
 
-def check_records(what: str, records: list, types: tuple[tuple[type, ...], ...]) -> list[list]:
+def check_records(
+    what: str, records: list, types: FieldTypes, required: int | None = None
+) -> list[list]:
     """Check every record of a batched message (ENGINE_REPLY, RESULTS, STREAM)."""
     for record in records:
         if not isinstance(record, list):
             raise ProtocolError(f"each {what} record must be an array")
-        check_fields(what, record, types)
+        check_fields(what, record, types, required)
     return records
 
 

@@ -1,22 +1,24 @@
-"""Engine control states and the one table of allowed transitions.
+"""The one table of allowed control-state transitions (the states are
+``dpserve.protocol.ControlState``), and ``ControlRelay``: a
+client's control signal relayed to every engine and acknowledged once all of them did.
 
-``docs/protocol.md`` shows the same table; ``tests/unit/test_control.py`` checks they agree.
+``docs/protocol.md`` shows the same table; ``tests/unit/test_coordinator_parts.py`` checks
+that they agree.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Final
+from typing import Any, Final
 
-from dpserve.protocol import Header
+from dpserve import protocol
+from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.registry import Client, Engine, EngineRegistry
+from dpserve.coordinator.transport import Transport
+from dpserve.protocol import ControlAck, ControlState, ErrorCode, Header
 
-
-class ControlState(IntEnum):
-    RUNNING = 0
-    PAUSED = 1  # engines keep their requests and accept new ones, but do not step
-    SUSPENDED = 2  # paused, and the model's and KV cache's memory released
-    STOPPED = 3  # engines exited; the coordinator answers every request with an error
+log = logging.getLogger("dpserve.coordinator")
 
 
 # (state, signal) -> next state. Anything not listed is answered with INVALID_TRANSITION.
@@ -59,3 +61,88 @@ class ControlOperation:
     @property
     def done(self) -> bool:
         return not self.waiting_for
+
+
+class ControlRelay:
+    """The engines' control state, and the one control operation in progress."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        registry: EngineRegistry,
+        clients: dict[bytes, Client],
+        dispatcher: Dispatcher,
+    ) -> None:
+        self.transport = transport
+        self.registry = registry
+        self.clients = clients
+        self.dispatcher = dispatcher
+        self.state = ControlState.RUNNING
+        self.operation: ControlOperation | None = None
+
+    def on_signal(self, identity: bytes, record: Any) -> None:
+        """A client's PAUSE, UNPAUSE, SUSPEND, RESUME or STOP record."""
+        header, control_id = protocol.HEADER_OF[type(record)], record.control_id
+        error = self._refusal(header, identity)
+        if error is not None:
+            self.transport.error(identity, control_id, *error)
+            return
+        self.operation = ControlOperation(
+            header, control_id, identity, next_state(self.state, header), set(self.registry.engines)
+        )
+        payload = protocol.encode(record)
+        for engine_identity in list(self.operation.waiting_for):
+            self.transport.send(engine_identity, payload)
+        self._maybe_finish()
+
+    def _refusal(self, header: Header, identity: bytes) -> tuple[str, str] | None:
+        if identity not in self.clients:
+            return ErrorCode.UNKNOWN_PEER, "connect before sending control signals"
+        if self.operation is not None:
+            return (
+                ErrorCode.CONTROL_BUSY,
+                f"{self.operation.signal.name} is still waiting for engine acknowledgements",
+            )
+        try:
+            next_state(self.state, header)
+        except InvalidTransition as exc:
+            return ErrorCode.INVALID_TRANSITION, str(exc)
+        return None
+
+    def on_ack(self, engine: Engine, ack: ControlAck) -> None:
+        control_id = ack.control_id
+        if self.operation is None or control_id != self.operation.control_id:
+            return  # an acknowledgement that arrived after its engine was given up on
+        self.operation.waiting_for.discard(engine.identity)
+        self._maybe_finish()
+
+    def engine_joined(self, identity: bytes) -> None:
+        """An engine that registers mid-operation must reach the same state before we answer."""
+        if self.operation is not None:
+            self.operation.waiting_for.add(identity)
+            self.transport.send(
+                identity,
+                protocol.encode(protocol.RECORDS[self.operation.signal](self.operation.control_id)),
+            )
+
+    def engine_left(self, engine: Engine) -> None:
+        if self.operation is not None and engine.identity in self.operation.waiting_for:
+            self.operation.waiting_for.discard(engine.identity)
+            self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        operation = self.operation
+        if operation is None or not operation.done:
+            return
+        self.operation = None
+        self.state = operation.target
+        log.info("engines %s", operation.target.name)
+        if operation.target is ControlState.STOPPED:
+            self.dispatcher.fail_all(
+                ErrorCode.STOPPED, "engines were stopped before this request finished"
+            )
+        if operation.requester in self.clients:
+            self.transport.send(
+                operation.requester,
+                protocol.encode(ControlAck(operation.signal, operation.control_id)),
+            )

@@ -21,6 +21,11 @@ class InflightRequest:
     generated: bytearray = field(default_factory=bytearray)
     logprobs: bytearray | None = None
     text_sent: int = 0  # characters of streamed text already sent to the client
+    # Engines that died while this request was in flight there, before it produced a token
+    # there (a request that is what kills engines is failed after AdmissionLimits'
+    # max_dispatch_attempts of them).
+    engines_died: int = 0
+    progressed: bool = False  # the current engine returned tokens for it
 
 
 class RequestTable:

@@ -161,6 +161,13 @@ def parse_chat_request(
         ) from None
     if not prompt:
         raise InvalidRequest("the chat template rendered an empty prompt", param="messages")
+    # The limit is on the text the model reads (the coordinator checks the same): the
+    # template's own characters count.
+    if len(prompt) > limits.max_prompt_chars:
+        raise _over_limit(
+            "the rendered conversation", len(prompt), "characters", "max_prompt_chars", limits,
+            param="messages",
+        )
     return dataclasses.replace(request, prompt=prompt)
 
 

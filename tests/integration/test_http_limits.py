@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from dpserve.tokenizer import as_batch_tokenizer
 from tests.integration.http_support import (
     Cluster,
     error_of,
@@ -73,6 +74,12 @@ def padded_body(size: int) -> bytes:
     return json.dumps({**body, "user": "u" * (size - empty)}).encode()
 
 
+# What the byte tokenizer's chat template adds around one user message.
+CHAT_TEMPLATE_CHARS = len(
+    as_batch_tokenizer(None).apply_chat_template([{"role": "user", "content": ""}])
+)
+
+
 def chat(content: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
 
@@ -83,8 +90,9 @@ CASES: list[tuple[str, str, Any, Any, str, int]] = [
      "max_body_bytes", 413),
     ("prompt chars", "/v1/completions", {"prompt": "c" * PROMPT_CHARS, "max_tokens": 2},
      {"prompt": "c" * (PROMPT_CHARS + 1), "max_tokens": 2}, "max_prompt_chars", 400),
-    ("chat chars", "/v1/chat/completions", chat("c" * PROMPT_CHARS),
-     chat("c" * (PROMPT_CHARS + 1)), "max_prompt_chars", 400),
+    # The limit counts the rendered conversation (the template's characters too).
+    ("chat chars", "/v1/chat/completions", chat("c" * (PROMPT_CHARS - CHAT_TEMPLATE_CHARS)),
+     chat("c" * (PROMPT_CHARS - CHAT_TEMPLATE_CHARS + 1)), "max_prompt_chars", 400),
     ("prompt tokens", "/v1/completions", {"prompt": [7] * PROMPT_TOKENS, "max_tokens": 2},
      {"prompt": [7] * (PROMPT_TOKENS + 1), "max_tokens": 2}, "max_prompt_tokens", 400),
     ("max_tokens", "/v1/completions", {"prompt": "n", "max_tokens": NEW_TOKENS, "stop": EARLY_STOP},

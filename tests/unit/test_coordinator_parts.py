@@ -1,16 +1,22 @@
-"""Pure parts of the coordinator: the transition table, routing policies, the docs' table."""
+"""Pure parts of the coordinator: the transition table, routing policies, the docs' table,
+the config and its CLI flags, admission."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from dpserve.cli import _coordinator_config, build_parser
+from dpserve.coordinator.admission import Admission
+from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import TRANSITIONS, ControlState, InvalidTransition, next_state
-from dpserve.coordinator.registry import Engine, EngineRegistry
+from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.routing import RoutingPolicy, choose_engine
-from dpserve.protocol import Header
+from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.protocol import ErrorCode, Header, pack_tokens
 
 DOCS = Path(__file__).parents[2] / "docs" / "protocol.md"
 
@@ -55,3 +61,40 @@ def test_least_outstanding_weighs_capacity_and_skips_draining() -> None:
     registry.start_draining(registry.engines[b"\x00"])
     assert choose_engine(registry, RoutingPolicy.LEAST_OUTSTANDING) == b"\x02"
     assert choose_engine(EngineRegistry(), RoutingPolicy.LEAST_OUTSTANDING) is None
+
+
+def test_config_defaults_are_the_limits_and_the_cli_flags_are_the_config() -> None:
+    config = CoordinatorConfig()
+    assert config.max_message_bytes == DEFAULT_REQUEST_LIMITS.max_message_bytes
+    assert config.max_prompt_tokens == DEFAULT_REQUEST_LIMITS.max_prompt_tokens
+    assert config.max_prompt_chars == DEFAULT_REQUEST_LIMITS.max_prompt_chars
+    for name in (
+        "max_inflight_per_client",
+        "max_inflight_requests",
+        "max_queued_requests",
+        "queue_timeout",
+        "max_dispatch_attempts",
+    ):
+        assert getattr(config, name) == getattr(DEFAULT_ADMISSION_LIMITS, name), name
+    args = build_parser().parse_args(["coordinator"])
+    assert _coordinator_config(args) == config, "the CLI's defaults are the config's"
+    args = build_parser().parse_args(["coordinator", "--max-dispatch-attempts", "2"])
+    assert _coordinator_config(args).max_dispatch_attempts == 2
+
+
+def test_admission_names_the_limit_it_refuses_with() -> None:
+    admission = Admission(replace(CoordinatorConfig(), max_inflight_per_client=2))
+    busy, idle = Client(b"a", inflight=2), Client(b"b")
+    assert admission.refusal(idle, 0, ControlState.RUNNING, "hi") is None
+    code, message = admission.refusal(busy, 2, ControlState.RUNNING, "hi")
+    assert code == ErrorCode.OVERLOADED and "--max-inflight-per-client 2" in message
+    code, _ = admission.refusal(idle, 0, ControlState.STOPPED, "hi")
+    assert code == ErrorCode.STOPPED
+    too_long = "x" * (DEFAULT_REQUEST_LIMITS.max_prompt_chars + 1)
+    code, message = admission.refusal(idle, 0, ControlState.RUNNING, too_long)
+    assert code == ErrorCode.PROMPT_TOO_LONG and "--max-prompt-chars" in message
+    tokens = pack_tokens([1] * (DEFAULT_REQUEST_LIMITS.max_prompt_tokens + 1))
+    code, message = admission.prompt_tokens_refusal(tokens)
+    assert code == ErrorCode.PROMPT_TOO_LONG and "--max-prompt-tokens" in message
+    assert admission.prompt_tokens_refusal(pack_tokens([1])) is None
+    assert admission.prompt_tokens_refusal(b"")[0] == ErrorCode.BAD_REQUEST

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import msgpack
 import pytest
 
 from dpserve import protocol
-from dpserve.protocol import Header, ProtocolError
+from dpserve.protocol import ControlState, EngineUpdate, Header, ProtocolError
+
+DOCS = Path(__file__).parents[2] / "docs" / "protocol.md"
 
 
 def test_header_numbers_are_stable_and_grouped() -> None:
@@ -64,7 +69,8 @@ def test_optional_trailing_fields_may_be_left_out() -> None:
     assert protocol.decode(full) == (Header.SUBMIT_REQUEST, [1, "hi", {}, tokens])
     short = protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {})
     assert protocol.decode(short) == (Header.SUBMIT_REQUEST, [1, "hi", {}])
-    with pytest.raises(ProtocolError, match="takes 4 field"):
+    assert protocol.decode_record(short).resume_tokens == b""
+    with pytest.raises(ProtocolError, match="takes 3-4 field"):
         protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi"))
     with pytest.raises(ProtocolError, match="field 4 must be bytes"):
         protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {}, [1, 2]))
@@ -78,14 +84,63 @@ def test_size_limit_is_enforced_before_parsing() -> None:
 
 
 def test_records_of_batched_messages_are_checked() -> None:
-    good = [[1, b"", None, "length", None, 0.1]]
-    assert protocol.check_records("u", good, protocol.ENGINE_UPDATE_FIELDS) == good
+    fields, required = protocol.ENGINE_UPDATE_FIELDS, protocol.required_fields(EngineUpdate)
+    without_text = [[1, b"", None, "length", None, 0.1]]
+    with_text = [[1, b"a\x00\x00\x00", None, None, None, 0.1, "a"]]
+    assert protocol.check_records("u", without_text, fields, required) == without_text
+    assert protocol.check_records("u", with_text, fields, required) == with_text
+    with pytest.raises(ProtocolError, match="takes 6-7 field"):
+        protocol.check_records("u", [[1, b""]], fields, required)
+    with pytest.raises(ProtocolError, match="takes 7 field"):
+        protocol.check_records("u", without_text, fields)
     with pytest.raises(ProtocolError, match="must be an array"):
-        protocol.check_records("u", [5], protocol.ENGINE_UPDATE_FIELDS)
+        protocol.check_records("u", [5], fields, required)
     with pytest.raises(ProtocolError, match="field 2 must be bytes"):
-        protocol.check_records(
-            "u", [[1, "x", None, None, None, None]], protocol.ENGINE_UPDATE_FIELDS
-        )
+        protocol.check_records("u", [[1, "x", None, None, None, None]], fields, required)
+    with pytest.raises(ProtocolError, match="field 7 must be str/nil"):
+        protocol.check_records("u", [[1, b"", None, None, None, None, 5]], fields, required)
+
+
+def test_records_encode_byte_identically_to_header_and_fields() -> None:
+    samples = {bytes: b"\x01\x00\x00\x00", str: "text", int: 7, float: 0.5, list: [], dict: {}}
+    for header, record_type in protocol.RECORDS.items():
+        fields = [samples.get(allowed[0]) for allowed in protocol.field_types(record_type)]
+        record = record_type(*fields)
+        assert protocol.encode(record) == protocol.encode(header, *fields), header.name
+        assert protocol.decode_record(protocol.encode(record)) == record
+    update = EngineUpdate(3, b"", None, "stop", None, None, "text")
+    reply = protocol.encode(protocol.EngineReply([update]))
+    assert reply == protocol.encode(
+        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text"]]
+    )
+    assert protocol.decode_record(reply).updates == [list(update)]
+
+
+def test_control_states_are_the_wire_numbers() -> None:
+    assert [int(s) for s in ControlState] == [0, 1, 2, 3]
+    assert protocol.decode_record(
+        protocol.encode(protocol.RegisterAck("i", ControlState.SUSPENDED))
+    ) == protocol.RegisterAck("i", 2)
+
+
+def test_the_protocol_page_lists_every_record_with_its_fields() -> None:
+    rows = re.findall(
+        r"^\| ?(\d*) \| ([A-Z_]+|\(entry\)) \| `(\w+)` \| (.+) \|$",
+        DOCS.read_text(),
+        flags=re.MULTILINE,
+    )
+    documented = {name: (number, header, fields) for number, header, name, fields in rows}
+    expected = {}
+    for header, record in protocol.RECORDS.items():
+        expected[record.__name__] = (str(int(header)), header.name, _doc_fields(record))
+    for record in (EngineUpdate, protocol.ClientResult, protocol.StreamChunk):
+        expected[record.__name__] = ("", "(entry)", _doc_fields(record))
+    assert documented == expected
+
+
+def _doc_fields(record: type) -> str:
+    names = [f"*{n}*" if n in record._field_defaults else n for n in record._fields]
+    return ", ".join(names) or "—"
 
 
 def test_token_and_float_packing() -> None:

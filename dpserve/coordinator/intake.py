@@ -1,0 +1,115 @@
+"""``Intake``: the submit half of the batch step — admit, tokenize (one call per drained
+batch), check the prompt's length, route and send."""
+
+from __future__ import annotations
+
+import time
+
+from dpserve import protocol
+from dpserve.coordinator.admission import Admission, chat_messages, is_chat, token_prompt
+from dpserve.coordinator.control import ControlRelay
+from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.registry import Client
+from dpserve.coordinator.requests import InflightRequest, RequestTable
+from dpserve.coordinator.transport import Transport
+from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest
+from dpserve.sampling import InvalidSamplingParams
+from dpserve.tokenizer import BatchTokenizer
+
+
+class Intake:
+    def __init__(
+        self,
+        tokenizer: BatchTokenizer,
+        admission: Admission,
+        transport: Transport,
+        requests: RequestTable,
+        clients: dict[bytes, Client],
+        dispatcher: Dispatcher,
+        control: ControlRelay,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.transport = transport
+        self.requests = requests
+        self.clients = clients
+        self.dispatcher = dispatcher
+        self.control = control
+        # This batch's accepted requests, and those of them whose text is still to tokenize.
+        self._accepted: list[InflightRequest] = []
+        self._texts: list[tuple[InflightRequest, str]] = []
+
+    def on_submit(self, identity: bytes, submit: SubmitRequest) -> None:
+        client_request_id, prompt, raw_params, resume_tokens = submit
+        client = self.clients.get(identity)
+        if client is None:
+            self.transport.error(
+                identity, client_request_id, ErrorCode.UNKNOWN_PEER, "connect before submitting"
+            )
+            return
+        if self.requests.find(identity, client_request_id) is not None:
+            return  # a resubmission (client reconnected) of a request we are already serving
+        refusal = self.admission.refusal(client, len(self.requests), self.control.state, prompt)
+        if refusal is not None:
+            self.transport.error(identity, client_request_id, *refusal)
+            return
+        try:
+            params = self.admission.validated_params(raw_params)
+            if is_chat(prompt):
+                prompt = self.tokenizer.apply_chat_template(chat_messages(prompt))
+            prompt_tokens = b"" if isinstance(prompt, str) else token_prompt(prompt)
+            if len(resume_tokens) % 4:
+                raise ProtocolError("resume tokens must be packed int32 tokens")
+        except (InvalidSamplingParams, ProtocolError) as exc:
+            self.transport.error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
+            return
+        request = InflightRequest(
+            request_id=self.requests.new_id(),
+            client=identity,
+            client_request_id=client_request_id,
+            prompt_tokens=prompt_tokens,
+            params=params,
+            stream=bool(params.get("stream")),
+            received_at=time.monotonic(),
+            # The tokens a resubmitting client already has: engines continue after them.
+            generated=bytearray(resume_tokens),
+        )
+        self.requests.add(request)
+        client.inflight += 1
+        if isinstance(prompt, str):
+            self._texts.append((request, prompt))  # tokenized with the rest of the batch
+        self._accepted.append(request)
+
+    def _skip_text_the_client_has(self, accepted: list[InflightRequest]) -> None:
+        """A resumed stream's text starts after what its resume tokens already gave the client."""
+        resumed = [request for request in accepted if request.generated]
+        if not resumed:
+            return
+        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r in resumed])
+        for request, text in zip(resumed, texts, strict=True):
+            request.text_sent = len(text.rstrip("\ufffd"))
+
+    def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
+        request = self.requests.find(identity, cancel.ref)
+        if request is not None:
+            self.dispatcher.cancel(request)
+
+    def flush(self) -> None:
+        """Tokenize this batch's text prompts in one call, then check and send each request."""
+        if not self._accepted:
+            return
+        if self._texts:
+            texts = [text for _, text in self._texts]
+            for (request, _), tokens in zip(
+                self._texts, self.tokenizer.encode_batch(texts), strict=True
+            ):
+                request.prompt_tokens = protocol.pack_tokens(tokens)
+            self._texts.clear()
+        accepted, self._accepted = self._accepted, []
+        self._skip_text_the_client_has(accepted)
+        for request in accepted:
+            refusal = self.admission.prompt_tokens_refusal(request.prompt_tokens)
+            if refusal is not None:
+                self.dispatcher.fail(request, *refusal)
+            elif request.request_id in self.requests.by_id:
+                self.dispatcher.dispatch(request)

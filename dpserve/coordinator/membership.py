@@ -1,0 +1,159 @@
+"""``Membership``: clients connecting, engines registering, heartbeating, draining and leaving,
+and the liveness check that tells a dead engine from a busy one."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dpserve import protocol
+from dpserve.coordinator.config import CoordinatorConfig
+from dpserve.coordinator.control import ControlRelay
+from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.registry import Client, Engine, EngineRegistry
+from dpserve.coordinator.transport import Transport
+from dpserve.protocol import (
+    Connect,
+    ConnectAck,
+    Deregister,
+    Drain,
+    DrainAck,
+    ErrorCode,
+    Heartbeat,
+    HeartbeatAck,
+    ProtocolError,
+    Register,
+    RegisterAck,
+)
+
+log = logging.getLogger("dpserve.coordinator")
+
+PROBE_INTERVAL = 1.0  # seconds between probes of an engine that is quiet past its heartbeats
+
+
+class Membership:
+    def __init__(
+        self,
+        instance_id: str,
+        config: CoordinatorConfig,
+        transport: Transport,
+        registry: EngineRegistry,
+        clients: dict[bytes, Client],
+        dispatcher: Dispatcher,
+        control: ControlRelay,
+    ) -> None:
+        self.instance_id = instance_id
+        self.config = config
+        self.transport = transport
+        self.registry = registry
+        self.clients = clients
+        self.dispatcher = dispatcher
+        self.control = control
+
+    def engine_or_reject(self, identity: bytes) -> Engine:
+        """The registered engine that sent a message only engines may send; anyone else is
+        told to register and the message dropped."""
+        engine = self.registry.get(identity)
+        if engine is None:
+            self.transport.error(
+                identity, None, ErrorCode.UNKNOWN_PEER, "unknown engine: register first"
+            )
+            raise ProtocolError("message for registered engines from an unknown peer")
+        engine.last_seen = time.monotonic()
+        return engine
+
+    def on_connect(self, identity: bytes, connect: Connect) -> None:
+        version = connect.protocol_version
+        if identity in self.registry:
+            raise ProtocolError("an engine cannot connect as a client")
+        if version != protocol.PROTOCOL_VERSION:
+            self.transport.error(
+                identity,
+                None,
+                ErrorCode.BAD_MESSAGE,
+                f"protocol version {version} is not supported "
+                f"(this coordinator speaks {protocol.PROTOCOL_VERSION})",
+            )
+            return
+        self.clients.setdefault(identity, Client(identity))
+        self.transport.send(
+            identity,
+            protocol.encode(ConnectAck(self.instance_id, protocol.PROTOCOL_VERSION)),
+        )
+
+    def on_register(self, identity: bytes, register: Register) -> None:
+        rank, capacity, instance = register
+        if identity in self.clients:
+            raise ProtocolError("a client cannot register as an engine")
+        if capacity < 1:
+            raise ProtocolError(f"engine capacity must be >= 1, got {capacity}")
+        existing = self.registry.get(identity)
+        if existing is not None:
+            if existing.instance == instance:
+                existing.last_seen = time.monotonic()  # a repeated REGISTER: just re-ack
+                self._ack_register(identity)
+                return
+            # Same identity, new process: the old one died.
+            self.dispatcher.remove_engine(existing, died=True)
+        self.registry.add(Engine(identity, rank, capacity, instance, time.monotonic()))
+        log.info(
+            "engine rank %d registered (capacity %d); %d engine(s)",
+            rank,
+            capacity,
+            len(self.registry),
+        )
+        self._ack_register(identity)
+        self.control.engine_joined(identity)
+        self.dispatcher.dispatch_queued()
+
+    def _ack_register(self, identity: bytes) -> None:
+        self.transport.send(
+            identity, protocol.encode(RegisterAck(self.instance_id, self.control.state))
+        )
+
+    def on_heartbeat(self, identity: bytes, heartbeat: Heartbeat) -> None:
+        engine = self.registry.get(identity)
+        if engine is not None:
+            engine.last_seen = time.monotonic()
+        elif identity not in self.clients:
+            self.transport.error(
+                identity, None, ErrorCode.UNKNOWN_PEER, "unknown peer: connect or register first"
+            )
+            return
+        self.transport.send(identity, protocol.encode(HeartbeatAck(self.instance_id)))
+
+    def on_drain(self, identity: bytes, drain: Drain) -> None:
+        engine = self.engine_or_reject(identity)
+        self.registry.start_draining(engine)
+        log.info(
+            "engine rank %d draining: no new work; %d request(s) left",
+            engine.rank,
+            len(engine.outstanding),
+        )
+        self.transport.send(identity, protocol.encode(DrainAck()))
+
+    def on_deregister(self, identity: bytes, deregister: Deregister) -> None:
+        engine = self.engine_or_reject(identity)
+        log.info("engine rank %d left", engine.rank)
+        self.dispatcher.remove_engine(engine, died=False)
+
+    def check_engines(self, now: float) -> None:
+        """Remove engines silent past ``engine_hung_timeout``; probe those quiet past their
+        heartbeats. A send to a peer whose connection libzmq dropped fails, and the transport
+        reports it (the engine is removed and its requests re-dispatched); a busy engine just
+        ignores the probe."""
+        for engine in self.registry.silent_since(now - self.config.heartbeat_timeout):
+            if now - engine.last_seen > self.config.engine_hung_timeout:
+                log.warning(
+                    "engine rank %d connected but silent for %.0f s: removing it as hung, "
+                    "re-dispatching %d request(s)",
+                    engine.rank,
+                    now - engine.last_seen,
+                    len(engine.outstanding),
+                )
+                self.dispatcher.remove_engine(engine, died=True)
+            elif now - engine.last_probe >= PROBE_INTERVAL:
+                engine.last_probe = now
+                self.transport.send(
+                    engine.identity, protocol.encode(HeartbeatAck(self.instance_id))
+                )

@@ -1,0 +1,127 @@
+"""``ResultRouter``: the reply half of the batch step — engine updates in, RESULTS and STREAM out
+(one message per client per drained batch)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from dpserve import protocol
+from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.registry import Engine
+from dpserve.coordinator.requests import InflightRequest, RequestTable
+from dpserve.coordinator.transport import Transport
+from dpserve.protocol import (
+    ClientResult,
+    EngineReply,
+    EngineUpdate,
+    ErrorCode,
+    ProtocolError,
+    Results,
+    Stream,
+    StreamChunk,
+)
+from dpserve.tokenizer import BatchTokenizer
+
+_UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
+
+
+class ResultRouter:
+    def __init__(
+        self,
+        tokenizer: BatchTokenizer,
+        transport: Transport,
+        requests: RequestTable,
+        dispatcher: Dispatcher,
+        counters: defaultdict[str, int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.transport = transport
+        self.requests = requests
+        self.dispatcher = dispatcher
+        self.counters = counters
+        self._finished: list[InflightRequest] = []
+        self._streaming: list[tuple[InflightRequest, bytes]] = []
+        self._finish_info: dict[int, tuple[str, float | None, int]] = {}
+
+    def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
+        updates = protocol.check_records(
+            "ENGINE_REPLY update", reply.updates, protocol.ENGINE_UPDATE_FIELDS, _UPDATE_REQUIRED
+        )
+        by_id, identity = self.requests.by_id, engine.identity
+        for update in updates:
+            if len(update) == _UPDATE_REQUIRED:
+                update.append(None)  # an engine that sends no text
+            request_id, tokens, logprobs, finish_reason, error, ttft, _text = update
+            request = by_id.get(request_id)
+            if request is None or request.engine != identity:
+                self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
+                continue
+            if error is not None:
+                engine.outstanding.discard(request_id)
+                self.dispatcher.fail(request, finish_reason or ErrorCode.ENGINE_ERROR, error)
+                continue
+            if len(tokens) % 4:
+                raise ProtocolError("packed tokens must be a multiple of 4 bytes")
+            request.generated += tokens
+            request.progressed = request.progressed or bool(tokens)
+            if logprobs is not None:
+                if request.logprobs is None:
+                    request.logprobs = bytearray()
+                request.logprobs += logprobs
+            if finish_reason is not None:
+                engine.outstanding.discard(request_id)
+                queued_for = (request.dispatched_at or request.received_at) - request.received_at
+                self._finish_info[request_id] = (
+                    finish_reason,
+                    None if ttft is None else queued_for + ttft,
+                    engine.rank,
+                )
+                self._finished.append(request)
+            elif request.stream and tokens:
+                self._streaming.append((request, tokens))
+
+    def flush(self) -> None:
+        if self._finished:
+            self._flush_finished()
+        if self._streaming:
+            # After the finished ones: a request that finished in this batch gets its tokens
+            # in RESULTS, and only live requests get STREAM chunks.
+            self._flush_stream()
+
+    def _flush_finished(self) -> None:
+        finished, self._finished = self._finished, []
+        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r in finished])
+        per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
+        for request, text in zip(finished, texts, strict=True):
+            reason, ttft, rank = self._finish_info.pop(request.request_id)
+            per_client[request.client].append(
+                ClientResult(
+                    request.client_request_id,
+                    request.prompt_tokens,
+                    bytes(request.generated),
+                    text,
+                    reason,
+                    None if request.logprobs is None else bytes(request.logprobs),
+                    ttft,
+                    rank,
+                )
+            )
+            self.dispatcher.forget(request)
+        self.counters["completed"] += len(finished)
+        for client, results in per_client.items():
+            self.transport.send(client, protocol.encode(Results(results)))
+
+    def _flush_stream(self) -> None:
+        streaming, self._streaming = self._streaming, []
+        live = [(r, t) for r, t in streaming if r.request_id in self.requests.by_id]
+        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r, _ in live])
+        per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
+        for (request, tokens), text in zip(live, texts, strict=True):
+            # Hold back a trailing replacement character: it is usually half a UTF-8 sequence
+            # that the next tokens complete.
+            stable = len(text.rstrip("\ufffd"))
+            delta = text[request.text_sent : stable] if stable > request.text_sent else ""
+            request.text_sent = max(request.text_sent, stable)
+            per_client[request.client].append(StreamChunk(request.client_request_id, tokens, delta))
+        for client, chunks in per_client.items():
+            self.transport.send(client, protocol.encode(Stream(chunks)))

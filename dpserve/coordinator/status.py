@@ -1,0 +1,55 @@
+"""The coordinator's STATUS report: engines, their load, clients, queue, limits, counters."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dpserve.coordinator.config import CoordinatorConfig
+from dpserve.coordinator.control import ControlState
+from dpserve.coordinator.registry import EngineRegistry
+from dpserve.coordinator.requests import RequestTable
+from dpserve.coordinator.routing import RoutingPolicy
+from dpserve.coordinator.transport import Transport
+
+
+def status_report(
+    *,
+    instance_id: str,
+    state: ControlState,
+    config: CoordinatorConfig,
+    routing: RoutingPolicy,
+    transport: Transport,
+    registry: EngineRegistry,
+    clients: int,
+    requests: RequestTable,
+    counters: Mapping[str, int],
+) -> dict[str, Any]:
+    engines = registry.engines.values()
+    counters = dict(counters)
+    if transport.authenticator is not None:
+        counters["auth_denied"] = transport.authenticator.denied
+    return {
+        "instance": instance_id,
+        "state": state.name.lower(),
+        "engines": len(registry),
+        "draining": sum(1 for e in engines if e.draining),
+        "engine_list": [
+            {
+                "rank": e.rank,
+                "capacity": e.capacity,
+                "outstanding": len(e.outstanding),
+                "draining": e.draining,
+            }
+            for e in sorted(engines, key=lambda e: e.rank)
+        ],
+        "clients": clients,
+        "inflight": len(requests),
+        "queued": sum(1 for rid in requests.queue if rid in requests.by_id),
+        "routing": routing.value,
+        "pid": os.getpid(),
+        "security": "curve" if transport.secured else "none",
+        "limits": config.status_limits(),
+        "counters": counters,
+    }
