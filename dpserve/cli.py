@@ -170,6 +170,19 @@ def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _kv_cache_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``serve``'s KV-cache flags as the engine command line takes them (only those given)."""
+    out = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    out += ["--block-size", str(args.block_size)]
+    if args.kv_cache_bytes is not None:
+        out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.max_num_batched_tokens is not None:
+        out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_cuda_graphs:
+        out.append("--no-cuda-graphs")
+    return tuple(out)
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
     from dpserve.engine.runner import Runner
@@ -264,6 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=None if args.http_port == 0 else args.http_port,
         max_batch_size=args.max_batch_size,
         torch_threads=args.torch_threads,
+        kv_cache_args=_kv_cache_args(args),
         fake=args.fake,
         credentials=args.credentials or None,
         api_keys=api_keys,
@@ -529,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
     )
     serve.add_argument("--max-batch-size", type=int, default=None)
+    _add_kv_cache_flags(serve)
     serve.add_argument(
         "--torch-threads",
         type=int,

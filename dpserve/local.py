@@ -46,6 +46,7 @@ class LocalDeployment:
     max_batch_size: int | None = None
     torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
+    kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
@@ -88,6 +89,7 @@ class LocalDeployment:
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
             if not self.fake:
                 engine += ["--torch-threads", str(self.threads_per_engine())]
+                engine += self.kv_cache_args
             if self.max_batch_size:
                 engine += ["--max-batch-size", str(self.max_batch_size)]
             self._spawn(
