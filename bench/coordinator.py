@@ -443,7 +443,12 @@ def main() -> None:
             print(
                 f"megatron-core not installed ({exc}); pip install --no-deps megatron-core==0.16.1"
             )
-    print(f"\n{args.requests} requests, 2 instant fake engines, one client")
+    print_results(results, args.requests)
+    print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
+
+
+def print_results(results: dict[str, dict], requests: int) -> None:
+    print(f"\n{requests} requests, 2 instant fake engines, one client")
     print(
         f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}"
         f"{'coord CPU us/req':>18}"
@@ -463,7 +468,6 @@ def main() -> None:
             f"coordinator CPU per request: {curve['cpu_us'] / ours['cpu_us']:.2f}x, "
             f"unloaded round trip p50: {curve['rtt_p50'] / ours['rtt_p50']:.2f}x"
         )
-    print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
     if "megatron 0.16.1" in results:
         meg = results["megatron 0.16.1"]
         print(
