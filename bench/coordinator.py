@@ -12,6 +12,12 @@ pyzmq and msgpack). The raw relay is the ceiling: a poll-and-drain ROUTER that o
 bytes. The CURVE run is dpserve again with keys from a temporary ``dpserve keys generate``
 directory: every message encrypted, every connection authenticated, every message's role
 checked. Prints requests/s, p50/p99 latency, lost requests and the ratios; not a test.
+
+    python bench/coordinator.py --streaming-only
+
+The streaming figure: fake engines (256 rows, a step every 10 ms) stream to one client, and
+the coordinator's CPU time is divided by the tokens it carried: milliseconds of coordinator
+CPU per 1,000 streamed tokens (goal: <= 2 ms; the loop should only route).
 """
 
 from __future__ import annotations
@@ -148,6 +154,56 @@ async def bench_dpserve(count: int, credentials: str | None = None) -> dict:
             proc.terminate()
         for proc in procs:
             proc.wait(15)
+
+
+async def bench_streaming(
+    engines: int, tokenizer: str | None, streams: int = 256, tokens: int = 200
+) -> dict:
+    """Coordinator CPU per 1,000 streamed tokens, with ``engines`` fake engines streaming; the
+    coordinator holds ``tokenizer`` (a real one costs what a deployment's would)."""
+    from dpserve.client import InferenceClient
+    from dpserve.sampling import SamplingParams
+    from tests.integration.runtime import wait_for_engines
+
+    port = free_port()
+    quiet = {"stderr": subprocess.DEVNULL}
+    coordinator = [DPSERVE, "coordinator", "--port", str(port)]
+    if tokenizer:
+        coordinator += ["--tokenizer", tokenizer]
+    procs = [subprocess.Popen(coordinator, **quiet)]
+    for rank in range(engines):
+        engine = ["engine", "--coordinator", str(port), "--rank", str(rank), "--fake"]
+        procs.append(subprocess.Popen([DPSERVE, *engine, "--step-delay", "0.01"], **quiet))
+    client = InferenceClient(port, handshake_timeout=120)  # loading a tokenizer takes a while
+    try:
+        await client.start()
+        await wait_for_engines(client, engines)
+        params = SamplingParams(num_tokens_to_generate=tokens, stream=True)
+
+        async def consume(i: int) -> int:
+            return sum([len(c.tokens) async for c in client.stream(f"stream {i}", params)])
+
+        before, started = cpu_seconds(procs[0].pid), time.perf_counter()
+        carried = sum(await asyncio.gather(*(consume(i) for i in range(streams))))
+        elapsed = time.perf_counter() - started
+        spent = cpu_seconds(procs[0].pid) - before
+        assert carried == streams * tokens, f"{carried} of {streams * tokens} tokens arrived"
+        return {"ms_per_1k": spent / carried * 1e6, "tok_s": carried / elapsed, "tokens": carried}
+    finally:
+        client.stop()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
+
+
+def print_streaming(result: dict, engines: int, tokenizer: str) -> None:
+    print(
+        f"streaming, {engines} fake engines, coordinator tokenizer {tokenizer}: "
+        f"{result['tokens']} tokens at "
+        f"{result['tok_s']:.0f} tok/s; coordinator CPU {result['ms_per_1k']:.2f} ms "
+        "per 1,000 streamed tokens (goal <= 2)"
+    )
 
 
 # ----------------------------------------------------------------------- Megatron
@@ -358,8 +414,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--skip-curve", action="store_true")
+    parser.add_argument("--streaming-only", action="store_true")
+    parser.add_argument("--streaming-engines", type=int, default=2)
+    parser.add_argument(
+        "--streaming-tokenizer",
+        default="smollm2-135m-instruct",
+        help="the coordinator's tokenizer in the streaming run ('bytes': the byte tokenizer)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    tokenizer = None if args.streaming_tokenizer == "bytes" else args.streaming_tokenizer
+    streaming = asyncio.run(bench_streaming(args.streaming_engines, tokenizer))
+    if args.streaming_only:
+        print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
+        return
     results = {"raw relay": asyncio.run(bench_raw(args.requests))}
     results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
     if not args.skip_curve:
@@ -375,7 +443,12 @@ def main() -> None:
             print(
                 f"megatron-core not installed ({exc}); pip install --no-deps megatron-core==0.16.1"
             )
-    print(f"\n{args.requests} requests, 2 instant fake engines, one client")
+    print_results(results, args.requests)
+    print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
+
+
+def print_results(results: dict[str, dict], requests: int) -> None:
+    print(f"\n{requests} requests, 2 instant fake engines, one client")
     print(
         f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}"
         f"{'coord CPU us/req':>18}"

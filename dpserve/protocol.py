@@ -339,6 +339,8 @@ STREAM_CHUNK_FIELDS: Final = field_types(StreamChunk)
 
 _packer = msgpack.Packer(use_bin_type=True)
 _HEADERS: Final = {int(h): h for h in Header}  # a dict lookup is ~5x cheaper than Header(n)
+_HEADER_NUMBERS: Final = {record: int(header) for header, record in RECORDS.items()}
+_new_tuple = tuple.__new__
 
 
 def encode(message: Any, *fields: Any) -> bytes:
@@ -347,7 +349,7 @@ def encode(message: Any, *fields: Any) -> bytes:
     Fields are not checked here: senders are our own code."""
     if type(message) is Header:
         return _packer.pack([int(message), *fields])
-    return _packer.pack([int(HEADER_OF[type(message)]), *message])
+    return _packer.pack([_HEADER_NUMBERS[type(message)], *message])
 
 
 def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list]:
@@ -390,7 +392,10 @@ def _peek_reference(payload: bytes) -> tuple[int | None, int | None]:
 def decode_record(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
     """Parse and check one message into its record (``ProtocolError`` if malformed)."""
     header, fields = decode(payload, max_bytes)
-    return RECORDS[header](*fields)  # a trailing field left out takes its default
+    record = RECORDS[header]
+    if len(fields) == len(record._fields):
+        return _new_tuple(record, fields)  # what NamedTuple._make does, without a call
+    return record(*fields)  # a trailing field left out takes its default
 
 
 def check_fields(

@@ -1,13 +1,21 @@
-"""Batch tokenizers for the coordinator and the HTTP front.
+"""Batch tokenizers for the coordinator, the engines and the HTTP front, and the incremental
+detokenizer that turns a growing token sequence into text deltas.
 
-The coordinator tokenizes and detokenizes whole batches (one call per drained batch of
-messages), so everything here speaks ``encode_batch`` / ``decode_batch``. ``ByteTokenizer``
-needs no files: string prompts work with fake engines and in tests.
+The coordinator tokenizes whole batches (one call per drained batch of messages), so
+everything here speaks ``encode_batch`` / ``decode_batch``. ``ByteTokenizer`` needs no files:
+string prompts work with fake engines and in tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+# Tokens before the first undecided one that are decoded with it: detokenizers need a little
+# left context (a leading space, the start of a multi-byte character).
+DETOKENIZE_CONTEXT_TOKENS = 4
+_REPLACEMENT = "\ufffd"
+_MAX_UTF8_BYTES = 4
 
 
 @runtime_checkable
@@ -89,3 +97,56 @@ def load_tokenizer(path_or_id: str) -> BatchTokenizer:
     from transformers import AutoTokenizer  # heavy import, only where a real tokenizer is used
 
     return HuggingFaceTokenizer(AutoTokenizer.from_pretrained(path_or_id))
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token sequence as deltas that concatenate to its text.
+
+    Each ``push`` decodes only a window: the tokens since the last point where all text was
+    out, plus ``DETOKENIZE_CONTEXT_TOKENS`` of context. A trailing replacement character is
+    held back (usually half a UTF-8 sequence that the next tokens complete) until ``final``.
+    Started with the tokens generated elsewhere already (``resume_tokens``), its deltas begin
+    where the text of those tokens, so held back, ends."""
+
+    __slots__ = ("_anchor", "_sent", "_tokens", "tokenizer")
+
+    def __init__(self, tokenizer: BatchTokenizer, resume_tokens: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self._tokens = list(resume_tokens)
+        self._anchor = self._clean_anchor(len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS)
+        # What the text of ``resume_tokens`` held back is its trailing replacement characters:
+        # the window starts on a whole character, so none of them is leading context.
+        self._sent = len(self._window().rstrip(_REPLACEMENT)) if self._tokens else 0
+
+    def _clean_anchor(self, anchor: int) -> int:
+        """``anchor``, moved back (by at most a UTF-8 sequence) to a token that starts a whole
+        character, so that the window's text does not start with replacement characters."""
+        if anchor <= 0:
+            return 0
+        candidates = list(range(anchor, max(-1, anchor - _MAX_UTF8_BYTES), -1))
+        single = self.tokenizer.decode_batch([[self._tokens[i]] for i in candidates])
+        for index, text in zip(candidates, single, strict=True):
+            if not text.startswith(_REPLACEMENT):
+                return index
+        return candidates[-1]
+
+    def _window(self) -> str:
+        [text] = self.tokenizer.decode_batch([self._tokens[self._anchor :]])
+        return text
+
+    def push(self, tokens: Sequence[int], final: bool = False) -> str:
+        """The new text that ``tokens`` complete; with ``final``, everything left."""
+        if not tokens and not final:
+            return ""
+        self._tokens.extend(tokens)
+        text = self._window()
+        stable = len(text) if final else len(text.rstrip(_REPLACEMENT))
+        delta = text[self._sent : stable] if stable > self._sent else ""
+        self._sent = max(self._sent, stable)
+        if self._sent == len(text) and len(self._tokens) - self._anchor > (
+            2 * DETOKENIZE_CONTEXT_TOKENS
+        ):
+            # Everything is out: move the window up, keeping some context.
+            self._anchor = len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS
+            self._sent = len(self._window())
+        return delta

@@ -1,7 +1,10 @@
-"""The coordinator: registry, routing, control states and the ROUTER loop that ties them."""
+"""The coordinator: ``DataParallelInferenceCoordinator`` (Megatron-Core's interface) over its
+parts — config, transport, admission, the request table, the engine registry, dispatch, the
+batch step (intake, results), membership, control and status. See docs/architecture.md."""
 
+from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlState
 from dpserve.coordinator.coordinator import DataParallelInferenceCoordinator
 from dpserve.coordinator.routing import RoutingPolicy
 
-__all__ = ["ControlState", "DataParallelInferenceCoordinator", "RoutingPolicy"]
+__all__ = ["ControlState", "CoordinatorConfig", "DataParallelInferenceCoordinator", "RoutingPolicy"]

@@ -169,10 +169,6 @@ class DataParallelInferenceCoordinator:
         """The engines' control state (``ControlState``)."""
         return self.control.state
 
-    @property
-    def authenticator(self) -> security.RoleAuthenticator | None:
-        return self.transport.authenticator
-
     def get_next_data_parallel_rank(self) -> bytes | None:
         """The identity of the engine that gets the next request under the routing policy."""
         return choose_engine(self.registry, self.routing)

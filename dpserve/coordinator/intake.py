@@ -80,14 +80,15 @@ class Intake:
             self._texts.append((request, prompt))  # tokenized with the rest of the batch
         self._accepted.append(request)
 
-    def _skip_text_the_client_has(self, accepted: list[InflightRequest]) -> None:
-        """A resumed stream's text starts after what its resume tokens already gave the client."""
+    def _start_with_the_text_the_client_has(self, accepted: list[InflightRequest]) -> None:
+        """A resumed request's text begins with its resume tokens' text (the client has it: the
+        engine streams only what follows, as ``IncrementalDetokenizer`` holds it back)."""
         resumed = [request for request in accepted if request.generated]
         if not resumed:
             return
         texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r in resumed])
         for request, text in zip(resumed, texts, strict=True):
-            request.text_sent = len(text.rstrip("\ufffd"))
+            request.text.append(text.rstrip("\ufffd"))
 
     def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
         request = self.requests.find(identity, cancel.ref)
@@ -106,7 +107,7 @@ class Intake:
                 request.prompt_tokens = protocol.pack_tokens(tokens)
             self._texts.clear()
         accepted, self._accepted = self._accepted, []
-        self._skip_text_the_client_has(accepted)
+        self._start_with_the_text_the_client_has(accepted)
         for request in accepted:
             refusal = self.admission.prompt_tokens_refusal(request.prompt_tokens)
             if refusal is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dpserve.tokenizer import IncrementalDetokenizer
+
 
 @dataclass(slots=True, eq=False)
 class InflightRequest:
@@ -20,7 +22,10 @@ class InflightRequest:
     # Tokens streamed back so far: a re-dispatched request continues after them.
     generated: bytearray = field(default_factory=bytearray)
     logprobs: bytearray | None = None
-    text_sent: int = 0  # characters of streamed text already sent to the client
+    # The text of ``generated``, in the deltas the engines sent with the tokens.
+    text: list[str] = field(default_factory=list)
+    # Only for engines that send no text: the coordinator decodes their tokens itself.
+    detokenizer: IncrementalDetokenizer | None = None
     # Engines that died while this request was in flight there, before it produced a token
     # there (a request that is what kills engines is failed after AdmissionLimits'
     # max_dispatch_attempts of them).

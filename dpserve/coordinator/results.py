@@ -1,5 +1,10 @@
 """``ResultRouter``: the reply half of the batch step — engine updates in, RESULTS and STREAM out
-(one message per client per drained batch)."""
+(one message per client per drained batch).
+
+Engines send each update's text with its tokens (their incremental detokenizer), so this only
+routes: tokens and text are appended and forwarded, never decoded here. An engine that sends
+no text is still served: its requests get a detokenizer of their own (``_text_here``).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from dpserve.protocol import (
     Stream,
     StreamChunk,
 )
-from dpserve.tokenizer import BatchTokenizer
+from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
 
 _UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
 
@@ -40,7 +45,7 @@ class ResultRouter:
         self.dispatcher = dispatcher
         self.counters = counters
         self._finished: list[InflightRequest] = []
-        self._streaming: list[tuple[InflightRequest, bytes]] = []
+        self._streaming: list[tuple[InflightRequest, bytes, str]] = []
         self._finish_info: dict[int, tuple[str, float | None, int]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
@@ -51,7 +56,7 @@ class ResultRouter:
         for update in updates:
             if len(update) == _UPDATE_REQUIRED:
                 update.append(None)  # an engine that sends no text
-            request_id, tokens, logprobs, finish_reason, error, ttft, _text = update
+            request_id, tokens, logprobs, finish_reason, error, ttft, text = update
             request = by_id.get(request_id)
             if request is None or request.engine != identity:
                 self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
@@ -62,6 +67,9 @@ class ResultRouter:
                 continue
             if len(tokens) % 4:
                 raise ProtocolError("packed tokens must be a multiple of 4 bytes")
+            if text is None:
+                text = self._text_here(request, tokens, finish_reason is not None)
+            request.text.append(text)
             request.generated += tokens
             request.progressed = request.progressed or bool(tokens)
             if logprobs is not None:
@@ -78,7 +86,14 @@ class ResultRouter:
                 )
                 self._finished.append(request)
             elif request.stream and tokens:
-                self._streaming.append((request, tokens))
+                self._streaming.append((request, tokens, text))
+
+    def _text_here(self, request: InflightRequest, tokens: bytes, final: bool) -> str:
+        """The text of an update from an engine that sent none."""
+        if request.detokenizer is None:
+            resume = protocol.unpack_tokens(request.generated)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, resume)
+        return request.detokenizer.push(protocol.unpack_tokens(tokens), final)
 
     def flush(self) -> None:
         if self._finished:
@@ -90,16 +105,15 @@ class ResultRouter:
 
     def _flush_finished(self) -> None:
         finished, self._finished = self._finished, []
-        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r in finished])
         per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
-        for request, text in zip(finished, texts, strict=True):
+        for request in finished:
             reason, ttft, rank = self._finish_info.pop(request.request_id)
             per_client[request.client].append(
                 ClientResult(
                     request.client_request_id,
                     request.prompt_tokens,
                     bytes(request.generated),
-                    text,
+                    "".join(request.text),
                     reason,
                     None if request.logprobs is None else bytes(request.logprobs),
                     ttft,
@@ -113,15 +127,11 @@ class ResultRouter:
 
     def _flush_stream(self) -> None:
         streaming, self._streaming = self._streaming, []
-        live = [(r, t) for r, t in streaming if r.request_id in self.requests.by_id]
-        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r, _ in live])
+        by_id = self.requests.by_id
         per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
-        for (request, tokens), text in zip(live, texts, strict=True):
-            # Hold back a trailing replacement character: it is usually half a UTF-8 sequence
-            # that the next tokens complete.
-            stable = len(text.rstrip("\ufffd"))
-            delta = text[request.text_sent : stable] if stable > request.text_sent else ""
-            request.text_sent = max(request.text_sent, stable)
-            per_client[request.client].append(StreamChunk(request.client_request_id, tokens, delta))
+        for request, tokens, text in streaming:
+            if request.request_id in by_id:
+                chunk = StreamChunk(request.client_request_id, tokens, text)
+                per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
             self.transport.send(client, protocol.encode(Stream(chunks)))

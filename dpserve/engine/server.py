@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 
 from dpserve import protocol
 from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.detokenize import RequestText
 from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
-from dpserve.protocol import CONTROL_SIGNALS, ErrorCode, Header
+from dpserve.protocol import CONTROL_SIGNALS, ControlState, ErrorCode, Header
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
+from dpserve.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("dpserve.engine")
 
-# ControlState numbers as the coordinator sends them in REGISTER_ACK.
-_PAUSED, _SUSPENDED, _STOPPED = 1, 2, 3
+_PAUSED, _SUSPENDED, _STOPPED = ControlState.PAUSED, ControlState.SUSPENDED, ControlState.STOPPED
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
 
 
@@ -37,6 +38,7 @@ class _Held:
 
     stream: bool
     received_at: float
+    text: IncrementalDetokenizer  # the tokens' text, sent with them
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -68,6 +70,7 @@ class EngineServer:
         self.drain_started: float | None = None
         self.drain_acked = False
         self._held: dict[int, _Held] = {}
+        self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
         self._outbox: list[list] = []
         self._last_stream_flush = 0.0
@@ -223,7 +226,9 @@ class EngineServer:
         except (InvalidSamplingParams, protocol.ProtocolError) as exc:
             self._outbox.append([request_id, b"", None, ErrorCode.BAD_REQUEST, str(exc), None])
             return
-        self._held[request_id] = _Held(stream=request.params.stream, received_at=time.monotonic())
+        self._held[request_id] = _Held(
+            request.params.stream, time.monotonic(), self._text.start(request.resume_tokens)
+        )
 
     def _on_control(self, signal_header: Header, control_id: int) -> None:
         if signal_header is Header.PAUSE:
@@ -276,6 +281,7 @@ class EngineServer:
             finish_reason,
             None,
             held.ttft,
+            held.text.push(held.tokens, final=finish_reason is not None),
         ]
         held.tokens = []
         held.logprobs = None if held.logprobs is None else []

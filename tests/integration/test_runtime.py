@@ -394,3 +394,27 @@ async def test_busy_engine_is_not_mistaken_for_a_dead_one(processes, client, por
     status = await client.get_status()
     assert status["engines"] == 1
     assert status["counters"].get("redispatched", 0) == 0
+
+
+async def test_streams_continue_exactly_on_another_engine_when_theirs_dies(processes, client, port):
+    await start(processes, client, port, engines=2, engine_args=("--step-delay", "0.02"))
+    params = SamplingParams(num_tokens_to_generate=60, stream=True)
+    streams = [client.stream(f"moved {i}", params) for i in range(40)]
+    texts: list[list[str]] = [[] for _ in streams]
+    tokens: list[list[int]] = [[] for _ in streams]
+
+    async def consume(index: int) -> None:
+        async for chunk in streams[index]:
+            texts[index].append(chunk.text)
+            tokens[index].extend(chunk.tokens)
+
+    consumers = [asyncio.create_task(consume(i)) for i in range(len(streams))]
+    await eventually(lambda: all(len(t) >= 10 for t in tokens), within=30)
+    processes.started[2].send_signal(signal.SIGKILL)  # engine rank 1, mid-stream
+    await asyncio.wait_for(asyncio.gather(*consumers), 60)
+    for i in range(len(streams)):
+        expected = expected_tokens(f"moved {i}", 60)
+        assert tokens[i] == expected
+        assert "".join(texts[i]) == bytes(expected).decode(), "the text neither repeats nor skips"
+    status = await client.get_status()
+    assert status["counters"].get("redispatched", 0) > 0

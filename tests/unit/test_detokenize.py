@@ -1,0 +1,77 @@
+"""The incremental detokenizer the engines use for the text they send: its deltas, pushed a
+few tokens at a time and resumed at any point, concatenate to the sequence's text."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dpserve.engine.detokenize import RequestText
+from dpserve.engine.fake import FakeRunner
+from dpserve.tokenizer import (
+    BatchTokenizer,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    IncrementalDetokenizer,
+)
+
+TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
+
+
+def stream_text(tokenizer: BatchTokenizer, tokens: list[int], resume_at: int, seed: int) -> str:
+    """The text a client sees: what the first engine sent before ``resume_at`` (its held-back
+    tail included in nothing), then a second engine's deltas resuming there."""
+    rng = random.Random(seed)
+    first = IncrementalDetokenizer(tokenizer)
+    sent, position = [], 0
+    while position < resume_at:
+        step = min(rng.randint(1, 4), resume_at - position)
+        sent.append(first.push(tokens[position : position + step]))
+        position += step
+    second = IncrementalDetokenizer(tokenizer, tokens[:resume_at])
+    while position < len(tokens):
+        step = rng.randint(1, 4)
+        chunk = tokens[position : position + step]
+        position += len(chunk)
+        sent.append(second.push(chunk, final=position >= len(tokens)))
+    return "".join(sent)
+
+
+def test_byte_deltas_concatenate_to_the_text_at_every_resume_point() -> None:
+    tokenizer = ByteTokenizer()
+    tokens = list(TEXT.encode())
+    for resume_at in range(len(tokens) + 1):
+        assert stream_text(tokenizer, tokens, resume_at, seed=resume_at) == TEXT, resume_at
+
+
+def test_half_a_character_is_held_back_until_it_is_complete() -> None:
+    detokenizer = IncrementalDetokenizer(ByteTokenizer())
+    euro = list("€".encode())
+    assert detokenizer.push([ord("a"), *euro[:2]]) == "a"
+    assert detokenizer.push(euro[2:]) == "€"
+    # A sequence that ends inside a character shows it replaced, as a full decode does.
+    assert detokenizer.push(euro[:1], final=True) == "\ufffd"
+
+
+def test_model_tokenizer_deltas_equal_its_full_decode(tiny_model_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    [tokens] = tokenizer.encode_batch([TEXT * 3])
+    [full] = tokenizer.decode_batch([tokens])
+    for resume_at in range(0, len(tokens) + 1, 7):
+        assert stream_text(tokenizer, tokens, resume_at, seed=resume_at) == full, resume_at
+
+
+def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:
+    text = RequestText(FakeRunner())
+    assert isinstance(text.tokenizer, ByteTokenizer)
+    assert text.start([104, 105]).push([33], final=True) == "!"
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_nothing_new_gives_no_text(final: bool) -> None:
+    detokenizer = IncrementalDetokenizer(ByteTokenizer(), list(b"abc"))
+    assert detokenizer.push([], final=final) == ""
