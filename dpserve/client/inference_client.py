@@ -1,9 +1,9 @@
 """``InferenceClient``: an asyncio DEALER client for the coordinator (Megatron-Core's API).
 
-It holds a ``CoordinatorConnection`` (the socket, its handshake watch) and a ``PendingTable``
-(requests and control calls awaiting answers), dispatches the coordinator's messages between
-them, and notices a restarted coordinator (a new instance id, or an UNKNOWN_PEER error): it
-connects again and resubmits every pending request.
+It holds a ``CoordinatorConnection`` (the socket, its handshake watch), a ``PendingTable``
+(requests and control calls awaiting answers) and a ``CoordinatorSession`` (handshake,
+heartbeats, restarts), and dispatches the coordinator's messages between them. After a restart
+it fails the control calls the old coordinator had and resubmits every pending request.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dpserve.client.records import (
     RequestStream,
     coordinator_address,
 )
+from dpserve.client.session import CoordinatorSession
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import ErrorCode, Header, ProtocolError
 from dpserve.sampling import SamplingParams
@@ -67,16 +68,19 @@ class InferenceClient:
         self._send = self._connection.send
         self._table = PendingTable(self._send, max_message_bytes)
         self.completion_futures = self._table.futures
+        self._session = CoordinatorSession(self._send, self._on_restarted)
         self.listener_task: asyncio.Task[None] | None = None
-        self.coordinator_instance: str | None = None
-        self._handshake: asyncio.Future[str] | None = None
-        self._reconnecting = False
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stopped = False
 
     @property
     def max_message_bytes(self) -> int:
         return self._table.max_message_bytes
+
+    @property
+    def coordinator_instance(self) -> str | None:
+        """The coordinator's instance id, once it answered the handshake."""
+        return self._session.instance
 
     @property
     def next_request_id(self) -> int:
@@ -92,7 +96,7 @@ class InferenceClient:
         self.listener_task = self._connection.connect()
         try:
             await self._connection.wait_for_handshake(
-                self._connect_with_inference_coordinator(),
+                self._session.connect(),
                 self.startup_timeout,
                 self.handshake_timeout,
             )
@@ -100,14 +104,8 @@ class InferenceClient:
             self.stop()
             raise
         self._heartbeat_task = asyncio.create_task(
-            self._heartbeat(), name="dpserve-client-heartbeat"
+            self._session.heartbeat(self.heartbeat_interval), name="dpserve-client-heartbeat"
         )
-
-    def _connect_with_inference_coordinator(self) -> asyncio.Future[str]:
-        """Send CONNECT; the returned future resolves on CONNECT_ACK."""
-        self._handshake = asyncio.get_running_loop().create_future()
-        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
-        return self._handshake
 
     def _on_refused(self, refusal: CoordinatorRefused) -> None:
         # A refusal fails everything now (and new requests at once) instead of leaving them
@@ -121,7 +119,7 @@ class InferenceClient:
         if self._stopped:
             return
         self._stopped = True
-        self._table.closed = True
+        self._table.closed = self._session.closed = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         self._table.fail_everything(ClientStopped("the client was stopped"))
@@ -212,53 +210,29 @@ class InferenceClient:
             query_id, status = fields
             self._table.resolve_control(query_id, status)
         elif header is Header.HEARTBEAT_ACK:
-            if self.coordinator_instance not in (None, fields[0]):
-                self._reconnect("the coordinator restarted")
+            self._session.on_heartbeat_ack(fields[0])
         elif header is Header.CONNECT_ACK:
-            self._on_connect_ack(fields[0])
+            self._session.on_connect_ack(fields[0])
         else:
             raise ProtocolError(f"unexpected {header.name} for a client")
 
-    def _on_connect_ack(self, instance: str) -> None:
-        restarted = self.coordinator_instance is not None and instance != self.coordinator_instance
-        self.coordinator_instance = instance
-        if self._handshake is not None and not self._handshake.done():
-            self._handshake.set_result(instance)
-        if self._reconnecting or restarted:
-            self._reconnecting = False
-            # The new coordinator knows nothing of signals or queries sent to the old one.
-            self._table.fail_controls(
-                RequestFailed("coordinator_restarted", "the coordinator restarted; retry")
-            )
-            log.info(
-                "reconnected to coordinator %s; resubmitting %d request(s)",
-                instance,
-                len(self._table.requests),
-            )
-            self._table.resubmit_all()
-
-    def _reconnect(self, why: str) -> None:
-        if self._reconnecting or self._stopped:
-            return
-        log.warning("%s: connecting again", why)
-        self._reconnecting = True
-        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
-
-    async def _heartbeat(self) -> None:
-        # Lets the client notice a restarted coordinator even while it is only waiting.
-        payload = protocol.encode(Header.HEARTBEAT, 0)
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            if self._reconnecting:
-                self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
-            else:
-                self._send(payload)
+    def _on_restarted(self, instance: str) -> None:
+        # The new coordinator knows nothing of signals or queries sent to the old one.
+        self._table.fail_controls(
+            RequestFailed("coordinator_restarted", "the coordinator restarted; retry")
+        )
+        log.info(
+            "reconnected to coordinator %s; resubmitting %d request(s)",
+            instance,
+            len(self._table.requests),
+        )
+        self._table.resubmit_all()
 
     def _on_error(self, ref: int | None, code: str, message: str) -> None:
         if code == ErrorCode.UNKNOWN_PEER:
             # The coordinator does not know us: it restarted. Our requests are resubmitted
             # once the new handshake completes, so nothing fails here.
-            self._reconnect("the coordinator does not know this client")
+            self._session.reconnect("the coordinator does not know this client")
             return
         if ref is None:
             log.warning("coordinator error: %s: %s", code, message)
