@@ -98,6 +98,16 @@ def _log(start: float, message: str) -> None:
     print(f"[dpserve {time.monotonic() - start:5.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def _without_weight_init() -> contextlib.AbstractContextManager[object]:
+    """Skips random weight initialization where transformers can (every weight is overwritten
+    after it would only cost time)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _load_gguf_model(gguf_path: Path) -> Any:
     """The GGUF's weights, dequantized to fp32, in a transformers model.
 
@@ -109,13 +119,8 @@ def _load_gguf_model(gguf_path: Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    try:  # every weight is overwritten below: random initialization would only cost time
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        no_init_weights = contextlib.nullcontext
-
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    with no_init_weights():
+    with _without_weight_init():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)[
         "tensors"
@@ -170,9 +175,10 @@ def pick_device_and_dtype(device: str = "auto", dtype: str = "auto") -> tuple[An
     if dtype == "auto":
         resolved_dtype = torch.bfloat16 if resolved_device.type == "cuda" else torch.float32
     else:
-        resolved_dtype = getattr(torch, dtype, None)
-        if not isinstance(resolved_dtype, torch.dtype):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r} (use auto, float32, bfloat16, float16)")
+        resolved_dtype = named
     return resolved_device, resolved_dtype
 
 

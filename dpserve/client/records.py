@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from dpserve.sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, str]]
+# What SUBMIT_REQUEST carries: text, packed token ids, or chat messages.
+WirePrompt = str | bytes | list[dict[str, str]]
 
 
 class ClientError(RuntimeError):
@@ -67,18 +70,18 @@ class StreamChunk:
 
 @dataclass(slots=True, eq=False)
 class PendingRequest:
-    prompt: str | bytes | list
-    params: dict
-    future: asyncio.Future
+    prompt: WirePrompt
+    params: dict[str, Any]
+    future: asyncio.Future[RequestRecord]
     submitted_at: float
-    chunks: asyncio.Queue | None = None  # set for streaming requests
+    chunks: asyncio.Queue[StreamChunk] | None = None  # set for streaming requests
     first_token_at: float | None = None
     # Packed tokens the caller already received (streams): a resubmission resumes after them.
     received: bytearray | None = None
 
 
 @functools.lru_cache(maxsize=256)
-def cached_wire_params(params: SamplingParams) -> dict:
+def cached_wire_params(params: SamplingParams) -> dict[str, Any]:
     # Clients reuse a few parameter objects for many requests; serialize each once.
     return params.serialize()
 
@@ -89,8 +92,8 @@ class RequestStream:
 
     def __init__(self, pending: PendingRequest) -> None:
         assert pending.chunks is not None
-        self.future: asyncio.Future = pending.future
-        self._chunks: asyncio.Queue = pending.chunks
+        self.future: asyncio.Future[RequestRecord] = pending.future
+        self._chunks: asyncio.Queue[StreamChunk] = pending.chunks
 
     def cancel(self) -> None:
         """Stop the work (a no-op once finished): the client sends CANCEL to the coordinator."""
@@ -100,12 +103,12 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._chunks_only()
 
-    async def _chunks_only(self) -> AsyncIterator[StreamChunk]:
+    async def _chunks_only(self) -> AsyncGenerator[StreamChunk, None]:
         async for event in self.events():
             if isinstance(event, StreamChunk):
                 yield event
 
-    async def events(self) -> AsyncIterator[StreamChunk | RequestRecord]:
+    async def events(self) -> AsyncGenerator[StreamChunk | RequestRecord, None]:
         """Chunks as they arrive, a last chunk with whatever the result adds, then the record.
         Raises ``RequestFailed`` (or ``ClientStopped``) when the request fails."""
         try:
@@ -114,7 +117,7 @@ class RequestStream:
                 sent_tokens += len(chunk.tokens)
                 sent_text += len(chunk.text)
                 yield chunk
-            record: RequestRecord = self.future.result()
+            record = self.future.result()
             rest_tokens = record.generated_tokens[sent_tokens:]
             rest_text = record.generated_text[sent_text:]
             if rest_tokens or rest_text:

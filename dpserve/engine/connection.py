@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -55,7 +56,7 @@ class CoordinatorConnection:
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
-    def receive_all(self) -> list[tuple[Header, list]]:
+    def receive_all(self) -> list[tuple[Header, list[Any]]]:
         """Every message already waiting; malformed ones are logged and skipped."""
         messages = []
         try:

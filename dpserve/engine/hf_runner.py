@@ -133,7 +133,8 @@ class HFBatchRunner:
         )
         self._width = width
         self._lengths += 1
-        return output.logits[:, -1, :]
+        logits: torch.Tensor = output.logits[:, -1, :]
+        return logits
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -247,7 +248,8 @@ class _SlackLayer(DynamicLayer):
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
+        # transformers leaves DynamicLayer.__init__ unannotated (no -> None).
+        super().__init__()  # type: ignore[no-untyped-call]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self._key_buffer = self._value_buffer = keys  # replaced by _reset
@@ -263,21 +265,23 @@ class _SlackLayer(DynamicLayer):
         self._value_buffer[:, :, :length] = values
         self._set_length(length)
 
-    def _set_length(self, length: int) -> None:
+    def _set_length(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make ``keys`` / ``values`` views of the first ``length`` columns; returns them."""
         self._length = length
-        self.keys = self._key_buffer[:, :, :length]
-        self.values = self._value_buffer[:, :, :length]
+        keys, values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self.keys, self.values = keys, values
+        return keys, values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._length, self._length + key_states.shape[2]
         if end > self._key_buffer.shape[2]:
-            self._reset(self.keys, self.values)  # copies into buffers with fresh spare columns
+            # Copies the filled part into buffers with fresh spare columns.
+            self._reset(self._key_buffer[:, :, :start], self._value_buffer[:, :, :start])
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
-        self._set_length(end)
-        return self.keys, self.values
+        return self._set_length(end)
 
     def select_rows(self, index: torch.Tensor) -> None:
         self._key_buffer = self._key_buffer.index_select(0, index)

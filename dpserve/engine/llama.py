@@ -191,7 +191,7 @@ class LlamaExecutor:
         cache: a few hidden-size and intermediate-size rows per token, the logits in fp32."""
         config = self.config
         widths = 6 * int(config.hidden_size) + 3 * int(config.intermediate_size)
-        element = self.embedding.element_size()
+        element: int = self.embedding.element_size()
         return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
 
     # ---------------------------------------------------------------------------- forward
@@ -226,8 +226,10 @@ class LlamaExecutor:
     ) -> torch.Tensor:
         tokens = normed.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = functional.linear(normed, layer.qkv_weight, layer.qkv_bias).split(
-            [q_size, kv_size, kv_size], dim=-1
+        query, key, value = torch.split(
+            functional.linear(normed, layer.qkv_weight, layer.qkv_bias),
+            [q_size, kv_size, kv_size],
+            dim=-1,
         )
         query = _rotate(query.view(tokens, self.num_heads, self.head_dim), cos, sin)
         key = _rotate(key.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)

@@ -105,11 +105,7 @@ class ModelRunner:
         self.vocab_size: int = int(hf_model.get_input_embeddings().num_embeddings)
         # Ends a request whose params name no termination_id (read when a request is added).
         self.eos_token_ids: frozenset[int] = _find_eos_ids(hf_model, self.tokenizer)
-        self.eos_token_id: int | None = (
-            self.tokenizer.eos_token_id
-            if self.tokenizer.eos_token_id is not None
-            else min(self.eos_token_ids, default=None)
-        )
+        self.eos_token_id = _main_eos_id(self.tokenizer, self.eos_token_ids)
         self.backend: Backend = self._make_backend(
             hf_model,
             executor,
@@ -299,7 +295,8 @@ class ModelRunner:
         return updates
 
     def _decode_text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text: str = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return text
 
 
 def _find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -312,3 +309,10 @@ def _find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def _main_eos_id(tokenizer: Any, eos_token_ids: frozenset[int]) -> int | None:
+    """The tokenizer's EOS id, else the smallest of the model's."""
+    if tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    return min(eos_token_ids, default=None)

@@ -8,7 +8,7 @@ this step's slice of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -22,22 +22,25 @@ class TokenSequence(PagedSequence, Protocol):
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
 
+T = TypeVar("T", bound=TokenSequence)
+
+
 @dataclass(slots=True)
-class BuiltBatch:
+class BuiltBatch(Generic[T]):
     batch: ForwardBatch
-    sampled: list[TokenSequence]  # the sequences the logits' rows belong to, in order
+    sampled: list[T]  # the sequences the logits' rows belong to, in order
 
 
 def _slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> BuiltBatch:
+def build_forward_batch(plan: StepPlan[T], block_size: int, device: torch.device) -> BuiltBatch[T]:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
-    decodes: list[TokenSequence] = plan.decodes  # type: ignore[assignment]
+    decodes = plan.decodes
     for sequence in decodes:
         position = sequence.num_cached
         input_ids.append(sequence.token_at(position))
@@ -53,9 +56,9 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
 
     prefills: list[PrefillSlice] = []
     logit_rows = list(range(len(decodes)))
-    sampled: list[TokenSequence] = list(decodes)
+    sampled = list(decodes)
     for chunk in plan.prefills:
-        sequence: TokenSequence = chunk.sequence  # type: ignore[assignment]
+        sequence = chunk.sequence
         end = chunk.start + chunk.length
         offset = len(input_ids)
         input_ids += sequence.tokens_between(chunk.start, end)

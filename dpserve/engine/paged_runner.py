@@ -71,7 +71,7 @@ class PagedRunner:
             )
         )
         self._sequences: dict[int, Sequence] = {}
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
         self._build(model)
 
@@ -203,7 +203,7 @@ class PagedRunner:
         self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
         if built.sampled:
             for row in consume(built.sampled, logits):
-                self._forget(built.sampled[row])  # type: ignore[arg-type]
+                self._forget(built.sampled[row])
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         assert self.executor is not None and self.cache is not None

@@ -146,12 +146,12 @@ def _gumbel_noise(vocab: int, keys: Sequence[int | None], device: torch.device) 
     # rand is in [0, 1): keep log(0) out. The top end, 1 - 2**-24, is already < 1.
     uniform.clamp_(min=torch.finfo(torch.float32).tiny)
     noise = -torch.log(-torch.log(uniform))
-    keyed = [row for row, key in enumerate(keys) if key is not None]
+    keyed = [(row, key) for row, key in enumerate(keys) if key is not None]
     if keyed:
         row_keys = torch.tensor(
-            [[keys[row] & _MASK_32, keys[row] >> 32] for row in keyed], dtype=torch.int64
+            [[key & _MASK_32, key >> 32] for _, key in keyed], dtype=torch.int64
         ).to(device)
-        index = torch.tensor(keyed, device=device)
+        index = torch.tensor([row for row, _ in keyed], device=device)
         noise.index_copy_(0, index, _hashed_gumbel(row_keys, vocab))
     return noise
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from dpserve.engine.kv_cache import BlockPool
 
@@ -41,9 +41,13 @@ class PagedSequence(Protocol):
     def context_length(self) -> int: ...
 
 
+# The runner's own sequence type: plans hand back the objects the runner added.
+S = TypeVar("S", bound=PagedSequence)
+
+
 @dataclass(slots=True)
-class PrefillChunk:
-    sequence: PagedSequence
+class PrefillChunk(Generic[S]):
+    sequence: S
     start: int  # first context position of the chunk (tokens before it are cached)
     length: int
 
@@ -54,10 +58,10 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class StepPlan:
-    decodes: list[PagedSequence] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    preempted: list[PagedSequence] = field(default_factory=list)
+class StepPlan(Generic[S]):
+    decodes: list[S] = field(default_factory=list)
+    prefills: list[PrefillChunk[S]] = field(default_factory=list)
+    preempted: list[S] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +71,7 @@ class StepPlan:
         return bool(self.decodes or self.prefills)
 
 
-class Scheduler:
+class Scheduler(Generic[S]):
     def __init__(
         self,
         pool: BlockPool,
@@ -82,17 +86,17 @@ class Scheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[PagedSequence] = deque()
-        self.running: list[PagedSequence] = []  # in admission order: the newest last
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []  # in admission order: the newest last
         self.preemptions = 0
 
-    def add(self, sequence: PagedSequence) -> None:
+    def add(self, sequence: S) -> None:
         self.waiting.append(sequence)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, sequence: PagedSequence) -> bool:
+    def remove(self, sequence: S) -> bool:
         """Forget a sequence (finished or cancelled) and free its blocks; False if unknown."""
         if sequence in self.waiting:
             self.waiting.remove(sequence)
@@ -110,8 +114,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- scheduling
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan()
+    def schedule(self) -> StepPlan[S]:
+        plan: StepPlan[S] = StepPlan()
         for sequence in list(self.running):
             if sequence in plan.preempted:  # made room for an older one in this loop
                 continue
@@ -135,7 +139,7 @@ class Scheduler:
             budget -= chunk.length
         return plan
 
-    def commit(self, plan: StepPlan) -> None:
+    def commit(self, plan: StepPlan[S]) -> None:
         """The step's forward ran: its tokens are in the cache now."""
         for sequence in plan.decodes:
             sequence.num_cached += 1
@@ -147,7 +151,7 @@ class Scheduler:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _admit(self, sequence: PagedSequence) -> bool:
+    def _admit(self, sequence: S) -> bool:
         needed = self._blocks_for(sequence.context_length()) - len(sequence.blocks)
         if needed > self.pool.free_blocks:
             return False
@@ -155,7 +159,7 @@ class Scheduler:
         self.running.append(sequence)
         return True
 
-    def _reserve(self, sequence: PagedSequence, plan: StepPlan) -> bool:
+    def _reserve(self, sequence: S, plan: StepPlan[S]) -> bool:
         """Room for the sequence's next token, preempting the newest sequences if the pool is
         dry; False when the sequence itself had to go."""
         needed = self._blocks_for(sequence.num_cached + 1) - len(sequence.blocks)
@@ -168,7 +172,7 @@ class Scheduler:
         sequence.blocks.extend(self.pool.allocate(needed))
         return True
 
-    def _preempt(self, sequence: PagedSequence) -> None:
+    def _preempt(self, sequence: S) -> None:
         if self.running[-1] is sequence:
             self.running.pop()
         else:
@@ -177,7 +181,7 @@ class Scheduler:
         self.waiting.appendleft(sequence)
         self.preemptions += 1
 
-    def _free_blocks(self, sequence: PagedSequence) -> None:
+    def _free_blocks(self, sequence: S) -> None:
         self.pool.free(sequence.blocks)
         sequence.blocks = []
         sequence.num_cached = 0

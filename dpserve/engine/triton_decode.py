@@ -52,7 +52,9 @@ class TritonUnavailable(RuntimeError):
     """The Triton kernel was called where it cannot run."""
 
 
-def _split_kernel(
+# Triton reads a kernel's annotations as compile-time meaning (tl.constexpr; others pick the
+# argument's specialization), so the pointer and stride parameters stay unannotated.
+def _split_kernel(  # type: ignore[no-untyped-def]
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -145,7 +147,7 @@ def _split_kernel(
     tl.store(partial_lse_ptr + part // HEAD_DIM, lse, mask=group_mask)
 
 
-def _reduce_kernel(
+def _reduce_kernel(  # type: ignore[no-untyped-def]  # unannotated for Triton: see above
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,

@@ -118,9 +118,7 @@ class Generator:
             try:
                 async with (
                     asyncio.timeout(self.request_timeout),
-                    # ignore: client.py declares events() an AsyncIterator; it is an async
-                    # generator, which has aclose() (client.py is being reshaped in parallel).
-                    contextlib.aclosing(handle.events()) as events,  # type: ignore[type-var]
+                    contextlib.aclosing(handle.events()) as events,
                 ):
                     async for event in events:
                         await sse.open()
