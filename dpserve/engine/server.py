@@ -154,9 +154,14 @@ class EngineServer:
         reports that is a finite number, at most as many as the coordinator keeps."""
         if not isinstance(self.runner, _ReportsStats):
             return {}
+        try:
+            reported = self.runner.stats()
+        except Exception:  # the numbers are for dashboards: never let them stop a heartbeat
+            log.exception("engine rank %d: the runner's stats failed", self.connection.rank)
+            return {}
         numbers = {
             name: value
-            for name, value in self.runner.stats().items()
+            for name, value in reported.items()
             if type(value) in (int, float) and math.isfinite(value)
         }
         return dict(sorted(numbers.items())[: DEFAULT_ENGINE_STATS_LIMITS.max_entries])
