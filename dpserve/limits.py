@@ -66,6 +66,16 @@ class HttpLimits:
     linger_timeout: float = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStatsLimits:
+    """What the coordinator keeps of the numbers an engine reports with each HEARTBEAT (KV
+    pool, capacity, preemptions): a report past these is refused whole, never stored."""
+
+    max_entries: int = 64
+    max_name_chars: int = 64
+
+
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()
+DEFAULT_ENGINE_STATS_LIMITS: Final = EngineStatsLimits()

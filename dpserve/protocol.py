@@ -151,6 +151,10 @@ class RegisterAck(NamedTuple):
 
 class Heartbeat(NamedTuple):
     held: int  # requests held by the sender (0 for clients)
+    # An engine's runner numbers (KV pool size, free blocks, capacity, preemptions), name ->
+    # int or float, for STATUS and /metrics; the coordinator checks them (engine_stats).
+    # Optional: added after protocol version 1.
+    stats: dict[str, Any] | None = None
 
 
 class HeartbeatAck(NamedTuple):

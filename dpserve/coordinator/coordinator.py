@@ -111,6 +111,7 @@ class DataParallelInferenceCoordinator:
             self.clients,
             self.dispatcher,
             self.control,
+            self.counters,
         )
         self.refusals = Refusals(transport, self.clients, self.counters)
         self.intake = Intake(

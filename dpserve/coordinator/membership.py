@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 
 from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
+from dpserve.coordinator.engine_stats import MalformedEngineStats, check_engine_stats
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.transport import Transport
 from dpserve.protocol import (
@@ -41,6 +43,7 @@ class Membership:
         clients: dict[bytes, Client],
         dispatcher: Dispatcher,
         control: ControlRelay,
+        counters: defaultdict[str, int],
     ) -> None:
         self.instance_id = instance_id
         self.config = config
@@ -49,6 +52,7 @@ class Membership:
         self.clients = clients
         self.dispatcher = dispatcher
         self.control = control
+        self.counters = counters
 
     def engine_or_reject(self, identity: bytes) -> Engine:
         """The registered engine that sent a message only engines may send; anyone else is
@@ -115,12 +119,27 @@ class Membership:
         engine = self.registry.get(identity)
         if engine is not None:
             engine.last_seen = time.monotonic()
+            if heartbeat.stats is not None:
+                self._keep_stats(engine, heartbeat.stats)
         elif identity not in self.clients:
             self.transport.error(
                 identity, None, ErrorCode.UNKNOWN_PEER, "unknown peer: connect or register first"
             )
             return
         self.transport.send(identity, protocol.encode(HeartbeatAck(self.instance_id)))
+
+    def _keep_stats(self, engine: Engine, raw: object) -> None:
+        """Keep an engine's reported numbers; a malformed report is dropped (absent beats
+        wrong), counted and logged, and the heartbeat still counts as the engine alive."""
+        try:
+            engine.stats = check_engine_stats(raw)
+        except MalformedEngineStats as exc:
+            engine.stats = {}
+            count = self.counters["bad_engine_stats"] = self.counters["bad_engine_stats"] + 1
+            if count <= 10 or count % 1000 == 0:  # an engine repeats itself every heartbeat
+                log.warning(
+                    "engine rank %d: stats dropped (%d so far): %s", engine.rank, count, exc
+                )
 
     def on_drain(self, identity: bytes, drain: Drain) -> None:
         engine = self.engine_or_reject(identity)

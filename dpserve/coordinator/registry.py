@@ -16,6 +16,8 @@ class Engine:
     last_probe: float = 0.0  # when the coordinator last checked that a quiet engine is alive
     draining: bool = False
     outstanding: set[int] = field(default_factory=set)  # request ids dispatched here
+    # The runner's numbers from the engine's last heartbeat (engine_stats checked them).
+    stats: dict[str, int | float] = field(default_factory=dict)
 
     @property
     def load(self) -> float:

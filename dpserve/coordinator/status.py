@@ -41,6 +41,7 @@ def status_report(
                 "capacity": e.capacity,
                 "outstanding": len(e.outstanding),
                 "draining": e.draining,
+                "stats": e.stats,
             }
             for e in sorted(engines, key=lambda e: e.rank)
         ],

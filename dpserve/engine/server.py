@@ -14,14 +14,18 @@ steps are never mistaken for a silent coordinator.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from dpserve import protocol
 from dpserve.engine.connection import CoordinatorConnection
 from dpserve.engine.detokenize import RequestText
 from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import CONTROL_SIGNALS, ControlState, ErrorCode, Header
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer
@@ -30,6 +34,13 @@ log = logging.getLogger("dpserve.engine")
 
 _PAUSED, _SUSPENDED, _STOPPED = ControlState.PAUSED, ControlState.SUSPENDED, ControlState.STOPPED
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
+
+
+@runtime_checkable
+class _ReportsStats(Protocol):
+    """A runner with numbers to report (``ModelRunner``: KV pool, capacity, preemptions)."""
+
+    def stats(self) -> Mapping[str, object]: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -133,10 +144,27 @@ class EngineServer:
                 self._last_register = now
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
-            self.connection.send(Header.HEARTBEAT, len(self._held))
+            self.connection.send(Header.HEARTBEAT, len(self._held), self._numeric_stats())
             self._last_heartbeat = now
             if self._unanswered_since is None:
                 self._unanswered_since = now
+
+    def _numeric_stats(self) -> dict[str, int | float]:
+        """The runner's numbers for the coordinator (STATUS, /metrics): what its ``stats()``
+        reports that is a finite number, at most as many as the coordinator keeps."""
+        if not isinstance(self.runner, _ReportsStats):
+            return {}
+        try:
+            reported = self.runner.stats()
+        except Exception:  # the numbers are for dashboards: never let them stop a heartbeat
+            log.exception("engine rank %d: the runner's stats failed", self.connection.rank)
+            return {}
+        numbers = {
+            name: value
+            for name, value in reported.items()
+            if type(value) in (int, float) and math.isfinite(value)
+        }
+        return dict(sorted(numbers.items())[: DEFAULT_ENGINE_STATS_LIMITS.max_entries])
 
     def _note_waiting(self, now: float) -> None:
         if now - self._last_waiting_note < _WAITING_NOTE_EVERY:

@@ -47,6 +47,53 @@ class TokenRate:
             self._total -= self._events.popleft()[1]
 
 
+# Per-engine metrics from the numbers each engine reports with its heartbeats (STATUS
+# ``engine_list[].stats``): (metric name, stats key, help, is a counter). An engine that does
+# not report a number (the fake engine, the transformers fallback's KV pool) has no sample.
+ENGINE_STATS_METRICS: Final = (
+    ("dpserve_engine_kv_cache_blocks", "kv_blocks", "Blocks in the engine's KV-cache pool", False),
+    (
+        "dpserve_engine_kv_cache_free_blocks",
+        "kv_free_blocks",
+        "KV-cache blocks free at the engine's last heartbeat",
+        False,
+    ),
+    (
+        "dpserve_engine_kv_cache_tokens",
+        "kv_tokens",
+        "Tokens the engine's KV-cache pool holds",
+        False,
+    ),
+    ("dpserve_engine_kv_cache_bytes", "kv_bytes", "Bytes of the engine's KV-cache pool", False),
+    (
+        "dpserve_engine_max_concurrent_sequences",
+        "max_concurrent_sequences",
+        "Sequences the engine runs at once at most (sized from its KV pool)",
+        False,
+    ),
+    ("dpserve_engine_running_sequences", "running", "Sequences the engine is running", False),
+    ("dpserve_engine_waiting_sequences", "waiting", "Sequences waiting in the engine", False),
+    (
+        "dpserve_engine_preemptions",
+        "preemptions",
+        "Sequences the engine preempted for KV-cache blocks (recomputed later)",
+        True,
+    ),
+)
+
+
+def _engine_stats_metrics(engines: list[Mapping[str, Any]]) -> Iterable[Metric]:
+    for name, key, help_text, is_counter in ENGINE_STATS_METRICS:
+        family_type = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = family_type(name, help_text, labels=["rank"])
+        for engine in engines:
+            value = engine.get("stats", {}).get(key)
+            if value is not None:
+                family.add_metric([str(engine["rank"])], value)
+        if family.samples:
+            yield family
+
+
 class _ScrapeCollector:
     """Gauges computed at scrape time: the coordinator's status (refreshed by the /metrics
     handler just before rendering) and the recent token rate."""
@@ -84,11 +131,13 @@ class _ScrapeCollector:
         capacity = GaugeMetricFamily(
             "dpserve_engine_capacity", "Batch capacity each engine registered", labels=["rank"]
         )
-        for engine in status.get("engine_list", []):
+        engines = status.get("engine_list", [])
+        for engine in engines:
             inflight.add_metric([str(engine["rank"])], engine["outstanding"])
             capacity.add_metric([str(engine["rank"])], engine["capacity"])
         yield inflight
         yield capacity
+        yield from _engine_stats_metrics(engines)
         for name, value in status.get("limits", {}).items():
             yield GaugeMetricFamily(
                 f"dpserve_limit_{name}",

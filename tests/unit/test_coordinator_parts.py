@@ -1,5 +1,5 @@
 """Pure parts of the coordinator: the transition table, routing policies, the docs' table,
-the config and its CLI flags, admission."""
+the config and its CLI flags, admission, the check of engines' heartbeat numbers."""
 
 from __future__ import annotations
 
@@ -13,9 +13,14 @@ from dpserve.cli import _coordinator_config, build_parser
 from dpserve.coordinator.admission import Admission
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import TRANSITIONS, ControlState, InvalidTransition, next_state
+from dpserve.coordinator.engine_stats import MalformedEngineStats, check_engine_stats
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.routing import RoutingPolicy, choose_engine
-from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.limits import (
+    DEFAULT_ADMISSION_LIMITS,
+    DEFAULT_ENGINE_STATS_LIMITS,
+    DEFAULT_REQUEST_LIMITS,
+)
 from dpserve.protocol import ErrorCode, Header, pack_tokens
 
 DOCS = Path(__file__).parents[2] / "docs" / "protocol.md"
@@ -98,3 +103,33 @@ def test_admission_names_the_limit_it_refuses_with() -> None:
     assert code == ErrorCode.PROMPT_TOO_LONG and "--max-prompt-tokens" in message
     assert admission.prompt_tokens_refusal(pack_tokens([1])) is None
     assert admission.prompt_tokens_refusal(b"")[0] == ErrorCode.BAD_REQUEST
+
+
+@pytest.mark.parametrize(
+    ("stats", "complaint"),
+    [
+        ([("kv_blocks", 1)], "must be a map"),
+        ({"kv_blocks": "12"}, "finite number"),
+        ({"kv_blocks": False}, "finite number"),
+        ({"kv_blocks": float("-inf")}, "finite number"),
+        ({"kv_blocks": None}, "finite number"),
+        ({"kv blocks": 1}, "snake_case"),
+        ({b"kv_blocks": 1}, "snake_case"),
+        ({"k" * (DEFAULT_ENGINE_STATS_LIMITS.max_name_chars + 1): 1}, "snake_case"),
+        ({f"s{i}": 0 for i in range(DEFAULT_ENGINE_STATS_LIMITS.max_entries + 1)}, "entries"),
+    ],
+)
+def test_engine_stats_are_refused_unless_a_small_map_of_finite_numbers(
+    stats: object, complaint: str
+) -> None:
+    with pytest.raises(MalformedEngineStats, match=complaint):
+        check_engine_stats(stats)
+
+
+def test_engine_stats_within_the_limits_are_kept_as_sent() -> None:
+    most = {f"s{i}": i * 0.5 for i in range(DEFAULT_ENGINE_STATS_LIMITS.max_entries)}
+    assert check_engine_stats(most) == most
+    assert check_engine_stats({"kv_blocks": 2**63, "preemptions": 0}) == {
+        "kv_blocks": 2**63,
+        "preemptions": 0,
+    }
