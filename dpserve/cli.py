@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
@@ -148,6 +149,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
         runner,
         stream_interval=args.stream_interval,
+        ready_file=args.ready_file,
     )
     server.install_signal_handlers()
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
@@ -402,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     engine.add_argument("--stream-interval", type=float, default=0.05)
+    engine.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="a file that exists exactly while the engine is registered (readiness probes)",
+    )
     _add_credentials(engine)
     engine.set_defaults(func=cmd_engine)
 
