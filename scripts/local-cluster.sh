@@ -4,6 +4,7 @@
 #
 #   sudo scripts/local-cluster.sh up     # build (cached) and start; prints the kubeconfig path
 #   sudo scripts/local-cluster.sh down   # stop everything, remove the node's network and state
+#   sudo scripts/local-cluster.sh images # rebuild changed images, load them into the running node
 #
 # Node: etcd, kube-apiserver (on the node IP, RBAC), kube-controller-manager, kube-scheduler,
 # containerd + runc (CRI), the bridge/host-local/loopback CNI plugins, kubelet, kube-proxy
@@ -401,5 +402,8 @@ NODE_BIN="$CACHE/k8s/node-bin"
 case "${1:-}" in
   up) exec 7>/run/dpserve-node.lock; flock -n 7 || die "another local-cluster.sh is running"; up ;;
   down) exec 7>/run/dpserve-node.lock; flock 7; down ;;
-  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+  images)  # rebuild what changed and load it into the running node
+    ARCHIVES="$(bash "$ROOT/scripts/build-images.sh" "$PYTHON" | tail -n1)"
+    load_images ;;
+  *) echo "usage: $0 up|down|images" >&2; exit 2 ;;
 esac
