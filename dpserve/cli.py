@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dpserve import security
+from dpserve import flags, security
 from dpserve.coordinator.routing import RoutingPolicy
-from dpserve.protocol import DEFAULT_MAX_MESSAGE_BYTES
+from dpserve.limits import MESSAGE_HEADROOM_BYTES
 
 log = logging.getLogger("dpserve")
 
@@ -23,11 +23,9 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        stream=sys.stderr,
-    )
+    from dpserve.supervise import configure_logging
+
+    configure_logging(logging.DEBUG if verbose else logging.INFO)
 
 
 def resolve_rank(rank: str) -> int:
@@ -60,6 +58,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = _tokenizer_spec(args.tokenizer)
+    limits = flags.request_limits(args)
     options = {
         "host": args.host,
         "routing": args.routing,
@@ -68,8 +67,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         "max_inflight_per_client": args.max_inflight_per_client,
         "max_inflight_requests": args.max_inflight_requests,
         "max_queued_requests": args.max_queued_requests,
-        "max_message_bytes": args.max_message_bytes,
-        "max_prompt_tokens": args.max_prompt_tokens,
+        "max_message_bytes": args.max_message_bytes or limits.max_message_bytes,
+        "max_prompt_tokens": limits.max_prompt_tokens,
         # The directory, not the keys: nothing secret travels to the coordinator's process.
         "credentials": args.credentials or None,
     }
@@ -87,11 +86,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             if coordinator is not None:
                 coordinator.stop()
         return 0
-    from dpserve.http import run_http_with_coordinator
+    from dpserve.openai.server import FrontConfig, default_model_name
+    from dpserve.supervise import run_http_with_coordinator
 
-    return run_http_with_coordinator(
-        args, tokenizer, options, credentials=front_keys, api_keys=api_keys
+    front = FrontConfig(
+        "",  # filled in once the coordinator's socket is bound
+        tokenizer,
+        args.host,
+        args.http_port,
+        default_model_name(tokenizer),
+        credentials=front_keys,
+        api_keys=api_keys,
+        limits=limits,
+        http_limits=flags.http_limits(args),
     )
+    return run_http_with_coordinator(args.port, args.deterministic, options, front)
 
 
 def _tokenizer_spec(tokenizer: str | None) -> str | None:
@@ -120,6 +129,59 @@ def _client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | 
 # -------------------------------------------------------------------------- engine
 
 
+def engine_device(requested: str, rank: int) -> str:
+    """One GPU per engine: on CUDA, engine rank r uses GPU r modulo the GPUs it can see (on
+    Kubernetes every engine pod sees exactly its own one)."""
+    if requested == "cpu":
+        return requested
+    import torch
+
+    if not torch.cuda.is_available():
+        return requested
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    from dpserve.engine.defaults import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CPU_KV_CACHE_BYTES,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    )
+
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of the GPU's memory for weights, activations and the KV cache "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"size of the KV cache pool in bytes (default on CPU: {DEFAULT_CPU_KV_CACHE_BYTES}; "
+        "on CUDA: from --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV cache block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step computes, prefill chunks and decodes together "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on CUDA)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
+    )
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
     from dpserve.engine.server import EngineServer
@@ -135,9 +197,14 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
         runner = ModelRunner(
             resolve_model(args.model),
-            max_batch_size=args.max_batch_size or 8,
+            max_batch_size=args.max_batch_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
-            device=args.device,
+            device=engine_device(args.device, rank),
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cuda_graphs=not args.no_cuda_graphs,
         )
     address = _zmq_address(args.coordinator)
     try:
@@ -199,6 +266,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fake=args.fake,
         credentials=args.credentials or None,
         api_keys=api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 
@@ -206,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_http(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dpserve.http import run_http_front
+    from dpserve.openai.server import FrontConfig, run_http_front
 
     address = _zmq_address(args.coordinator)
     try:
@@ -219,17 +288,18 @@ def cmd_http(args: argparse.Namespace) -> int:
         log.warning(
             "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
         )
-    asyncio.run(
-        run_http_front(
-            address,
-            _tokenizer_spec(args.tokenizer),
-            args.host,
-            args.port,
-            args.model_name or args.tokenizer or "dpserve",
-            credentials=keys,
-            api_keys=api_keys,
-        )
+    front = FrontConfig(
+        address,
+        _tokenizer_spec(args.tokenizer),
+        args.host,
+        args.port,
+        args.model_name or args.tokenizer or "dpserve",
+        credentials=keys,
+        api_keys=api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
     )
+    asyncio.run(run_http_front(front))
     return 0
 
 
@@ -384,11 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for an engine (default: %(default)s)",
     )
     coordinator.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="default: 8 MiB"
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest ZMQ message (default: --max-body-bytes + "
+        f"{MESSAGE_HEADROOM_BYTES // 1024} KiB, so every request the HTTP edge admits fits)",
     )
-    coordinator.add_argument(
-        "--max-prompt-tokens", type=int, default=32_768, help="default: %(default)s"
-    )
+    flags.add_request_limits(coordinator)
+    flags.add_http_limits(coordinator)
     _add_api_key_file(coordinator)
     coordinator.set_defaults(func=cmd_coordinator)
 
@@ -398,11 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
-    engine.add_argument("--max-batch-size", type=int, default=None)
+    engine.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="sequences running at once (default: derived from the KV cache pool)",
+    )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    _add_kv_cache_flags(engine)
     engine.add_argument("--stream-interval", type=float, default=0.05)
     engine.add_argument(
         "--ready-file",
@@ -434,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
     )
     _add_api_key_file(serve)
+    flags.add_request_limits(serve)
+    flags.add_http_limits(serve)
     serve.set_defaults(func=cmd_serve)
 
     http = commands.add_parser(
@@ -446,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--model-name", default=None, help="name reported by /v1/models")
     _add_credentials(http, roles=True)
     _add_api_key_file(http)
+    flags.add_request_limits(http)
+    flags.add_http_limits(http)
     http.set_defaults(func=cmd_http)
 
     generate = commands.add_parser("generate", help="send one prompt and print the completion")

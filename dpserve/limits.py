@@ -51,5 +51,21 @@ class AdmissionLimits:
     max_dispatch_attempts: int = 3
 
 
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """How long and how many: the HTTP server's timeouts and its cap on connections."""
+
+    request_timeout: float = 600.0  # seconds one generation request may take, end to end
+    header_timeout: float = 10.0  # seconds from a request's first byte to its last header
+    body_timeout: float = 60.0  # seconds to receive a request's body once its headers arrived
+    keepalive_timeout: float = 15.0  # seconds an idle keep-alive connection is kept open
+    max_connections: int = 1_000  # open connections; one more is answered 503 and closed
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get when the front stops
+    # After refusing a body it did not read (408, 413), the front still reads and drops what
+    # the client sends for this long, so the client can read the refusal before the close.
+    linger_timeout: float = 1.0
+
+
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
+DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dpserve import security
 from dpserve.client import InferenceClient
+from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 
 log = logging.getLogger("dpserve.serve")
 
@@ -46,6 +47,8 @@ class LocalDeployment:
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
+    limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
 
     def __post_init__(self) -> None:
         self.processes: list[tuple[str, subprocess.Popen]] = []
@@ -77,6 +80,7 @@ class LocalDeployment:
             str(self.port),
             *tokenizer,
             *keys,
+            *_coordinator_limit_flags(self.limits),
         )
         for rank in range(self.data_parallel_size):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
@@ -136,6 +140,16 @@ class LocalDeployment:
                     process.wait()
 
 
+def _coordinator_limit_flags(limits: RequestLimits) -> list[str]:
+    """What the coordinator checks itself (also for clients that speak ZMQ directly)."""
+    return [
+        "--max-body-bytes",
+        str(limits.max_body_bytes),
+        "--max-prompt-tokens",
+        str(limits.max_prompt_tokens),
+    ]
+
+
 def banner(deployment: LocalDeployment) -> str:
     # Throw-away keys are found by port; keys the user gave must be named again.
     given = (
@@ -185,9 +199,36 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
         return asyncio.run(run_local(deployment, model_name))
 
 
-async def run_local(deployment: LocalDeployment, model_name: str) -> int:
-    from dpserve.http import run_http_front
+async def _start_http(
+    deployment: LocalDeployment, model_name: str, client: InferenceClient, stop: asyncio.Event
+) -> asyncio.Task:
+    """The HTTP front as a task, once its port accepts connections (the banner promises a
+    working URL)."""
+    from dpserve.openai.server import FrontConfig, run_http_front
 
+    front = FrontConfig(
+        deployment.address,
+        None if deployment.fake else deployment.model_path,
+        deployment.host,
+        deployment.http_port or 0,
+        model_name,
+        credentials=client.keys,
+        api_keys=deployment.api_keys,
+        limits=deployment.limits,
+        http_limits=deployment.http_limits,
+    )
+    listening = asyncio.Event()
+    http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
+    started = asyncio.create_task(listening.wait())
+    await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    if http_task.done():
+        http_task.result()
+        raise RuntimeError("the HTTP front stopped before it started")
+    return http_task
+
+
+async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -208,27 +249,7 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
         stopped.cancel()
         ready.result()
         if deployment.http_port:
-            listening = asyncio.Event()
-            http_task = asyncio.create_task(
-                run_http_front(
-                    deployment.address,
-                    None if deployment.fake else deployment.model_path,
-                    deployment.host,
-                    deployment.http_port,
-                    model_name,
-                    stop,
-                    listening=listening,
-                    credentials=client.keys,
-                    api_keys=deployment.api_keys,
-                )
-            )
-            # The banner promises a working URL: wait until the port accepts connections.
-            started = asyncio.create_task(listening.wait())
-            await asyncio.wait({started, http_task}, return_when=asyncio.FIRST_COMPLETED)
-            started.cancel()
-            if http_task.done():
-                http_task.result()
-                raise RuntimeError("the HTTP front stopped before it started")
+            http_task = await _start_http(deployment, model_name, client, stop)
         print(banner(deployment), file=sys.stderr, flush=True)
         while not stop.is_set():
             deployment.check_alive()

@@ -13,95 +13,48 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.client import InferenceClient
-from dpserve.engine.fake import fake_token
-from dpserve.http import (
-    InvalidRequest,
-    TokenRate,
-    create_app,
-    failure_status,
-    health_body,
-    parse_chat_request,
-    parse_completion_request,
-    parse_prompt,
-    run_http_front,
-    token_logprob_pairs,
-)
+from dpserve.limits import HttpLimits
+from dpserve.openai import create_app
+from dpserve.openai.errors import InvalidRequest, failure_status
+from dpserve.openai.health import readiness
+from dpserve.openai.logprobs import token_logprob_pairs
+from dpserve.openai.metrics import TokenRate
+from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
+from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
+from tests.integration.http_support import (
+    Cluster,
+    children_of,
+    expected_text,
+    http_json,
+    metric,
+    metric_samples,
+    ready_is,
+    sse_payloads,
+    start_cluster,
+    start_engines,
+    start_front,
+    wait_for_idle,
+    wait_until,
+)
 from tests.integration.runtime import Processes, free_port
 
 pytestmark = pytest.mark.timeout(90)
 
-STEP_DELAY = 0.01  # seconds per fake-engine step: 100 tokens/s per request
 MODEL_NAME = "dpserve"  # what the front reports without --tokenizer
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def expected_text(prompt: str | list[int], count: int, seed: int | None = None) -> str:
-    """What a fake engine generates for this prompt (byte tokenizer)."""
-    tokens = list(prompt.encode()) if isinstance(prompt, str) else prompt
-    return "".join(chr(fake_token(tokens, seed, position)) for position in range(count))
-
-
-async def sse_payloads(response: aiohttp.ClientResponse) -> list[str]:
-    """Every ``data:`` payload of a server-sent-event stream, in order."""
-    payloads = []
-    async for line in response.content:
-        text = line.decode().rstrip("\r\n")
-        if text.startswith("data: "):
-            payloads.append(text[len("data: ") :])
-        else:
-            assert text == "", f"unexpected SSE line {text!r}"
-    return payloads
-
-
-def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    return [
-        (sample.name, sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    ]
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    for sample_name, sample_labels, value in metric_samples(text):
-        if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items()):
-            return value
-    return None
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """Live child processes of ``pid`` (from /proc) and their command lines."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue  # it exited while we looked
-        # The command name may hold spaces and parentheses: fields start after the last ')'.
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            children[int(entry.name)] = cmdline
-    return children
 
 
 def is_running(pid: int) -> bool:
@@ -112,63 +65,6 @@ def is_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
 
 
-def http_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, json.load(response)
-    except urllib.error.HTTPError as error:
-        return error.code, json.load(error)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def health_is(base_url: str, status_code: int, engines: int | None = None) -> Callable[[], bool]:
-    def check() -> bool:
-        try:
-            code, body = http_json(f"{base_url}/health")
-        except (OSError, ValueError):
-            return False  # not listening yet
-        return code == status_code and (engines is None or body.get("engines") == engines)
-
-    return check
-
-
-@dataclass
-class Cluster:
-    base_url: str
-    zmq_port: int
-    coordinator: subprocess.Popen
-    processes: Processes
-
-
-def start_front(processes: Processes) -> tuple[subprocess.Popen, int, str]:
-    zmq_port, http_port = free_port(), free_port()
-    coordinator = processes.coordinator(zmq_port, "--http-port", str(http_port))
-    base_url = f"http://127.0.0.1:{http_port}"
-    wait_until(lambda: _livez_ok(base_url, coordinator), 60, "the HTTP front to listen")
-    return coordinator, zmq_port, base_url
-
-
-def _livez_ok(base_url: str, coordinator: subprocess.Popen) -> bool:
-    if coordinator.poll() is not None:
-        raise AssertionError(f"the coordinator exited with code {coordinator.returncode}")
-    try:
-        return http_json(f"{base_url}/livez")[0] == 200
-    except (OSError, ValueError):
-        return False
-
-
-def start_engines(processes: Processes, zmq_port: int, count: int) -> None:
-    for rank in range(count):
-        processes.fake_engine(zmq_port, rank, "--step-delay", str(STEP_DELAY))
-
-
 # ------------------------------------------------------------------ fixtures
 
 
@@ -177,10 +73,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """``dpserve coordinator --http-port`` with two fake engines, shared by this module."""
     processes = Processes(tmp_path_factory.mktemp("http-cluster"))
     try:
-        coordinator, zmq_port, base_url = start_front(processes)
-        start_engines(processes, zmq_port, 2)
-        wait_until(health_is(base_url, 200, engines=2), 60, "two engines")
-        yield Cluster(base_url, zmq_port, coordinator, processes)
+        yield start_cluster(processes)
     finally:
         processes.cleanup()
 
@@ -189,19 +82,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
         yield instance
-
-
-async def wait_for_idle(session: aiohttp.ClientSession, base_url: str, within: float) -> str:
-    """Poll /metrics until the coordinator holds no request; return the last scrape."""
-    deadline = time.monotonic() + within
-    while True:
-        async with session.get(f"{base_url}/metrics") as response:
-            text = await response.text()
-        if metric(text, "dpserve_coordinator_inflight_requests") == 0:
-            return text
-        if time.monotonic() > deadline:
-            raise AssertionError(f"requests still in flight:\n{text}")
-        await asyncio.sleep(0.1)
 
 
 # ---------------------------------------------------------------- completions
@@ -307,7 +187,7 @@ async def test_logprobs(cluster: Cluster, session: aiohttp.ClientSession) -> Non
     prompt = "with logprobs"
     async with session.post(
         f"{cluster.base_url}/v1/completions",
-        json={"prompt": prompt, "max_tokens": 5, "logprobs": 1},
+        json={"prompt": prompt, "max_tokens": 5, "logprobs": 0},
     ) as response:
         assert response.status == 200
         result = await response.json()
@@ -386,11 +266,14 @@ async def test_models(cluster: Cluster, session: aiohttp.ClientSession) -> None:
     assert result["data"][0]["object"] == "model"
 
 
-async def test_health_reports_the_engines(cluster: Cluster, session: aiohttp.ClientSession) -> None:
-    async with session.get(f"{cluster.base_url}/health") as response:
+async def test_ready_reports_the_engines(cluster: Cluster, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{cluster.base_url}/ready") as response:
         assert response.status == 200
         body = await response.json()
-    assert body == {"status": "ok", "engines": 2, "draining": 0, "queued": 0, "state": "running"}
+    assert body == {"status": "ready", "engines": 2, "draining": 0, "queued": 0, "state": "running"}
+    for live in ("/health", "/livez"):
+        async with session.get(f"{cluster.base_url}{live}") as response:
+            assert (response.status, await response.json()) == (200, {"status": "alive"})
 
 
 async def test_metrics(cluster: Cluster, session: aiohttp.ClientSession) -> None:
@@ -530,7 +413,9 @@ async def test_request_timeout(cluster: Cluster) -> None:
     client = InferenceClient(cluster.zmq_port, handshake_timeout=20)
     await client.start()
     try:
-        app = create_app(client, ByteTokenizer(), "short-fuse", request_timeout=0.5)
+        app = create_app(
+            client, ByteTokenizer(), "short-fuse", http_limits=HttpLimits(request_timeout=0.5)
+        )
         async with TestClient(TestServer(app)) as http:
             body = {"prompt": "slow", "max_tokens": 5000}
             response = await http.post("/v1/completions", json=body)
@@ -564,18 +449,15 @@ async def test_run_http_front_serves_until_stopped(
 ) -> None:
     port = free_port()
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        run_http_front(
-            f"tcp://127.0.0.1:{cluster.zmq_port}", None, "127.0.0.1", port, "front-2", stop
-        )
-    )
+    front = FrontConfig(f"tcp://127.0.0.1:{cluster.zmq_port}", None, "127.0.0.1", port, "front-2")
+    task = asyncio.create_task(run_http_front(front, stop))
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
         while True:
             assert not task.done(), task
             with contextlib.suppress(aiohttp.ClientConnectionError):
-                async with session.get(f"{base_url}/health") as response:
+                async with session.get(f"{base_url}/ready") as response:
                     if response.status == 200:
                         break
             assert time.monotonic() < deadline
@@ -597,16 +479,17 @@ async def test_run_http_front_serves_until_stopped(
 # ------------------------------------------------------------------- lifecycle
 
 
-def test_health_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
+def test_ready_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
     processes = Processes(tmp_path)
     try:
         coordinator, zmq_port, base_url = start_front(processes)
 
-        code, body = http_json(f"{base_url}/health")
+        code, body = http_json(f"{base_url}/ready")
         assert (code, body["status"], body["engines"]) == (503, "no_engines", 0)
+        assert http_json(f"{base_url}/health") == (200, {"status": "alive"})
 
         start_engines(processes, zmq_port, 2)
-        wait_until(health_is(base_url, 200, engines=2), 60, "two engines")
+        wait_until(ready_is(base_url, 200, engines=2), 60, "two engines")
 
         children = children_of(coordinator.pid)
         [child] = [pid for pid, cmd in children.items() if "spawn_main" in cmd]
@@ -615,14 +498,13 @@ def test_health_follows_engines_and_sigterm_leaves_no_process(tmp_path: Path) ->
         os.kill(child, signal.SIGSTOP)
         try:
             started = time.monotonic()
-            assert http_json(f"{base_url}/health", timeout=10) == (
-                503,
-                {"status": "coordinator_unavailable"},
-            )
+            code, body = http_json(f"{base_url}/ready", timeout=10)
+            assert (code, body["status"]) == (503, "coordinator_unavailable")
+            assert http_json(f"{base_url}/health", timeout=1) == (200, {"status": "alive"})
             assert time.monotonic() - started < 5
         finally:
             os.kill(child, signal.SIGCONT)
-        wait_until(health_is(base_url, 200, engines=2), 30, "the coordinator to answer again")
+        wait_until(ready_is(base_url, 200, engines=2), 30, "the coordinator to answer again")
 
         coordinator.send_signal(signal.SIGTERM)
         assert coordinator.wait(30) == 0
@@ -728,11 +610,20 @@ def test_token_logprob_pairs_align_to_the_end() -> None:
     assert token_logprob_pairs([], [-1.0]) == []
 
 
-def test_health_body() -> None:
-    assert health_body(None) == (503, {"status": "coordinator_unavailable"})
+def test_readiness() -> None:
+    assert readiness(None)[0] == 503
+    assert readiness(None)[1]["status"] == "coordinator_unavailable"
     status = {"engines": 0, "draining": 0, "queued": 4, "state": "running"}
-    assert health_body(status) == (503, {"status": "no_engines", **status})
-    assert health_body({**status, "engines": 1})[0] == 200
+    assert readiness(status)[1] == {
+        "status": "no_engines",
+        "reason": "no engine is registered",
+        **status,
+    }
+    assert readiness({**status, "engines": 1}) == (200, {"status": "ready", **status, "engines": 1})
+    assert readiness({**status, "engines": 2, "draining": 2})[1]["status"] == "draining"
+    for state in ("paused", "suspended", "stopped"):
+        assert readiness({**status, "engines": 1, "state": state})[:1] == (503,)
+        assert readiness({**status, "engines": 1, "state": state})[1]["status"] == state
 
 
 def test_failure_status_mapping() -> None:

@@ -517,7 +517,7 @@ def front(processes: Processes, port: int, keys: Path, tmp_path: Path) -> Iterat
     deadline = time.monotonic() + 60
     while True:
         try:
-            if _http(f"{base}/health")[0] == 200:
+            if _http(f"{base}/ready")[0] == 200:
                 break
         except OSError:
             pass

@@ -273,8 +273,11 @@ def test_held_back_tokens_are_released_when_no_stop_string_follows(
     assert any(len(update.tokens) > 1 for update in outcome.updates)
 
 
-def test_release_and_reload_continue_requests(tiny_model_path: Path, reference: Any) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu")
+@pytest.mark.parametrize("executor", ["llama", "transformers"])
+def test_release_and_reload_continue_requests(
+    tiny_model_path: Path, reference: Any, executor: str
+) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu", executor=executor)
     prompts = random_prompts(3, seed=12)
     lengths = [30, 12, 20]
     schedule = {0: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in range(3)]}
@@ -315,17 +318,25 @@ def test_output_is_clamped_to_the_context(runner: ModelRunner) -> None:
     assert outcome.finish == "length"
 
 
-def test_max_tokens_in_batch_bounds_prompts_and_prefill(tiny_model_path: Path) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_tokens_in_batch=64)
-    with pytest.raises(RequestRejected) as rejected:
-        runner.add(request(1, [7] * 65))
-    assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
-    assert "64" in rejected.value.message
+def test_max_num_batched_tokens_bounds_every_step(tiny_model_path: Path, reference: Any) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_num_batched_tokens=64)
+    prompts = random_prompts(4, seed=17, low=100, high=150)
+    schedule = {0: [request(i, prompts[i], num_tokens_to_generate=6) for i in range(4)]}
+    prefill_per_step: list[int] = []
+    last = [0]
+
+    def record(_: int) -> None:
+        total = runner.stats()["prefill_tokens"]
+        prefill_per_step.append(total - last[0])
+        last[0] = total
+
+    outcomes = run(runner, schedule, on_step=record)
+    # Prompts longer than the budget are accepted and prefilled in chunks of at most 64 tokens.
+    record(0)
+    assert max(prefill_per_step) <= 64
+    assert sum(prefill_per_step) == sum(len(p) for p in prompts)
     for i in range(4):
-        runner.add(request(10 + i, [7] * 30, num_tokens_to_generate=5))
-    runner.step()
-    # 30-token prompts in a 64-token budget: two per prefill.
-    assert runner.stats()["running"] == 2 and runner.stats()["waiting"] == 2
+        assert outcomes[i].tokens == greedy_reference(reference, prompts[i], 6)[0], f"request {i}"
 
 
 def test_bad_token_ids_and_empty_prompts_are_rejected(runner: ModelRunner) -> None:
@@ -404,3 +415,254 @@ def test_runner_attributes(runner: ModelRunner) -> None:
     assert runner.tokenizer.decode(runner.tokenizer.encode("Hello world")) == "Hello world"
     stats = runner.stats()
     assert {"waiting", "running", "tokens_generated"} <= set(stats)
+
+
+# ------------------------------------------------------------- paged cache and scheduling
+
+
+def test_chunked_prefill_across_chunk_and_block_boundaries_matches_generate(
+    tiny_model_path: Path, reference: Any
+) -> None:
+    # 4-token blocks and 7-token steps: chunks start and end inside blocks, prompts span many
+    # steps, and decodes share steps with other requests' chunks.
+    runner = ModelRunner(
+        str(tiny_model_path), max_batch_size=6, max_num_batched_tokens=7, block_size=4
+    )
+    prompts = random_prompts(6, seed=20, low=1, high=70)
+    lengths = [9, 14, 3, 20, 11, 6]
+    schedule = {
+        0: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in (0, 1, 2)],
+        3: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in (3, 4, 5)],
+    }
+    outcomes = run(runner, schedule)
+    for i in range(6):
+        expected, finish = greedy_reference(reference, prompts[i], lengths[i])
+        assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"
+    assert runner.stats()["kv_free_blocks"] == runner.stats()["kv_blocks"] - 1
+
+
+def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
+    tiny_model_path: Path,
+) -> None:
+    runner = ModelRunner(str(tiny_model_path), max_num_batched_tokens=24)
+    runner.eos_token_ids = frozenset()
+    long_prompts = random_prompts(5, seed=27, low=180, high=200)
+    schedule = {
+        0: [request(0, [7, 8, 9], num_tokens_to_generate=30)],
+        2: [request(i, long_prompts[i - 1], num_tokens_to_generate=3) for i in range(1, 6)],
+    }
+    outcomes = run(runner, schedule)
+    # ~950 prompt tokens arrive at step 2 and are prefilled 23 at a time beside request 0,
+    # which still gets a token in every step: one per step, finishing at step 29.
+    assert [len(update.tokens) for update in outcomes[0].updates] == [1] * 30
+    assert outcomes[0].finished_at_step == 29
+    assert max(outcomes[i].finished_at_step for i in range(1, 6)) > 29  # still prefilling
+    assert runner.stats()["prefill_tokens"] == 3 + sum(map(len, long_prompts))
+
+
+def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
+    """A runner whose KV pool has ``blocks`` 4-token blocks (block 0 included)."""
+    probe = ModelRunner(
+        str(tiny_model_path), max_batch_size=1, block_size=4, kv_cache_bytes=1 << 20
+    )
+    block_bytes = probe.stats()["kv_bytes"] // probe.stats()["kv_blocks"]
+    return ModelRunner(
+        str(tiny_model_path), block_size=4, kv_cache_bytes=blocks * block_bytes, **kwargs
+    )
+
+
+def test_preemption_and_recompute_give_the_same_tokens(
+    tiny_model_path: Path, reference: Any
+) -> None:
+    def five_requests() -> list[EngineRequest]:
+        sampled = {"temperature": 1.2, "top_p": 0.9, "seed": 77, "num_tokens_to_generate": 40}
+        greedy = [request(i, prompts[i], num_tokens_to_generate=40) for i in range(4)]
+        return [*greedy, request(4, prompts[4], return_log_probs=True, **sampled)]
+
+    prompts = random_prompts(5, seed=21, low=15, high=30)
+    tight = tiny_pool_runner(tiny_model_path, blocks=31, max_batch_size=4)  # 120 tokens
+    assert tight.context_size == 120  # a sequence is capped at what the pool holds
+    roomy = ModelRunner(str(tiny_model_path), max_batch_size=4)
+    for runner in (tight, roomy):
+        runner.eos_token_ids = frozenset()  # every request runs its 40 tokens
+    interrupted = run(tight, {0: five_requests()})
+    uninterrupted = run(roomy, {0: five_requests()})
+    assert tight.stats()["preemptions"] > 0  # four 55-70 token sequences in 120 tokens
+    assert roomy.stats()["preemptions"] == 0
+    assert tight.stats()["kv_free_blocks"] == 30  # every block came back
+    for i in range(5):
+        assert interrupted[i].tokens == uninterrupted[i].tokens, f"request {i}"
+        assert len(interrupted[i].tokens) == 40
+    # Seeded sampling draws the same tokens after a recompute; greedy ones equal generate's.
+    assert interrupted[4].logprobs == pytest.approx(uninterrupted[4].logprobs, abs=1e-4)
+    for i in range(4):
+        expected, _ = greedy_reference(reference, prompts[i], 40)
+        assert interrupted[i].tokens[: len(expected)] == expected, f"request {i}"
+
+
+def test_capacity_and_pool_are_reported(tiny_model_path: Path) -> None:
+    runner = tiny_pool_runner(tiny_model_path, blocks=65)  # 256 tokens, the model's context
+    stats = runner.stats()
+    assert stats["executor"] == "llama (paged)"
+    assert (stats["kv_blocks"], stats["kv_block_size"], stats["kv_tokens"]) == (65, 4, 256)
+    assert stats["kv_bytes"] > 0
+    # No --max-batch-size: as many sequences as the pool holds at a typical length.
+    assert runner.capacity == stats["max_concurrent_sequences"] == 1
+    default = ModelRunner(str(tiny_model_path)).stats()
+    assert default["capacity"] >= 32  # the fixed 8 rows are gone
+
+
+# ------------------------------------------------------------------- sampling parameters
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-50, 9.9e-6])
+def test_tiny_temperatures_decode_greedily(
+    runner: ModelRunner, reference: Any, temperature: float
+) -> None:
+    prompt = random_prompts(1, seed=22)[0]
+    outcome = run(
+        runner,
+        {0: [request(1, prompt, temperature=temperature, seed=3, num_tokens_to_generate=15)]},
+    )[1]
+    assert outcome.tokens == greedy_reference(reference, prompt, 15)[0]
+
+
+def test_ignore_eos_and_min_tokens(runner: ModelRunner, reference: Any) -> None:
+    prompt = random_prompts(1, seed=23)[0]
+    expected, _ = greedy_reference(reference, prompt, 30)
+    stop_at = next(i for i in range(2, 20) if expected[i] not in expected[:i])
+    runner.eos_token_ids = frozenset({expected[stop_at]})
+    outcomes = run(
+        runner,
+        {
+            0: [
+                request(1, prompt, num_tokens_to_generate=30),
+                request(2, prompt, num_tokens_to_generate=30, ignore_eos=True),
+                request(3, prompt, num_tokens_to_generate=30, min_tokens=stop_at + 2),
+            ]
+        },
+    )
+    assert (outcomes[1].tokens, outcomes[1].finish) == (expected[:stop_at], "stop")
+    # ignore_eos: the EOS token is an ordinary token, returned, and generation goes on.
+    assert (outcomes[2].tokens, outcomes[2].finish) == (expected, "length")
+    # min_tokens: the early EOS is returned; a later one (if any) stops the request.
+    tokens = outcomes[3].tokens
+    assert tokens == expected[: len(tokens)] and len(tokens) > stop_at
+    later = [i for i in range(stop_at + 2, 30) if expected[i] == expected[stop_at]]
+    assert len(tokens) == (later[0] if later else 30)
+
+
+# ---------------------------------------------------------------- the transformers fallback
+
+
+@pytest.fixture(scope="module")
+def gpt2_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Path:
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    directory = tmp_path_factory.mktemp("tiny-gpt2")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(5)
+    GPT2LMHeadModel(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_other_architectures_fall_back_to_transformers(gpt2_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(str(gpt2_path), device="cpu")
+    assert runner.stats()["executor"] == "transformers"
+    assert runner.capacity == 8
+    model = AutoModelForCausalLM.from_pretrained(gpt2_path, dtype=torch.float32).eval()
+    prompts = random_prompts(3, seed=24)
+    outcomes = run(
+        runner, {0: [request(i, prompts[i], num_tokens_to_generate=12) for i in range(3)]}
+    )
+    for i in range(3):
+        assert outcomes[i].tokens == greedy_reference(model, prompts[i], 12)[0], f"request {i}"
+    with pytest.raises(ValueError, match="gpt2"):
+        ModelRunner(str(gpt2_path), executor="llama")
+
+
+def test_transformers_path_still_serves_llama_exactly(
+    tiny_model_path: Path, reference: Any
+) -> None:
+    runner = ModelRunner(str(tiny_model_path), executor="transformers", max_batch_size=3)
+    assert runner.stats()["executor"] == "transformers"
+    prompts = random_prompts(4, seed=25)
+    outcomes = run(
+        runner, {0: [request(i, prompts[i], num_tokens_to_generate=10) for i in range(4)]}
+    )
+    for i in range(4):
+        assert outcomes[i].tokens == greedy_reference(reference, prompts[i], 10)[0], f"request {i}"
+
+
+# ---------------------------------------------------------------- Llama-family variants
+
+
+def _variant_config(kind: str, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.3,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    if kind == "qwen2":  # biases on q/k/v, not on o
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    if kind == "mistral":
+        return MistralConfig(**common, sliding_window=None, head_dim=32)
+    # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return LlamaConfig(
+        **common,
+        rope_parameters=rope,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3-rope-tied-biases"])
+def test_llama_family_variants_match_generate(
+    kind: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(_variant_config(kind, tokenizer)).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    runner = ModelRunner(str(tmp_path), max_num_batched_tokens=40, block_size=8)
+    assert runner.stats()["executor"] == "llama (paged)"
+    prompts = random_prompts(4, seed=26, low=20, high=120)
+    requests = [request(i, prompts[i], num_tokens_to_generate=25) for i in range(4)]
+    outcomes = run(runner, {0: requests})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for i in range(4):
+        expected, finish = greedy_reference(reference, prompts[i], 25)
+        assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"

@@ -1,0 +1,212 @@
+"""The GPU engine core: our Llama executor over the paged KV cache, scheduled in chunks.
+
+``PagedRunner`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the executor
+(``llama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one forward: the
+scheduler's decodes and prefill chunks are flattened into one batch (``paged_batch``), the
+executor writes their keys/values into the pool and returns the logits of the rows whose next
+token is due, and ``consume`` (the ``ModelRunner``) samples them.
+
+Sizing, logged at start and reported in ``stats()``: on CUDA the pool takes
+``gpu_memory_utilization`` of the device minus the weights and an activation estimate (or
+``kv_cache_bytes`` when given); on CPU ``kv_cache_bytes`` (1 GiB by default). It never takes
+more than ``max_num_seqs`` full contexts could use. A sequence's context is capped at what the
+pool holds, so a sequence alone always fits; the capacity (sequences running at once) is
+``max_num_seqs`` when given, else what the pool holds at ``TOKENS_PER_SEQUENCE`` tokens each
+(at most ``DEFAULT_MAX_NUM_SEQS``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpserve.engine.backend import Consume
+from dpserve.engine.cuda_graphs import DecodeGraphs
+from dpserve.engine.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    TOKENS_PER_SEQUENCE,
+)
+from dpserve.engine.kv_cache import (
+    RESERVED_BLOCKS,
+    KVCacheShape,
+    PagedKVCache,
+    cuda_kv_budget_bytes,
+    num_blocks_for_budget,
+)
+from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.paged_attention import decode_attention_backend
+from dpserve.engine.paged_batch import build_forward_batch
+from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.sequences import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int | None = None  # None: derived from the pool
+    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    cuda_graphs: bool = True
+
+
+class PagedRunner:
+    """Implements ``backend.Backend`` for Llama-family models."""
+
+    def __init__(self, model: Any, config: PagedConfig) -> None:
+        self.config = config
+        self.device: torch.device = model.device
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
+                self.device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
+            )
+        )
+        self._sequences: dict[int, Sequence] = {}
+        self.scheduler: Scheduler | None = None
+        self.prefill_tokens = 0
+        self._build(model)
+
+    # ------------------------------------------------------------------------ construction
+
+    def _build(self, model: Any) -> None:
+        with torch.inference_mode():
+            self.executor: LlamaExecutor | None = LlamaExecutor(model)
+            shape = self.executor.kv_cache_shape(self.config.block_size)
+            self.cache: PagedKVCache | None = PagedKVCache(
+                shape, self._pool_blocks(shape), self.device
+            )
+        self.context_size = min(self.executor.context_size, self.cache.token_capacity)
+        self.capacity = self.config.max_num_seqs or max(
+            1,
+            min(
+                DEFAULT_MAX_NUM_SEQS,
+                self.cache.token_capacity // min(self.context_size, TOKENS_PER_SEQUENCE),
+            ),
+        )
+        waiting = self.scheduler.waiting if self.scheduler is not None else []
+        self.scheduler = Scheduler(
+            self.cache.pool,
+            self.config.block_size,
+            max_num_seqs=self.capacity,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+        self.scheduler.waiting.extend(waiting)
+        self.graphs: DecodeGraphs | None = None
+        if self._use_graphs():
+            try:
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(
+                        self.executor,
+                        self.cache,
+                        self.capacity,
+                        shape.blocks_for(self.context_size),
+                    )
+            except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
+                log.error("CUDA graph capture failed, decoding eagerly: %s", exc)
+                torch.cuda.synchronize()
+
+    def _use_graphs(self) -> bool:
+        return (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and decode_attention_backend(self.device) == "triton"
+        )
+
+    def _pool_blocks(self, shape: KVCacheShape) -> int:
+        assert self.executor is not None
+        sequences = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        useful = RESERVED_BLOCKS + sequences * shape.blocks_for(self.executor.context_size)
+        budget = self.config.kv_cache_bytes
+        if budget is None and self.device.type == "cuda":
+            activations = self.executor.activation_bytes(self.max_num_batched_tokens, sequences)
+            budget = cuda_kv_budget_bytes(
+                self.device, self.config.gpu_memory_utilization, activations
+            )
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return min(num_blocks_for_budget(shape, budget), useful)
+
+    def describe(self) -> dict[str, Any]:
+        facts: dict[str, Any] = {"executor": "llama (paged)"}
+        if self.cache is not None:
+            facts.update(self.cache.describe())
+        facts.update(
+            {
+                "capacity": self.capacity,
+                "max_concurrent_sequences": self.capacity,
+                "context_size": self.context_size,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "decode_attention": decode_attention_backend(self.device),
+                "cuda_graphs": self.graphs.sizes if self.graphs is not None else [],
+            }
+        )
+        facts.pop("kv_free_blocks", None)
+        return facts
+
+    def stats(self) -> dict[str, Any]:
+        assert self.scheduler is not None
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "prefill_tokens": self.prefill_tokens,
+            "preemptions": self.scheduler.preemptions,
+            "kv_free_blocks": self.scheduler.pool.free_blocks,
+        }
+
+    # ---------------------------------------------------------------------------- requests
+
+    def add(self, sequence: Sequence) -> None:
+        assert self.scheduler is not None
+        self._sequences[sequence.request_id] = sequence
+        self.scheduler.add(sequence)
+
+    def cancel(self, request_id: int) -> bool:
+        sequence = self._sequences.pop(request_id, None)
+        return sequence is not None and self._forget(sequence)
+
+    def has_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_work()
+
+    def _forget(self, sequence: Sequence) -> bool:
+        if self._sequences.get(sequence.request_id) is sequence:
+            del self._sequences[sequence.request_id]
+        assert self.scheduler is not None
+        return self.scheduler.remove(sequence)
+
+    def release(self) -> None:
+        assert self.scheduler is not None
+        self.scheduler.preempt_all()
+        self.executor = self.cache = self.graphs = None
+
+    def reload(self, model: Any) -> None:
+        self._build(model)
+
+    # ---------------------------------------------------------------------------- stepping
+
+    def step(self, consume: Consume) -> None:
+        assert self.scheduler is not None and self.cache is not None
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        built = build_forward_batch(plan, self.cache.block_size, self.device)
+        logits = self._forward(built.batch)
+        self.scheduler.commit(plan)
+        self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
+        if built.sampled:
+            for row in consume(built.sampled, logits):
+                self._forget(built.sampled[row])  # type: ignore[arg-type]
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        assert self.executor is not None and self.cache is not None
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.executor.forward(batch, self.cache)

@@ -1,0 +1,183 @@
+"""Which tokens each step computes: running decodes first, then chunks of prefill.
+
+A sequence's *context* is its prompt plus the tokens generated so far; ``num_cached`` of them
+have their keys and values in the paged cache. A sequence with exactly one uncached token is
+*decoding* (that token is fed, the next one sampled); one with more is *prefilling*, and gets a
+chunk of its uncached tokens. Every step:
+
+1. every decoding sequence gets its token (oldest first), and a new block when its last one is
+   full. When the pool has no free block, the newest running sequences are **preempted**: their
+   blocks are freed and they go back to the front of the waiting queue with ``num_cached = 0``,
+   to be recomputed later with their generated tokens as context. Nothing ever fails for lack
+   of memory;
+2. sequences part-way through their prefill continue, then waiting sequences are admitted
+   (first come, first served), each with a chunk, until ``max_num_batched_tokens`` tokens are
+   scheduled or ``max_num_seqs`` sequences run. A sequence is admitted only when the blocks for
+   its whole context are free, and takes them at once, so a prefill never stalls half-way for
+   memory; no sequence is admitted in a step that had to preempt.
+
+Decodes are never held back by the token budget (a step with more running sequences than the
+budget still decodes all of them); prefill then waits for the next step. So inter-token latency
+stays one step, and a burst of long prompts is spread over steps of bounded size.
+
+The scheduler only moves block ids around; the runner builds the tensors (``paged_batch``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dpserve.engine.kv_cache import BlockPool
+
+
+class PagedSequence(Protocol):
+    """What the scheduler needs of a sequence (the runner's sequences provide it)."""
+
+    blocks: list[int]  # the block table: token t lives in blocks[t // block_size]
+    num_cached: int  # context tokens whose keys and values are in the cache
+
+    def context_length(self) -> int: ...
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    sequence: PagedSequence
+    start: int  # first context position of the chunk (tokens before it are cached)
+    length: int
+
+    @property
+    def completes_prefill(self) -> bool:
+        """True when the chunk ends the context: the step samples the next token."""
+        return self.start + self.length == self.sequence.context_length()
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[PagedSequence] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[PagedSequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(chunk.length for chunk in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[PagedSequence] = deque()
+        self.running: list[PagedSequence] = []  # in admission order: the newest last
+        self.preemptions = 0
+
+    def add(self, sequence: PagedSequence) -> None:
+        self.waiting.append(sequence)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, sequence: PagedSequence) -> bool:
+        """Forget a sequence (finished or cancelled) and free its blocks; False if unknown."""
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        elif sequence in self.running:
+            self.running.remove(sequence)
+        else:
+            return False
+        self._free_blocks(sequence)
+        return True
+
+    def preempt_all(self) -> None:
+        """Every running sequence back to the front of the queue (oldest first), blocks freed."""
+        while self.running:
+            self._preempt(self.running[-1])
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for sequence in list(self.running):
+            if sequence in plan.preempted:  # made room for an older one in this loop
+                continue
+            if sequence.context_length() - sequence.num_cached == 1 and self._reserve(
+                sequence, plan
+            ):
+                plan.decodes.append(sequence)
+        budget = self.max_num_batched_tokens - len(plan.decodes)
+        for sequence in self.running:
+            remaining = sequence.context_length() - sequence.num_cached
+            if remaining > 1 and budget > 0:
+                chunk = PrefillChunk(sequence, sequence.num_cached, min(remaining, budget))
+                plan.prefills.append(chunk)
+                budget -= chunk.length
+        while budget > 0 and self.waiting and not plan.preempted:
+            if len(self.running) >= self.max_num_seqs or not self._admit(self.waiting[0]):
+                break
+            sequence = self.waiting.popleft()
+            chunk = PrefillChunk(sequence, 0, min(sequence.context_length(), budget))
+            plan.prefills.append(chunk)
+            budget -= chunk.length
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step's forward ran: its tokens are in the cache now."""
+        for sequence in plan.decodes:
+            sequence.num_cached += 1
+        for chunk in plan.prefills:
+            chunk.sequence.num_cached = chunk.start + chunk.length
+
+    # ---------------------------------------------------------------------------- blocks
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _admit(self, sequence: PagedSequence) -> bool:
+        needed = self._blocks_for(sequence.context_length()) - len(sequence.blocks)
+        if needed > self.pool.free_blocks:
+            return False
+        sequence.blocks.extend(self.pool.allocate(needed))
+        self.running.append(sequence)
+        return True
+
+    def _reserve(self, sequence: PagedSequence, plan: StepPlan) -> bool:
+        """Room for the sequence's next token, preempting the newest sequences if the pool is
+        dry; False when the sequence itself had to go."""
+        needed = self._blocks_for(sequence.num_cached + 1) - len(sequence.blocks)
+        while needed > self.pool.free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is sequence:
+                return False
+        sequence.blocks.extend(self.pool.allocate(needed))
+        return True
+
+    def _preempt(self, sequence: PagedSequence) -> None:
+        if self.running[-1] is sequence:
+            self.running.pop()
+        else:
+            self.running.remove(sequence)
+        self._free_blocks(sequence)
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+
+    def _free_blocks(self, sequence: PagedSequence) -> None:
+        self.pool.free(sequence.blocks)
+        sequence.blocks = []
+        sequence.num_cached = 0

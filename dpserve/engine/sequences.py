@@ -1,0 +1,143 @@
+"""One request's state in a runner, and the rules that finish it.
+
+Finishing: ``num_tokens_to_generate`` (resume tokens included) or the context size ->
+"length"; EOS / ``termination_id`` -> "stop", and like OpenAI the stop token is **not**
+returned; a stop string -> "stop", with the returned tokens cut before the token in which the
+stop string starts (the coordinator detokenizes tokens, so text can only be cut at token
+boundaries). While the decoded tail could still become a stop string, those tokens are held
+back rather than streamed, so nothing ever has to be taken back. ``ignore_eos`` turns the stop
+tokens into ordinary tokens; before ``min_tokens`` tokens neither stop tokens nor stop strings
+end a request (a stop token is then returned like any other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.sampling import SamplingParams
+
+# Tokens before the first undecided one that are decoded with it when checking stop strings:
+# detokenizers need a little left context (leading spaces, multi-byte characters).
+_STOP_STRING_CONTEXT_TOKENS = 4
+
+Decode = Callable[[list[int]], str]
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request: EngineRequest
+    params: SamplingParams
+    max_generated: int  # num_tokens_to_generate clamped to the context size
+    stop_ids: frozenset[int]  # empty with ignore_eos
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # generated so far, resume tokens included
+    logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
+    emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
+    # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+
+    @property
+    def request_id(self) -> int:
+        return self.request.request_id
+
+    def context(self) -> list[int]:
+        """Everything the model must have seen before sampling the next token."""
+        return self.request.prompt_tokens + self.tokens
+
+    def context_length(self) -> int:
+        return len(self.request.prompt_tokens) + len(self.tokens)
+
+    def token_at(self, position: int) -> int:
+        prompt = self.request.prompt_tokens
+        return prompt[position] if position < len(prompt) else self.tokens[position - len(prompt)]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        prompt = self.request.prompt_tokens
+        if end <= len(prompt):
+            return prompt[start:end]
+        return self.context()[start:end]
+
+    def accept(self, token: int, logprob: float | None, decode: Decode) -> TokenUpdate | None:
+        """Apply the finishing rules to a sampled token; the update to report, if any (one
+        with a ``finish_reason`` when the sequence is done)."""
+        finish: str | None = None
+        early = len(self.tokens) < self.params.min_tokens
+        if token in self.stop_ids and not early:
+            finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
+            ready = len(self.tokens)
+        else:
+            self.tokens.append(token)
+            if logprob is not None and self.params.return_log_probs:
+                self.logprobs.append(logprob)
+            ready = len(self.tokens)
+            if self.params.stop_strings and len(self.tokens) > self.params.min_tokens:
+                ready, matched = self._scan_stop_strings(decode)
+                if matched:
+                    finish = "stop"
+                    del self.tokens[ready:]
+            if finish is None and len(self.tokens) >= self.max_generated:
+                finish = "length"
+                ready = len(self.tokens)
+        if ready > self.emitted or finish is not None:
+            return self.emit(ready, finish)
+        return None
+
+    def emit(self, ready: int, finish: str | None) -> TokenUpdate:
+        start = self.emitted
+        self.emitted = ready
+        logprobs = None
+        if self.params.return_log_probs:
+            # logprobs has no entries for resume tokens: shift indices by their count.
+            offset = len(self.request.resume_tokens)
+            logprobs = self.logprobs[start - offset : ready - offset]
+        return TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish)
+
+    def _scan_stop_strings(self, decode: Decode) -> tuple[int, bool]:
+        """How many tokens may be returned now, and whether a stop string appeared. Only the
+        tail after the returned tokens (plus a little context) is decoded."""
+        stops = self.params.stop_strings
+        tokens = self.tokens
+        anchor = max(0, self.emitted - _STOP_STRING_CONTEXT_TOKENS)
+        head = decode(tokens[anchor : self.emitted])
+        text = decode(tokens[anchor:])
+        base = _common_prefix_length(head, text)
+        # Start a little inside the returned text in case a stop string straddles it.
+        search_from = max(0, base - max(len(stop) for stop in stops) + 1)
+        match_at = min(
+            (i for i in (text.find(stop, search_from) for stop in stops) if i >= 0), default=-1
+        )
+        if match_at >= 0:
+            return self._tokens_within(anchor, match_at, decode), True
+        # Hold back a tail that is the beginning of a stop string: it may complete next step.
+        held = max(
+            (n for stop in stops for n in range(len(stop) - 1, 0, -1) if text.endswith(stop[:n])),
+            default=0,
+        )
+        if held == 0:
+            return len(tokens), False
+        return self._tokens_within(anchor, len(text) - held, decode), False
+
+    def _tokens_within(self, anchor: int, text_limit: int, decode: Decode) -> int:
+        """The most tokens (at least those already returned) whose decoded text from ``anchor``
+        fits in the first ``text_limit`` characters."""
+        ready = self.emitted
+        while ready < len(self.tokens):
+            text = decode(self.tokens[anchor : ready + 1]).rstrip("\ufffd")
+            if len(text) > text_limit:
+                break
+            ready += 1
+        return ready
+
+
+def _common_prefix_length(first: str, second: str) -> int:
+    length = 0
+    for a, b in zip(first, second, strict=False):
+        if a != b:
+            break
+        length += 1
+    return length

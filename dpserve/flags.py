@@ -1,0 +1,95 @@
+"""Command-line flags for every limit in ``dpserve.limits``, their defaults read from there.
+
+``--max-<name>`` for each ``RequestLimits`` field (``--max-body-bytes``, ...), and for each
+``HttpLimits`` field ``--request-timeout`` / ``--http-<name>`` (``--http-header-timeout``,
+...). docs/security.md lists them; ``tests/unit/test_flags.py`` checks that every field has
+its flag and help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Final
+
+from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+
+REQUEST_LIMIT_HELP: Final = {
+    "max_body_bytes": "largest HTTP request body; the coordinator's message limit follows it",
+    "max_prompt_chars": "characters of a prompt, or of all chat messages together",
+    "max_prompt_tokens": "prompt tokens (token ids at the HTTP edge, after tokenizing at the "
+    "coordinator)",
+    "max_new_tokens": "largest max_tokens a request may ask for",
+    "max_stop_strings": "stop strings per request",
+    "max_stop_string_chars": "characters of one stop string",
+    "max_json_depth": "nesting depth of an HTTP JSON body",
+}
+HTTP_LIMIT_HELP: Final = {
+    "request_timeout": "seconds one generation request may take before it is cancelled (504)",
+    "header_timeout": "seconds from a request's first byte to its last header (else 408, closed)",
+    "body_timeout": "seconds to receive a request body once its headers arrived (else 408)",
+    "keepalive_timeout": "seconds an idle keep-alive connection stays open",
+    "max_connections": "open HTTP connections; one more is answered 503 and closed",
+    "shutdown_timeout": "seconds in-flight requests get to finish when the front stops",
+    "linger_timeout": "seconds the rest of a refused (408/413) body is still read and dropped",
+}
+
+
+def request_limit_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def http_limit_flag(name: str) -> str:
+    return "--request-timeout" if name == "request_timeout" else "--http-" + name.replace("_", "-")
+
+
+def add_request_limits(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request limits (docs/security.md)")
+    for field in dataclasses.fields(RequestLimits):
+        _add(
+            group, request_limit_flag(field.name), field, DEFAULT_REQUEST_LIMITS, REQUEST_LIMIT_HELP
+        )
+
+
+def add_http_limits(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("HTTP timeouts and connections (docs/security.md)")
+    for field in dataclasses.fields(HttpLimits):
+        _add(group, http_limit_flag(field.name), field, DEFAULT_HTTP_LIMITS, HTTP_LIMIT_HELP)
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(**_values(args, RequestLimits, "limit_"))
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    return HttpLimits(**_values(args, HttpLimits, "http_"))
+
+
+def _add(
+    group: Any, flag: str, field: dataclasses.Field, defaults: Any, helps: dict[str, str]
+) -> None:
+    prefix = "http_" if isinstance(defaults, HttpLimits) else "limit_"
+    kind = float if isinstance(getattr(defaults, field.name), float) else int
+    group.add_argument(
+        flag,
+        dest=prefix + field.name,
+        type=_positive(kind),
+        default=getattr(defaults, field.name),
+        metavar="N" if kind is int else "SECONDS",
+        help=f"{helps[field.name]} (default: %(default)s)",
+    )
+
+
+def _values(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    return {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)}
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse

@@ -1,0 +1,262 @@
+"""The aiohttp application: routes, middlewares, and the thin handlers that tie parsing
+(``requests``), generation (``generate``) and metrics together."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from dpserve import security
+from dpserve.client import ClientError, InferenceClient
+from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.openai.body import parse_json_body
+from dpserve.openai.connections import ConnectionGuard
+from dpserve.openai.errors import (
+    HttpError,
+    InvalidRequest,
+    invalid_request_error,
+    outcome_for_status,
+)
+from dpserve.openai.generate import Generator, Outcome
+from dpserve.openai.health import LIVE_BODY, readiness
+from dpserve.openai.metrics import STATUS_TIMEOUT, FrontMetrics
+from dpserve.openai.requests import (
+    GenerationRequest,
+    check_message_size,
+    parse_chat_request,
+    parse_completion_request,
+)
+from dpserve.openai.responses import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    MODELS_ENDPOINT,
+    ChatFormat,
+    CompletionFormat,
+)
+from dpserve.tokenizer import BatchTokenizer
+
+log = logging.getLogger("dpserve.http")
+
+_ApiHandler = Callable[[web.Request, Outcome], Awaitable[web.StreamResponse]]
+
+
+class HttpFront:
+    """The handlers and their shared state; ``create_app`` wires them into an application."""
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: BatchTokenizer,
+        model_name: str,
+        limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+        http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.http_limits = http_limits
+        self.max_message_bytes = limits.max_message_bytes
+        self.metrics = FrontMetrics()
+        self.generator = Generator(
+            client, tokenizer, model_name, http_limits.request_timeout, self.metrics
+        )
+        self.created = int(time.time())
+
+    def counted(self, endpoint: str, handler: _ApiHandler) -> Callable[[web.Request], Awaitable]:
+        """Wrap an API handler so every request is counted once, by endpoint and outcome."""
+        requests = self.metrics.requests
+
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            outcome = Outcome()
+            try:
+                response = await handler(request, outcome)
+            except asyncio.CancelledError:  # the client went away (handler cancellation)
+                requests.labels(endpoint, "cancelled").inc()
+                raise
+            except Exception:
+                requests.labels(endpoint, "error").inc()
+                raise
+            requests.labels(endpoint, outcome.value or outcome_for_status(response.status)).inc()
+            return response
+
+        return wrapped
+
+    async def completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
+        try:
+            job = parse_completion_request(await self._read_json(request), self.limits)
+            check_message_size(job, self.max_message_bytes)
+        except InvalidRequest as exc:
+            return _refusal(exc)
+        return await self.generator.generate(request, CompletionFormat(), job, outcome)
+
+    async def chat_completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
+        try:
+            body = await self._read_json(request)
+            job: GenerationRequest = parse_chat_request(body, self.tokenizer, self.limits)
+            check_message_size(job, self.max_message_bytes)
+        except InvalidRequest as exc:
+            return _refusal(exc)
+        return await self.generator.generate(request, ChatFormat(), job, outcome)
+
+    async def models(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dpserve",
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return web.json_response(LIVE_BODY)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        status_code, body = readiness(await self.coordinator_status())
+        return web.json_response(body, status=status_code)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        body = self.metrics.render(await self.coordinator_status())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def coordinator_status(self) -> dict[str, Any] | None:
+        """The coordinator's status, or None when it does not answer within STATUS_TIMEOUT."""
+        try:
+            status = await asyncio.wait_for(self.client.get_status(), STATUS_TIMEOUT)
+        except (TimeoutError, ClientError, zmq.ZMQError):  # ZMQError: the client was stopped
+            return None
+        self._adopt_coordinator_limits(status.get("limits") or {})
+        return status
+
+    def _adopt_coordinator_limits(self, limits: dict[str, Any]) -> None:
+        """A coordinator configured tighter than this front would drop (message size) or
+        refuse (prompt tokens) what the front lets through: check against its values too."""
+        message_bytes = limits.get("message_bytes")
+        if isinstance(message_bytes, int) and message_bytes < self.max_message_bytes:
+            log.info("the coordinator's message limit is %d bytes: checking it", message_bytes)
+            self.max_message_bytes = message_bytes
+        prompt_tokens = limits.get("prompt_tokens")
+        if isinstance(prompt_tokens, int) and prompt_tokens < self.limits.max_prompt_tokens:
+            self.limits = dataclasses.replace(self.limits, max_prompt_tokens=prompt_tokens)
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        too_large = InvalidRequest(
+            f"the request body exceeds max_body_bytes={self.limits.max_body_bytes} "
+            "(flag --max-body-bytes)",
+            code="max_body_bytes",
+            status=413,
+        )
+        if (request.content_length or 0) > self.limits.max_body_bytes:
+            raise too_large  # refused before a byte of the body is read
+        try:
+            async with asyncio.timeout(self.http_limits.body_timeout):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the request body did not arrive within {self.http_limits.body_timeout:g} s "
+                "(flag --http-body-timeout)",
+                code="body_timeout",
+                status=408,
+            ) from None
+        return parse_json_body(raw, self.limits)
+
+
+def _refusal(exc: InvalidRequest) -> web.Response:
+    response = invalid_request_error(exc).response()
+    if exc.status in (408, 413):
+        # The body was not read to its end: the connection cannot carry another request.
+        response.force_close()
+    return response
+
+
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own errors (404, 405, ...) and unexpected exceptions as OpenAI-style JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return HttpError.of(exc.status, exc.reason, headers=_allow_header(exc)).response()
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return HttpError.of(500, "internal server error", code="internal_error").response()
+
+
+def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else None
+
+
+def _bearer_auth(tokens: tuple[bytes, ...]) -> Callable:
+    """Require one of ``tokens`` on the API (``/v1/...``); health and metrics stay open for
+    probes and scrapers."""
+
+    @web.middleware
+    async def require_token(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path == "/v1" or request.path.startswith("/v1/"):
+            authorization = request.headers.get("Authorization")
+            if not security.bearer_token_matches(authorization, tokens):
+                message = (
+                    "Incorrect API key provided."
+                    if authorization
+                    else "You didn't provide an API key: send `Authorization: Bearer <key>`."
+                )
+                return HttpError.of(
+                    401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+                ).response()
+        return await handler(request)
+
+    return require_token
+
+
+FRONT_KEY = web.AppKey("dpserve_http_front", HttpFront)
+
+
+def create_app(
+    client: InferenceClient,
+    tokenizer: BatchTokenizer,
+    model_name: str,
+    *,
+    api_keys: tuple[bytes, ...] | None = None,
+    limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+    http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+    guard: ConnectionGuard | None = None,
+) -> web.Application:
+    """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
+    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``;
+    ``guard`` is told when each request's handler starts and ends (``serve_http``)."""
+    front = HttpFront(client, tokenizer, model_name, limits, http_limits)
+    middlewares = [
+        *([guard.middleware] if guard is not None else []),
+        _json_errors,
+        *([_bearer_auth(api_keys)] if api_keys else []),
+    ]
+    app = web.Application(middlewares=middlewares, client_max_size=limits.max_body_bytes)
+    app[FRONT_KEY] = front
+    if guard is not None:
+        front.metrics.watch_connections(guard)
+    app.router.add_post(
+        COMPLETIONS_ENDPOINT, front.counted(COMPLETIONS_ENDPOINT, front.completions)
+    )
+    app.router.add_post(CHAT_ENDPOINT, front.counted(CHAT_ENDPOINT, front.chat_completions))
+    app.router.add_get(MODELS_ENDPOINT, front.counted(MODELS_ENDPOINT, front.models))
+    app.router.add_get("/health", front.live)
+    app.router.add_get("/livez", front.live)
+    app.router.add_get("/ready", front.ready)
+    app.router.add_get("/metrics", front.metrics_page)
+    return app

@@ -1,0 +1,258 @@
+"""Issue 9, items 5, 10 and 12 through HTTP against real processes: text that cannot be
+encoded, deep JSON, wrong types and unknown fields are 400s in OpenAI's error shape (never a
+500 or a stuck request); what benchmark clients send is honoured or refused by name; log-prob
+token strings concatenate to the returned text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dpserve.openai.logprobs import token_pieces
+from dpserve.openai.requests import parse_completion_request
+from dpserve.tokenizer import ByteTokenizer
+from tests.integration.http_support import (
+    Cluster,
+    error_of,
+    expected_text,
+    ready_is,
+    sse_payloads,
+    start_cluster,
+    start_front,
+    wait_for_idle,
+    wait_until,
+)
+from tests.integration.runtime import Processes
+
+pytestmark = pytest.mark.timeout(120)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    processes = Processes(tmp_path_factory.mktemp("http-requests"))
+    try:
+        yield start_cluster(processes, step_delay=0.001)
+    finally:
+        processes.cleanup()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
+        yield instance
+
+
+async def post_raw(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[int, Any]:
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as reply:
+        return reply.status, await reply.json()
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 3, **extra}
+
+
+# ------------------------------------------------------------ item 5: refused at the edge
+
+# json.dumps writes a lone surrogate as the escape "\ud800", which json.loads accepts.
+LONE_SURROGATE_BODIES = [
+    (COMPLETIONS, {"prompt": "ok \ud800", "max_tokens": 3}, "prompt"),
+    (COMPLETIONS, {"prompt": "ok", "max_tokens": 3, "stop": ["\udfff"]}, "stop"),
+    (CHAT, chat("hi \ud83d"), "messages"),
+    (COMPLETIONS, {"prompt": "ok", "max_tokens": 3, "user": "\ud800"}, "user"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), LONE_SURROGATE_BODIES)
+async def test_text_that_cannot_be_encoded_is_a_400_and_leaves_nothing_pending(
+    cluster: Cluster, session: aiohttp.ClientSession, endpoint: str, body: dict, param: str
+) -> None:
+    for stream in (False, True):
+        data = json.dumps({**body, "stream": stream}).encode()
+        status, payload = await post_raw(session, f"{cluster.base_url}{endpoint}", data)
+        error = error_of(payload)
+        assert (status, error["code"], error["param"]) == (400, "invalid_unicode", param)
+    scrape = await wait_for_idle(session, cluster.base_url, 5)
+    assert "dpserve_http_inflight_requests 0.0" in scrape
+    async with session.post(
+        f"{cluster.base_url}{COMPLETIONS}", json={"prompt": "after", "max_tokens": 4}
+    ) as reply:
+        assert (await reply.json())["choices"][0]["text"] == expected_text("after", 4)
+
+
+@pytest.mark.parametrize("opening", ["[", '{"a":'])
+async def test_deeply_nested_json_is_a_400(
+    cluster: Cluster, session: aiohttp.ClientSession, opening: str
+) -> None:
+    closing = "]" if opening == "[" else "}"
+    for depth in (65, 50_000):  # just over the default limit, and past Python's recursion limit
+        inner = opening * depth + "1" + closing * depth
+        data = ('{"prompt": "x", "metadata": ' + inner + "}").encode()
+        status, payload = await post_raw(session, f"{cluster.base_url}{COMPLETIONS}", data)
+        assert (status, error_of(payload)["code"]) == (400, "max_json_depth")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "code"),
+    [
+        (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature", None),
+        (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream", None),
+        (COMPLETIONS, {"prompt": {"text": "x"}}, "prompt", None),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens", None),
+        (COMPLETIONS, {"prompt": "x", "ignore_eos": 1}, "ignore_eos", None),
+        (COMPLETIONS, {"prompt": "x", "min_tokens": "3"}, "min_tokens", None),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", None),
+        (COMPLETIONS, {"prompt": "x", "user": 7}, "user", None),
+        (CHAT, {"messages": "hi"}, "messages", None),
+        (CHAT, chat("x", top_logprobs=2, logprobs=True), "top_logprobs", "unsupported_field"),
+        (COMPLETIONS, {"prompt": "x", "frobnicate": True}, "frobnicate", "unknown_field"),
+        (COMPLETIONS, {"prompt": "x", "guided_json": {}}, "guided_json", "unknown_field"),
+        (CHAT, chat("x", prompt="not here"), "prompt", "unknown_field"),
+        (COMPLETIONS, {"prompt": "x", "messages": []}, "messages", "unknown_field"),
+        (COMPLETIONS, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 3}, "logprobs", None),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options.x",
+            "unknown_field",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+            "messages[0].name",
+            "unsupported_field",
+        ),
+    ],
+)
+async def test_wrong_types_and_unknown_fields_are_400_naming_the_field(
+    cluster: Cluster,
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    body: dict,
+    param: str,
+    code: str | None,
+) -> None:
+    async with session.post(f"{cluster.base_url}{endpoint}", json=body) as reply:
+        status, error = reply.status, error_of(await reply.json())
+    assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param)
+    if code is not None:
+        assert error["code"] == code
+
+
+# ---------------------------------------------------- item 12: what benchmark clients send
+
+
+async def test_a_benchmark_clients_body_is_honoured(
+    cluster: Cluster, session: aiohttp.ClientSession
+) -> None:
+    """What vLLM's and similar benchmark clients send, every field known."""
+    prompt, max_tokens = "benchmark me", 12
+    body = {
+        "model": "whatever",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "ignore_eos": True,
+        "min_tokens": max_tokens,
+        "best_of": 1,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    async with session.post(f"{cluster.base_url}{COMPLETIONS}", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        payloads = await sse_payloads(reply)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == expected_text(prompt, max_tokens)
+    # continuous_usage_stats: every chunk carries the usage so far.
+    usages = [c["usage"] for c in chunks]
+    assert all(u["prompt_tokens"] == len(prompt) for u in usages), usages
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == max_tokens
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert chunks[-1]["choices"] == []  # include_usage's final chunk is still there
+
+
+def test_ignore_eos_and_min_tokens_reach_sampling_params() -> None:
+    body = {"prompt": "p", "max_tokens": 8, "ignore_eos": True, "min_tokens": 5}
+    params = parse_completion_request(body).params
+    assert (params.ignore_eos, params.min_tokens, params.num_tokens_to_generate) == (True, 5, 8)
+    assert not parse_completion_request({"prompt": "p"}).params.ignore_eos
+
+
+# -------------------------------------------------------------- item 10: logprob strings
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+async def test_logprob_tokens_concatenate_to_the_text(
+    cluster: Cluster, session: aiohttp.ClientSession, endpoint: str
+) -> None:
+    body = (
+        {"prompt": "log me", "max_tokens": 20, "logprobs": 0}
+        if endpoint == COMPLETIONS
+        else chat("log me", max_tokens=20, logprobs=True)
+    )
+    async with session.post(f"{cluster.base_url}{endpoint}", json=body) as reply:
+        assert reply.status == 200
+        result = await reply.json()
+    text, tokens = completion_text_and_tokens(result)
+    assert len(tokens) == 20 and "".join(tokens) == text
+
+
+def completion_text_and_tokens(result: dict[str, Any]) -> tuple[str, list[str]]:
+    [choice] = result["choices"]
+    if "text" in choice:
+        return choice["text"], choice["logprobs"]["tokens"]
+    entries = choice["logprobs"]["content"]
+    assert all(bytes(e["bytes"]) == e["token"].encode() for e in entries)
+    return choice["message"]["content"], [e["token"] for e in entries]
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 😀 and 🎉!", "a€b"])
+def test_token_pieces_of_multibyte_text_concatenate_to_it(text: str) -> None:
+    tokenizer = ByteTokenizer()  # one token per byte: every multi-byte character is split
+    tokens = list(text.encode())
+    pieces = token_pieces(tokenizer, tokens, text)
+    assert len(pieces) == len(tokens) and "".join(pieces) == text
+    assert "" in pieces or text.isascii()  # a token inside a character adds nothing yet
+    # A stop string cut the text inside the last token: the pieces follow the text.
+    assert "".join(token_pieces(tokenizer, tokens, text[:-1])) == text[:-1]
+
+
+@pytest.mark.slow
+async def test_logprob_tokens_of_a_real_tokenizer_concatenate_to_the_text(
+    processes: Processes, tiny_model_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """A real engine with a byte-level BPE tokenizer (random weights: it samples byte tokens
+    that split multi-byte characters) through ``coordinator --http-port``."""
+    model = str(tiny_model_path)
+    _, zmq_port, base_url = start_front(processes, "--tokenizer", model)
+    processes.spawn(
+        "engine-0", "engine", "--coordinator", str(zmq_port), "--rank", "0", "--model", model
+    )
+    wait_until(ready_is(base_url, 200, engines=1), 120, "the tiny model's engine")
+    non_ascii = 0
+    for seed in range(6):
+        for endpoint in (COMPLETIONS, CHAT):
+            body: dict[str, Any] = {"max_tokens": 48, "temperature": 1.0, "seed": seed}
+            if endpoint == COMPLETIONS:
+                body.update(prompt="The quick brown fox", logprobs=0)
+            else:
+                body.update(chat("The quick brown fox", logprobs=True))
+                body["max_tokens"] = 48
+            async with session.post(f"{base_url}{endpoint}", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+                text, tokens = completion_text_and_tokens(await reply.json())
+            assert "".join(tokens) == text
+            non_ascii += not text.isascii()
+    assert non_ascii, "no sample held a non-ASCII character: the check proved nothing"
