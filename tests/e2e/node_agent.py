@@ -54,7 +54,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -201,6 +201,8 @@ class ContainerRunner:
     # $(VAR) in exec handlers may refer to).
     env: dict[str, str] = field(default_factory=dict)
     declared_env: dict[str, str] = field(default_factory=dict)
+    # Container paths (volume mounts) and Service names → local ones, for exec handlers.
+    rewrite: Callable[[str], str] = str
     restart_count: int = 0
     started_at: str | None = None
     started_monotonic: float = 0.0
@@ -420,7 +422,7 @@ class PodWorker(threading.Thread):
 
     def _start_container(self, pod: JSON, runner: ContainerRunner, now: float) -> None:
         try:
-            argv, env, declared = self.agent.build_process_config(pod, runner.spec)
+            argv, env, declared, rewrite = self.agent.build_process_config(pod, runner.spec)
         except ContainerConfigError as exc:
             runner.waiting_reason = "CreateContainerConfigError"
             runner.waiting_message = str(exc)
@@ -448,6 +450,7 @@ class PodWorker(threading.Thread):
             runner.next_start = now + max(BACKOFF_BASE_SECONDS, runner.backoff_seconds)
             return
         runner.argv, runner.env, runner.declared_env = argv, env, declared
+        runner.rewrite = rewrite
         runner.started_at = utc_now()
         runner.started_monotonic = now
         runner.waiting_reason, runner.waiting_message = "", ""
@@ -866,8 +869,9 @@ class NodeAgent:
 
     def build_process_config(
         self, pod: JSON, container: JSON
-    ) -> tuple[list[str], dict[str, str], dict[str, str]]:
-        """argv, full environment and Pod-declared environment of a container, made local."""
+    ) -> tuple[list[str], dict[str, str], dict[str, str], Callable[[str], str]]:
+        """argv, full environment and Pod-declared environment of a container, made local,
+        and the function that made paths and Service names local (exec probes use it too)."""
         command = list(container.get("command") or [])
         if not command:
             raise ContainerConfigError(
@@ -877,7 +881,7 @@ class NodeAgent:
         declared = self._container_env(pod, container)
         argv = [expand_vars(arg, declared) for arg in [*command, *(container.get("args") or [])]]
         services = self._service_rewriter(pod["metadata"]["namespace"])
-        mounts = self._secret_mounts(pod, container)
+        mounts = {**self._secret_mounts(pod, container), **self._empty_dir_mounts(pod, container)}
 
         def rewrite(text: str) -> str:
             for mount_path, local in mounts.items():
@@ -895,7 +899,20 @@ class NodeAgent:
         env["HOSTNAME"] = str(pod["spec"].get("hostname") or pod["metadata"]["name"])
         declared = {name: rewrite(value) for name, value in declared.items()}
         env.update(declared)
-        return argv, env, declared
+        return argv, env, declared, rewrite
+
+    def _empty_dir_mounts(self, pod: JSON, container: JSON) -> dict[str, Path]:
+        """A local directory per ``emptyDir`` volume, kept across container restarts."""
+        meta = pod["metadata"]
+        volumes = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
+        base = self.work_dir / "volumes" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            if mount["name"] in volumes:
+                local = base / "emptydir" / mount["name"]
+                local.mkdir(mode=0o700, parents=True, exist_ok=True)
+                mounts[mount["mountPath"].rstrip("/")] = local
+        return mounts
 
     def _secret_mounts(self, pod: JSON, container: JSON) -> dict[str, Path]:
         """Write the container's ``secret`` volumes to local directories: mountPath → dir."""
@@ -1044,7 +1061,7 @@ class NodeAgent:
     def _run_exec(self, command: list[str], runner: ContainerRunner, timeout: float) -> bool:
         if not command:
             return False
-        argv = [expand_vars(part, runner.declared_env) for part in command]
+        argv = [runner.rewrite(expand_vars(part, runner.declared_env)) for part in command]
         with runner.log_path.open("ab") as log:
             process = subprocess.Popen(
                 [*parent_death_prefix(), *argv],
