@@ -83,7 +83,8 @@ ensure_packages() {
 start_daemon() {  # <name> <argv...>
   local name="$1"
   shift
-  setsid "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null &
+  # 7>&-: the lock of this script must not outlive it in the daemons.
+  setsid "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null 7>&- &
   echo $! >"$STATE/pids/$name"
 }
 
@@ -201,8 +202,18 @@ teardown_network() {
   iptables -D FORWARD -j DPSERVE-ISOLATE 2>/dev/null || true
   iptables -F DPSERVE-ISOLATE 2>/dev/null || true
   iptables -X DPSERVE-ISOLATE 2>/dev/null || true
-  # kube-proxy's own rules: it removes them itself with --cleanup.
-  [[ -x "$NODE_BIN/kube-proxy" ]] && "$NODE_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
+  # kube-proxy's and the kubelet's chains (KUBE-*): the jumps to them, then the chains.
+  local table chain rule
+  for table in filter nat mangle; do
+    iptables -t "$table" -S | grep -E '^-A [A-Z]+ .*-j KUBE-' | grep -vE '^-A KUBE-' | sed 's/^-A/-D/' \
+      | while read -r rule; do eval iptables -t "$table" "$rule" || true; done
+    for chain in $(iptables -t "$table" -S | awk '/^-N KUBE-/ {print $2}'); do
+      iptables -t "$table" -F "$chain"
+    done
+    for chain in $(iptables -t "$table" -S | awk '/^-N KUBE-/ {print $2}'); do
+      iptables -t "$table" -X "$chain" || true
+    done
+  done
   ip link del "$BRIDGE" 2>/dev/null || true
   sed -i "/ $NODE_NAME\$/d" /etc/hosts
 }
@@ -378,6 +389,8 @@ down() {
   grep -o " $STATE/[^ ]*" /proc/mounts | sort -r | while read -r mount; do umount -l "$mount" || true; done
   teardown_network
   rm -rf "$STATE"
+  [[ "$(cat "$ACTIVE" 2>/dev/null)" == "$STATE" ]] && rm -f "$ACTIVE"
+  return 0
 }
 
 up() {
@@ -386,8 +399,14 @@ up() {
   CP_BIN="$(bash "$ROOT/scripts/build-control-plane.sh" | tail -n1)"
   NODE_BIN="$(bash "$ROOT/scripts/build-node.sh" | tail -n1)"
   ARCHIVES="$(bash "$ROOT/scripts/build-images.sh" "$PYTHON" | tail -n1)"
-  if [[ -d "$STATE/pids" ]]; then down; fi
+  # One node per machine (its IP, bridge and ports): bring down the one that runs, if any.
+  if [[ -f "$ACTIVE" ]]; then
+    local active
+    active="$(<"$ACTIVE")"
+    [[ -d "$active/pids" ]] && STATE="$active" down
+  fi
   mkdir -p "$STATE/logs" "$STATE/pids"
+  echo "$STATE" >"$ACTIVE"
   make_credentials
   setup_network
   start_containerd
@@ -399,6 +418,7 @@ up() {
 }
 
 NODE_BIN="$CACHE/k8s/node-bin"
+ACTIVE=/run/dpserve-node.active
 case "${1:-}" in
   up) exec 7>/run/dpserve-node.lock; flock -n 7 || die "another local-cluster.sh is running"; up ;;
   down) exec 7>/run/dpserve-node.lock; flock 7; down ;;

@@ -19,6 +19,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+import pytest
+
 from tests.e2e.cluster import Kubectl, kill_process_group, parent_death_prefix, tail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +30,14 @@ POD_CIDR_PREFIX = "10.244.0."
 # Cold: control plane + node + images built from nothing; warm: a few seconds.
 UP_TIMEOUT = 50 * 60
 SESSION_LOCK = Path("/run/dpserve-node.session.lock")
+
+
+cluster_opt_in = pytest.mark.skipif(
+    not os.environ.get("DPSERVE_E2E_CLUSTER"),
+    reason="the one-node cluster e2e is opt-in: set DPSERVE_E2E_CLUSTER=1 (needs root)",
+)
+# Durations the issue asks to see (conftest prints them in the terminal summary).
+TIMINGS: dict[str, float] = {}
 
 
 class LocalNodeError(RuntimeError):
