@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import credentials
+from .limits import limit_args
 from .spec import CACHE_DIR, SCRATCH_DIR, DeploymentSpec, thaw
 
 NAME_LABEL = "app.kubernetes.io/name"
@@ -105,6 +106,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         "--data-parallel-size", "0",
         "--tokenizer", spec.model,
         "--routing", spec.coordinator.routing,
+        *limit_args(spec.coordinator.limits),
     ]  # fmt: skip
 
 
