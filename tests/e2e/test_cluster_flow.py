@@ -85,7 +85,10 @@ class Flow:
         return time.monotonic() - started
 
     def helm(self) -> helm_python.Config:
-        return helm_python.Config(kubeconfig_path=str(self.kubectl.kubeconfig))
+        # helm --namespace dpserve-system: where the release and its history live.
+        return helm_python.Config(
+            kubeconfig_path=str(self.kubectl.kubeconfig), namespace=OPERATOR_NS
+        )
 
     def diagnostics(self) -> str:
         pods = self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
