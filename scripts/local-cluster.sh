@@ -386,9 +386,13 @@ down() {
     stop_daemon "$name"
   done
   # Pod volumes (secrets are tmpfs mounts) and pod network namespaces.
-  grep -o " $STATE/[^ ]*" /proc/mounts | sort -r | while read -r mount; do umount -l "$mount" || true; done
+  { grep -o " $STATE/[^ ]*" /proc/mounts || true; } | sort -r | while read -r mount; do
+    umount -l "$mount" || true
+  done
+  # Pod network namespaces (containerd's CNI names them cni-*; removed here with the pods).
+  ip netns list | awk '/^cni-/ {print $1}' | while read -r netns; do ip netns del "$netns" || true; done
   teardown_network
-  rm -rf "$STATE"
+  rm -rf "$STATE" || log "could not remove all of $STATE"
   [[ "$(cat "$ACTIVE" 2>/dev/null)" == "$STATE" ]] && rm -f "$ACTIVE"
   return 0
 }
