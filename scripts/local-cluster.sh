@@ -205,8 +205,8 @@ teardown_network() {
   # kube-proxy's and the kubelet's chains (KUBE-*): the jumps to them, then the chains.
   local table chain rule
   for table in filter nat mangle; do
-    iptables -t "$table" -S | grep -E '^-A [A-Z]+ .*-j KUBE-' | grep -vE '^-A KUBE-' | sed 's/^-A/-D/' \
-      | while read -r rule; do eval iptables -t "$table" "$rule" || true; done
+    { iptables -t "$table" -S | grep -E '^-A [A-Z]+ .*-j KUBE-' | grep -vE '^-A KUBE-' || true; } \
+      | sed 's/^-A/-D/' | while read -r rule; do eval iptables -t "$table" "$rule" || true; done
     for chain in $(iptables -t "$table" -S | awk '/^-N KUBE-/ {print $2}'); do
       iptables -t "$table" -F "$chain"
     done

@@ -88,14 +88,21 @@ class LocalNode:
         if os.environ.get("DPSERVE_E2E_KEEP"):
             return
         try:
-            subprocess.run(
+            result = subprocess.run(
                 ["bash", str(SCRIPT), "down"],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
+                text=True,
                 timeout=180,
                 check=False,
             )
+            # Whatever it left (bridge, iptables chains, mounts) would break the next node.
+            if result.returncode != 0:
+                raise LocalNodeError(
+                    f"scripts/local-cluster.sh down failed ({result.returncode}):\n"
+                    f"{result.stderr[-4000:]}"
+                )
         finally:
             if self._lock is not None:
                 self._lock.close()
