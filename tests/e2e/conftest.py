@@ -74,9 +74,10 @@ def control_plane() -> Iterator[ControlPlane]:
         yield plane
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
-    """The one-node cluster of scripts/local-cluster.sh (pods are containers)."""
+    """The one-node cluster of scripts/local-cluster.sh (pods are containers); package scope,
+    so that it is down before the integration tests run."""
     state = tmp_path_factory.mktemp("dpserve-node")
     try:
         node = LocalNode(state, sys.executable).__enter__()
@@ -89,7 +90,7 @@ def local_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
         node.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def node_kubectl(local_node: LocalNode) -> Kubectl:
     binary = find_kubectl()
     if binary is None:
