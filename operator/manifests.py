@@ -209,6 +209,15 @@ def _volume_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
     return mounts
 
 
+def cpu_threads_env(container: str) -> dict[str, Any]:
+    """torch's (OpenMP's) thread count from the container's CPU limit, rounded up; without a
+    limit the downward API gives the node's allocatable CPUs, torch's own default. Engines
+    sharing a node would otherwise each start one thread per node core and oversubscribe it.
+    spec.engine.env may set OMP_NUM_THREADS itself."""
+    limit = {"containerName": container, "resource": "limits.cpu", "divisor": "1"}
+    return {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": limit}}
+
+
 def _merge_env(operator_env: list[dict[str, Any]], user_env: list[dict[str, Any]]) -> list[dict]:
     """The operator's variables, minus those the user redefines, then the user's."""
     user_names = {variable["name"] for variable in user_env}
@@ -361,7 +370,7 @@ def engine_statefulset(
 ) -> dict[str, Any]:
     # `--rank auto` reads the pod ordinal from POD_NAME (`<name>-engine-<ordinal>`).
     pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    env = _merge_env([pod_name, *_cache_env()], thaw(spec.engine.env))
+    env = _merge_env([pod_name, cpu_threads_env(ENGINE), *_cache_env()], thaw(spec.engine.env))
     container: dict[str, Any] = {
         "name": ENGINE,
         "image": spec.image,

@@ -180,6 +180,16 @@ def test_pods_run_non_root_with_a_read_only_root_and_no_privilege_escalation(
         assert write.returncode != 0 and "Read-only file system" in write.stderr, (pod, write)
 
 
+def test_engines_use_as_many_torch_threads_as_their_cpu_limit(flow: Flow) -> None:
+    example = yaml.safe_load(EXAMPLE.read_text())
+    limit = str(example["spec"]["engine"]["resources"]["limits"]["cpu"])
+    threads = flow.kubectl(
+        "exec", f"{NAME}-engine-0", "-n", NAMESPACE, "--",
+        "python", "-c", "import torch; print(torch.get_num_threads())",
+    ).stdout.strip()  # fmt: skip
+    assert threads == limit, (threads, limit)
+
+
 def pod_names(kubectl: Kubectl, namespace: str) -> list[str]:
     pods = kubectl.json("get", "pods", "-n", namespace)["items"]
     return [p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")]

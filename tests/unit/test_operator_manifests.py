@@ -205,6 +205,13 @@ def test_engine_statefulset() -> None:
     assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
         engine["env"]
     )
+    # torch's threads follow the CPU limit (issue 9, item 11), through the downward API.
+    (threads,) = [v for v in engine["env"] if v["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"] == {
+        "containerName": "engine",
+        "resource": "limits.cpu",
+        "divisor": "1",
+    }
     assert spec["template"]["spec"]["terminationGracePeriodSeconds"] == 120
     # Ready while registered: the file `--ready-file` keeps, on the /tmp emptyDir.
     assert engine["readinessProbe"]["exec"] == {
