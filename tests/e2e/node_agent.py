@@ -43,6 +43,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -62,6 +63,7 @@ from typing import IO, Any
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils.quantity import parse_quantity
 
 from tests.e2e.cluster import DEFAULT_NODE_NAME, LOOPBACK, kill_process_group, parent_death_prefix
 
@@ -881,11 +883,16 @@ class NodeAgent:
         declared = self._container_env(pod, container)
         argv = [expand_vars(arg, declared) for arg in [*command, *(container.get("args") or [])]]
         services = self._service_rewriter(pod["metadata"]["namespace"])
-        mounts = {**self._secret_mounts(pod, container), **self._empty_dir_mounts(pod, container)}
+        mounts = self._secret_mounts(pod, container)
+        scratch = self._empty_dir_mounts(pod, container)
 
         def rewrite(text: str) -> str:
-            for mount_path, local in mounts.items():
+            for mount_path, local in [*mounts.items(), *scratch.items()]:
                 if text == mount_path or text.startswith(mount_path + "/"):
+                    # A path that exists here under an emptyDir's mount path (/tmp) is the
+                    # test's own file (the tiny model), not the pod's scratch space.
+                    if mount_path in scratch and os.path.exists(text):
+                        continue
                     text = str(local) + text[len(mount_path) :]
                     break
             return services(text)
@@ -973,6 +980,8 @@ class NodeAgent:
         namespace = pod["metadata"]["namespace"]
         if "fieldRef" in source:
             return self._field_ref(pod, source["fieldRef"]["fieldPath"])
+        if "resourceFieldRef" in source:
+            return self._resource_field_ref(pod, source["resourceFieldRef"])
         for kind in ("secretKeyRef", "configMapKeyRef"):
             if kind in source:
                 ref = source[kind]
@@ -992,6 +1001,17 @@ class NodeAgent:
                     )
                 return data[ref["key"]]
         raise ContainerConfigError(f"env {name}: unsupported valueFrom {sorted(source)}")
+
+    @staticmethod
+    def _resource_field_ref(pod: JSON, ref: JSON) -> str:
+        """``limits.cpu`` in whole CPUs, rounded up (the node's CPUs without a limit)."""
+        if ref.get("resource") != "limits.cpu" or str(ref.get("divisor", "1")) != "1":
+            raise ContainerConfigError(f"unsupported resourceFieldRef {ref}")
+        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == ref["containerName"]]
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
+        if limit is None:
+            return str(os.cpu_count() or 1)
+        return str(math.ceil(parse_quantity(str(limit))))
 
     @staticmethod
     def _field_ref(pod: JSON, path: str) -> str:
