@@ -10,12 +10,14 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.dpserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test setup control-plane lint bench clean
+.PHONY: serve test setup control-plane node cluster cluster-down lint bench clean
 
 serve: setup
 	$(BIN)/dpserve serve
 
-test: setup control-plane
+# With DPSERVE_E2E_CLUSTER=1 the one-node cluster's binaries and images are built first (cached),
+# and tests/e2e/test_cluster*.py run on it.
+test: setup control-plane $(if $(DPSERVE_E2E_CLUSTER),node)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
@@ -35,6 +37,19 @@ $(STAMP): pyproject.toml
 # Debian's source package and cached under ~/.cache/dpserve/k8s.
 control-plane:
 	bash scripts/build-control-plane.sh
+
+# kubelet, kube-proxy, pause (same Debian source tree) and the images from images/, cached under
+# ~/.cache/dpserve by the hash of their inputs.
+node: setup control-plane
+	bash scripts/build-node.sh
+	bash scripts/build-images.sh $(BIN)/python
+
+# A one-node Kubernetes cluster on this machine (root): pods are containers on containerd.
+cluster: node
+	PYTHON=$(BIN)/python bash scripts/local-cluster.sh up
+
+cluster-down:
+	bash scripts/local-cluster.sh down
 
 lint: setup
 	$(BIN)/ruff check .

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dpserve import flags, security
 from dpserve.coordinator.config import CoordinatorConfig, flag_fields
@@ -230,6 +231,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         runner,
         stream_interval=args.stream_interval,
         coordinator_timeout=args.coordinator_timeout,
+        ready_file=args.ready_file,
     )
     server.install_signal_handlers()
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
@@ -529,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="seconds a heartbeat may go unanswered before registering again (default: 5)",
+    )
+    engine.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="a file that exists exactly while the engine is registered (readiness probes)",
     )
     _add_credentials(engine)
     engine.set_defaults(func=cmd_engine)

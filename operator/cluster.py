@@ -231,26 +231,26 @@ class Cluster:
     def coordinator_health(
         self, namespace: str, service: str, port_name: str
     ) -> tuple[dict[str, Any] | None, str | None]:
-        """The coordinator's ``/health`` JSON via the API server's service proxy.
+        """The coordinator's ``/ready`` JSON via the API server's service proxy.
 
         Returns (body, None), also for a 503 (the coordinator answers 503 + JSON while no
-        engine is registered), or (None, why) when the coordinator could not be asked.
+        engine is registered and accepting), or (None, why) when it could not be asked.
         """
         rbac.require("", "services/proxy", "get")
-        path = resource_path("v1", "services", namespace, f"{service}:{port_name}", "proxy/health")
+        path = resource_path("v1", "services", namespace, f"{service}:{port_name}", "proxy/ready")
         try:
             status, payload = self.request(
                 "GET", path, timeout=HEALTH_TIMEOUT, ok_statuses=(503,)
             )
         except ApiError as error:
-            return None, f"GET /health via the service proxy failed: {error}"
+            return None, f"GET /ready via the service proxy failed: {error}"
         # A 503 from the API server itself ("no endpoints available") is a Status object.
         if isinstance(payload, Mapping) and payload.get("kind") != "Status" and (
             "engines" in payload
         ):
             return dict(payload), None
         detail = payload.get("message") if isinstance(payload, Mapping) else payload
-        return None, f"/health answered {status}: {str(detail)[:200]}"
+        return None, f"/ready answered {status}: {str(detail)[:200]}"
 
     # ------------------------------------------------------------------ discovery
 

@@ -8,7 +8,7 @@
   (what ``kubectl scale infd/NAME`` does through the CRD's scale subresource);
 - every 2 s, every 0.5 s while converging (not Ready, or registeredEngines != desired) →
   ``refresh_status``: status from the StatefulSet, the coordinator Deployment and the
-  coordinator's ``/health`` (through the API server's service proxy), plus a GET of the
+  coordinator's ``/ready`` (through the API server's service proxy), plus a GET of the
   ``<name>-credentials`` Secret: when it is gone, a reconcile generates new keys (rotation,
   see ``credentials``). It writes only when something changed, so idle deployments cost
   four GETs and no writes;

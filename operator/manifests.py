@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import credentials
+from .limits import limit_args
 from .spec import CACHE_DIR, SCRATCH_DIR, DeploymentSpec, thaw
 
 NAME_LABEL = "app.kubernetes.io/name"
@@ -44,6 +45,10 @@ ZMQ_PORT_NAME = "zmq"
 HTTP_PORT_NAME = "http"
 
 PDB_API_VERSIONS = ("policy/v1", "policy/v1beta1")
+
+# `dpserve engine --ready-file`: exists exactly while the engine is registered with the
+# coordinator; the engines' exec readiness probe tests it. On the /tmp emptyDir.
+ENGINE_READY_FILE = f"{SCRATCH_DIR}/dpserve-engine-ready"
 
 
 # --------------------------------------------------------------------------- names & labels
@@ -101,6 +106,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         "--data-parallel-size", "0",
         "--tokenizer", spec.model,
         "--routing", spec.coordinator.routing,
+        *limit_args(spec.coordinator.limits),
     ]  # fmt: skip
 
 
@@ -114,6 +120,7 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         "--max-batch-size", str(spec.engine.max_batch_size),
         "--dtype", spec.engine.dtype,
         "--device", spec.engine.device,
+        "--ready-file", ENGINE_READY_FILE,
     ]  # fmt: skip
 
 
@@ -202,6 +209,15 @@ def _volume_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
     return mounts
 
 
+def cpu_threads_env(container: str) -> dict[str, Any]:
+    """torch's (OpenMP's) thread count from the container's CPU limit, rounded up; without a
+    limit the downward API gives the node's allocatable CPUs, torch's own default. Engines
+    sharing a node would otherwise each start one thread per node core and oversubscribe it.
+    spec.engine.env may set OMP_NUM_THREADS itself."""
+    limit = {"containerName": container, "resource": "limits.cpu", "divisor": "1"}
+    return {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": limit}}
+
+
 def _merge_env(operator_env: list[dict[str, Any]], user_env: list[dict[str, Any]]) -> list[dict]:
     """The operator's variables, minus those the user redefines, then the user's."""
     user_names = {variable["name"] for variable in user_env}
@@ -271,21 +287,24 @@ def coordinator_deployment(
         # Loading the tokenizer (maybe from a hub) precedes serving: give it up to 5 minutes
         # before the liveness probe may restart the container.
         "startupProbe": {
-            "httpGet": {"path": "/livez", "port": HTTP_PORT_NAME},
+            "httpGet": {"path": "/health", "port": HTTP_PORT_NAME},
             "periodSeconds": 5,
             "timeoutSeconds": 3,
             "failureThreshold": 60,
         },
+        # /health: the HTTP front serves (liveness only, never the engines' state).
         "livenessProbe": {
-            "httpGet": {"path": "/livez", "port": HTTP_PORT_NAME},
+            "httpGet": {"path": "/health", "port": HTTP_PORT_NAME},
             "periodSeconds": 10,
             "timeoutSeconds": 3,
             "failureThreshold": 3,
         },
-        # /health answers 503 until an engine registered: the Service keeps the pod's address
-        # anyway (publishNotReadyAddresses), readiness only tells clients it can serve.
+        # /ready answers 503 unless an engine is registered and accepting (not paused,
+        # suspended, stopped or all draining): the Service keeps the pod's address anyway
+        # (publishNotReadyAddresses, engines register through it), readiness only tells
+        # clients it can serve.
         "readinessProbe": {
-            "httpGet": {"path": "/health", "port": HTTP_PORT_NAME},
+            "httpGet": {"path": "/ready", "port": HTTP_PORT_NAME},
             "periodSeconds": 2,
             "timeoutSeconds": 2,
             "failureThreshold": 2,
@@ -351,7 +370,7 @@ def engine_statefulset(
 ) -> dict[str, Any]:
     # `--rank auto` reads the pod ordinal from POD_NAME (`<name>-engine-<ordinal>`).
     pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    env = _merge_env([pod_name, *_cache_env()], thaw(spec.engine.env))
+    env = _merge_env([pod_name, cpu_threads_env(ENGINE), *_cache_env()], thaw(spec.engine.env))
     container: dict[str, Any] = {
         "name": ENGINE,
         "image": spec.image,
@@ -360,11 +379,16 @@ def engine_statefulset(
         "resources": spec.engine.resources.to_manifest(),
         "volumeMounts": _volume_mounts(spec),
         "securityContext": container_security_context(),
-        # No probes and no preStop hook, deliberately. Engines listen on no port, so there is
-        # nothing to probe but the process, which the kubelet watches anyway; whether an
-        # engine serves shows in the coordinator's registered-engine count (status).
-        # SIGTERM itself starts the drain (stop taking work, finish, deregister, exit 0), and
-        # a preStop hook would only postpone SIGTERM while still eating the grace period.
+        # Ready exactly while registered with the coordinator (`--ready-file`). No liveness
+        # probe: engines listen on no port, and the kubelet watches the process anyway. No
+        # preStop hook: SIGTERM itself starts the drain (stop taking work, finish,
+        # deregister, exit 0); a hook would only postpone it while eating the grace period.
+        "readinessProbe": {
+            "exec": {"command": ["test", "-f", ENGINE_READY_FILE]},
+            "periodSeconds": 1,
+            "timeoutSeconds": 2,
+            "failureThreshold": 1,
+        },
     }
     return {
         "apiVersion": "apps/v1",

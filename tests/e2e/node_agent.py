@@ -43,6 +43,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -54,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -62,6 +63,7 @@ from typing import IO, Any
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils.quantity import parse_quantity
 
 from tests.e2e.cluster import DEFAULT_NODE_NAME, LOOPBACK, kill_process_group, parent_death_prefix
 
@@ -201,6 +203,8 @@ class ContainerRunner:
     # $(VAR) in exec handlers may refer to).
     env: dict[str, str] = field(default_factory=dict)
     declared_env: dict[str, str] = field(default_factory=dict)
+    # Container paths (volume mounts) and Service names → local ones, for exec handlers.
+    rewrite: Callable[[str], str] = str
     restart_count: int = 0
     started_at: str | None = None
     started_monotonic: float = 0.0
@@ -420,7 +424,7 @@ class PodWorker(threading.Thread):
 
     def _start_container(self, pod: JSON, runner: ContainerRunner, now: float) -> None:
         try:
-            argv, env, declared = self.agent.build_process_config(pod, runner.spec)
+            argv, env, declared, rewrite = self.agent.build_process_config(pod, runner.spec)
         except ContainerConfigError as exc:
             runner.waiting_reason = "CreateContainerConfigError"
             runner.waiting_message = str(exc)
@@ -448,6 +452,7 @@ class PodWorker(threading.Thread):
             runner.next_start = now + max(BACKOFF_BASE_SECONDS, runner.backoff_seconds)
             return
         runner.argv, runner.env, runner.declared_env = argv, env, declared
+        runner.rewrite = rewrite
         runner.started_at = utc_now()
         runner.started_monotonic = now
         runner.waiting_reason, runner.waiting_message = "", ""
@@ -866,8 +871,9 @@ class NodeAgent:
 
     def build_process_config(
         self, pod: JSON, container: JSON
-    ) -> tuple[list[str], dict[str, str], dict[str, str]]:
-        """argv, full environment and Pod-declared environment of a container, made local."""
+    ) -> tuple[list[str], dict[str, str], dict[str, str], Callable[[str], str]]:
+        """argv, full environment and Pod-declared environment of a container, made local,
+        and the function that made paths and Service names local (exec probes use it too)."""
         command = list(container.get("command") or [])
         if not command:
             raise ContainerConfigError(
@@ -878,10 +884,15 @@ class NodeAgent:
         argv = [expand_vars(arg, declared) for arg in [*command, *(container.get("args") or [])]]
         services = self._service_rewriter(pod["metadata"]["namespace"])
         mounts = self._secret_mounts(pod, container)
+        scratch = self._empty_dir_mounts(pod, container)
 
         def rewrite(text: str) -> str:
-            for mount_path, local in mounts.items():
+            for mount_path, local in [*mounts.items(), *scratch.items()]:
                 if text == mount_path or text.startswith(mount_path + "/"):
+                    # A path that exists here under an emptyDir's mount path (/tmp) is the
+                    # test's own file (the tiny model), not the pod's scratch space.
+                    if mount_path in scratch and os.path.exists(text):
+                        continue
                     text = str(local) + text[len(mount_path) :]
                     break
             return services(text)
@@ -895,7 +906,20 @@ class NodeAgent:
         env["HOSTNAME"] = str(pod["spec"].get("hostname") or pod["metadata"]["name"])
         declared = {name: rewrite(value) for name, value in declared.items()}
         env.update(declared)
-        return argv, env, declared
+        return argv, env, declared, rewrite
+
+    def _empty_dir_mounts(self, pod: JSON, container: JSON) -> dict[str, Path]:
+        """A local directory per ``emptyDir`` volume, kept across container restarts."""
+        meta = pod["metadata"]
+        volumes = {v["name"] for v in pod["spec"].get("volumes") or [] if "emptyDir" in v}
+        base = self.work_dir / "volumes" / f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            if mount["name"] in volumes:
+                local = base / "emptydir" / mount["name"]
+                local.mkdir(mode=0o700, parents=True, exist_ok=True)
+                mounts[mount["mountPath"].rstrip("/")] = local
+        return mounts
 
     def _secret_mounts(self, pod: JSON, container: JSON) -> dict[str, Path]:
         """Write the container's ``secret`` volumes to local directories: mountPath → dir."""
@@ -956,6 +980,8 @@ class NodeAgent:
         namespace = pod["metadata"]["namespace"]
         if "fieldRef" in source:
             return self._field_ref(pod, source["fieldRef"]["fieldPath"])
+        if "resourceFieldRef" in source:
+            return self._resource_field_ref(pod, source["resourceFieldRef"])
         for kind in ("secretKeyRef", "configMapKeyRef"):
             if kind in source:
                 ref = source[kind]
@@ -975,6 +1001,17 @@ class NodeAgent:
                     )
                 return data[ref["key"]]
         raise ContainerConfigError(f"env {name}: unsupported valueFrom {sorted(source)}")
+
+    @staticmethod
+    def _resource_field_ref(pod: JSON, ref: JSON) -> str:
+        """``limits.cpu`` in whole CPUs, rounded up (the node's CPUs without a limit)."""
+        if ref.get("resource") != "limits.cpu" or str(ref.get("divisor", "1")) != "1":
+            raise ContainerConfigError(f"unsupported resourceFieldRef {ref}")
+        (container,) = [c for c in pod["spec"]["containers"] if c["name"] == ref["containerName"]]
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
+        if limit is None:
+            return str(os.cpu_count() or 1)
+        return str(math.ceil(parse_quantity(str(limit))))
 
     @staticmethod
     def _field_ref(pod: JSON, path: str) -> str:
@@ -1044,7 +1081,7 @@ class NodeAgent:
     def _run_exec(self, command: list[str], runner: ContainerRunner, timeout: float) -> bool:
         if not command:
             return False
-        argv = [expand_vars(part, runner.declared_env) for part in command]
+        argv = [runner.rewrite(expand_vars(part, runner.declared_env)) for part in command]
         with runner.log_path.open("ab") as log:
             process = subprocess.Popen(
                 [*parent_death_prefix(), *argv],

@@ -650,7 +650,10 @@ def test_generate_through_the_coordinator(inference: Inference, kubectl: Kubectl
     assert completion["usage"]["completion_tokens"] >= 1, completion
     assert isinstance(completion["choices"][0]["text"], str)
 
+    # /health is liveness only; /ready tells the registered engines.
     code, body = http_get(inference.http_port, "/health")
+    assert code == 200, body
+    code, body = http_get(inference.http_port, "/ready")
     assert code == 200, body
     assert json.loads(body)["engines"] == 2
 

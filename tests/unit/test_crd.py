@@ -118,7 +118,14 @@ def test_schema_is_structural_for_kubernetes_1_20(schema: dict[str, Any]) -> Non
             assert "type" not in node, path
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
         elif not node.get("x-kubernetes-preserve-unknown-fields") or "type" in node:
-            assert node.get("type") in ("object", "array", "string", "integer", "boolean"), path
+            assert node.get("type") in (
+                "object",
+                "array",
+                "string",
+                "integer",
+                "number",
+                "boolean",
+            ), path
         assert not ("properties" in node and "additionalProperties" in node), path
         assert "$ref" not in node and "x-kubernetes-validations" not in node, path  # no CEL
         if node.get("type") == "array":

@@ -104,18 +104,23 @@ def test_installs_the_project_from_its_pyproject(dockerfile: Path) -> None:
     for source in ("pyproject.toml", "README.md", "dpserve", "operator"):
         assert re.search(rf"(^|\s){re.escape(source)}(\s|$)", copies), source
     runs = " ".join(args for kw, args in steps if kw == "RUN")
-    assert re.search(r"pip install (--no-deps )?\.(\s|$)", runs)
+    assert re.search(r"pip install (--find-links /tmp/wheels )?(--no-deps )?\.(\s|$)", runs)
 
 
 def test_runtime_images_pin_torch_and_their_bases() -> None:
     cpu = instructions(IMAGES / "Dockerfile.runtime-cpu")
-    assert ("FROM", "python:3.11-slim") in cpu
+    # python:3.11-slim unless scripts/build-images.sh passes its debootstrap'd base.
+    assert ("ARG", "BASE_IMAGE=python:3.11-slim") in cpu
+    assert ("FROM", "${BASE_IMAGE}") in cpu
     cpu_runs = [args for kw, args in cpu if kw == "RUN"]
     torch_step = next(i for i, args in enumerate(cpu_runs) if "torch==" in args)
-    project_step = next(i for i, args in enumerate(cpu_runs) if "pip install ." in args)
+    project_step = next(i for i, args in enumerate(cpu_runs) if "/tmp/wheels . " in args)
     # torch from the CPU index first, or pip would fetch a CUDA build for the project.
     assert torch_step < project_step
-    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in cpu_runs[torch_step]
+    assert (
+        "--find-links /tmp/wheels torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+        in cpu_runs[torch_step]
+    )
 
     cuda = instructions(IMAGES / "Dockerfile.runtime-cuda")
     base = dict(a.split("=", 1) for kw, a in cuda if kw == "ARG" and "=" in a)["CUDA_BASE"]
@@ -123,11 +128,24 @@ def test_runtime_images_pin_torch_and_their_bases() -> None:
     assert any("torch==2.13.0" in args for kw, args in cuda if kw == "RUN")
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.runtime-cpu"])
+def test_offline_builds_read_wheels_from_the_bind_mount_only(name: str) -> None:
+    # scripts/build-images.sh builds with PIP_OFFLINE=1: every pip step must then see the
+    # wheels (a bind mount, never a layer) and no index.
+    runs = [args for kw, args in instructions(IMAGES / name) if kw == "RUN" and "pip " in args]
+    assert runs
+    for args in runs:
+        assert args.startswith("--mount=type=bind,source=images/wheels,target=/tmp/wheels"), args
+        assert 'if [ "$PIP_OFFLINE" = 1 ]; then export PIP_NO_INDEX=1; fi' in args, args
+        assert args.count("pip install") == args.count("pip install --find-links /tmp/wheels")
+    assert (IMAGES / "wheels").is_dir()
+
+
 def test_operator_image_installs_only_project_dependencies() -> None:
     steps = instructions(IMAGES / "Dockerfile.operator")
     runs = " ".join(args for kw, args in steps if kw == "RUN")
-    assert "pip install --no-deps ." in runs
-    wanted = {_distribution(req) for req in re.findall(r'"([^"]+)"', runs)}
+    assert "pip install --find-links /tmp/wheels --no-deps ." in runs
+    wanted = {_distribution(req) for req in re.findall(r'"([A-Za-z][^"]*)"', runs)}
     dependencies = project_dependencies()
     assert wanted <= set(dependencies), wanted - set(dependencies)
     # Every dependency left out is one the operator image must do without.

@@ -43,7 +43,7 @@ CR = "dpserve.io/v1alpha1/inferencedeployments"
 NS = "default"
 UID = "0d6c9a0e-0000-4000-8000-000000000001"
 IMAGE = "ghcr.io/dpserve/runtime-cpu:0.1.0"
-HEALTH_PATH = f"/api/v1/namespaces/{NS}/services/demo-coordinator:http/proxy/health"
+HEALTH_PATH = f"/api/v1/namespaces/{NS}/services/demo-coordinator:http/proxy/ready"
 CHILDREN = [
     ("v1/services", "demo-coordinator"),
     ("v1/services", "demo-engine"),
@@ -448,7 +448,7 @@ async def test_health_tells_an_api_server_error_from_the_coordinator(
         "code": 503,
         "message": 'no endpoints available for service "other:http"',
     }
-    api["get", f"/api/v1/namespaces/{NS}/services/other:http/proxy/health"] << (
+    api["get", f"/api/v1/namespaces/{NS}/services/other:http/proxy/ready"] << (
         lambda: Response(status=503, payload=no_endpoints)
     )
     body, error = await asyncio.to_thread(cluster.coordinator_health, NS, "other", "http")

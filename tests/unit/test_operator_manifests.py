@@ -162,9 +162,9 @@ def test_coordinator_deployment() -> None:
         {"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
     ]
-    assert coordinator["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert coordinator["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
-    assert coordinator["startupProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert coordinator["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert coordinator["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert coordinator["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert "imagePullPolicy" not in coordinator
 
 
@@ -200,15 +200,28 @@ def test_engine_statefulset() -> None:
         "--credentials", "/etc/dpserve/credentials",
         "--model", "/models/llama",
         "--max-batch-size", "32", "--dtype", "bfloat16", "--device", "cuda",
+        "--ready-file", "/tmp/dpserve-engine-ready",
     ]  # fmt: skip
     assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
         engine["env"]
     )
+    # torch's threads follow the CPU limit (issue 9, item 11), through the downward API.
+    (threads,) = [v for v in engine["env"] if v["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"] == {
+        "containerName": "engine",
+        "resource": "limits.cpu",
+        "divisor": "1",
+    }
     assert spec["template"]["spec"]["terminationGracePeriodSeconds"] == 120
-    # Deliberately no probes and no preStop hook (see manifests.engine_statefulset).
-    assert not {"readinessProbe", "livenessProbe", "startupProbe", "lifecycle", "ports"} & set(
-        engine
+    # Ready while registered: the file `--ready-file` keeps, on the /tmp emptyDir.
+    assert engine["readinessProbe"]["exec"] == {
+        "command": ["test", "-f", "/tmp/dpserve-engine-ready"]
+    }
+    assert {"mountPath": "/tmp", "name": "tmp"} in engine["volumeMounts"] or any(
+        mount["mountPath"] == "/tmp" for mount in engine["volumeMounts"]
     )
+    # No liveness probe and no preStop hook (see manifests.engine_statefulset).
+    assert not {"livenessProbe", "startupProbe", "lifecycle", "ports"} & set(engine)
     assert engine["imagePullPolicy"] == "IfNotPresent"
 
 

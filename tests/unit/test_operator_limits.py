@@ -1,0 +1,80 @@
+"""spec.coordinator.limits: dpserve.limits' fields as CR fields and as coordinator flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dpserve.cli import build_parser
+from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve_operator.limits import LIMIT_FIELDS, WITHOUT_FLAG, crd_schema, flag
+from dpserve_operator.manifests import coordinator_command
+from dpserve_operator.spec import InvalidSpec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = [ROOT / "crds" / "inferencedeployment.yaml"]
+CRDS.append(ROOT / "charts" / "dpserve-operator" / "crds" / "inferencedeployment.yaml")
+BASE = {"model": "/models/m", "image": "ghcr.io/dpserve/runtime-cpu:0.1.0"}
+
+
+def coordinator_options() -> set[str]:
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return set(commands.choices["coordinator"]._option_string_actions)
+
+
+def all_limit_fields() -> list[str]:
+    return [
+        field.name
+        for defaults in (DEFAULT_REQUEST_LIMITS, DEFAULT_ADMISSION_LIMITS)
+        for field in dataclasses.fields(defaults)
+    ]
+
+
+def test_every_limit_with_a_coordinator_flag_is_a_field() -> None:
+    options = coordinator_options()
+    offered = {name for name, _ in LIMIT_FIELDS.values()}
+    assert offered == set(all_limit_fields()) - WITHOUT_FLAG
+    assert {flag(name) for name in offered} <= options
+    # When a left-out field gets its flag, it belongs in the spec: this fails to say so.
+    assert not {flag(name) for name in WITHOUT_FLAG} & options
+
+
+def test_the_crds_declare_the_same_fields() -> None:
+    for path in CRDS:
+        crd = yaml.safe_load(path.read_text())
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        assert spec["properties"]["coordinator"]["properties"]["limits"] == crd_schema(), path
+
+
+def test_set_limits_become_flags_the_coordinator_parses() -> None:
+    limits = {"maxPromptTokens": 4096, "maxInflightPerClient": 50, "queueTimeout": 2.5}
+    spec = parse_spec({**BASE, "coordinator": {"limits": limits}}, name="demo")
+    command = coordinator_command(spec)
+    assert command[command.index("--max-prompt-tokens") + 1] == "4096"
+    assert command[command.index("--max-inflight-per-client") + 1] == "50"
+    assert command[command.index("--queue-timeout") + 1] == "2.5"
+    args = build_parser().parse_args(command[1:])
+    assert (args.limit_max_prompt_tokens, args.max_inflight_per_client) == (4096, 50)
+    assert args.queue_timeout == 2.5
+    # Unset limits keep dpserve.limits' defaults: no flag at all.
+    assert "--max-body-bytes" not in command
+    assert build_parser().parse_args(coordinator_command(parse_spec(BASE, name="d"))[1:])
+
+
+@pytest.mark.parametrize(
+    "limits, problem",
+    [
+        ({"maxPromptTokens": 0}, "spec.coordinator.limits.maxPromptTokens: must be a positive"),
+        ({"maxPromptTokens": 1.5}, "maxPromptTokens: must be a positive integer"),
+        ({"queueTimeout": True}, "queueTimeout: must be a positive number"),
+        ({"maxFoo": 1}, "spec.coordinator.limits.maxFoo: unknown limit"),
+    ],
+)
+def test_invalid_limits_are_named(limits: dict[str, object], problem: str) -> None:
+    with pytest.raises(InvalidSpec) as raised:
+        parse_spec({**BASE, "coordinator": {"limits": limits}}, name="demo")
+    assert any(problem in item for item in raised.value.problems), raised.value.problems
