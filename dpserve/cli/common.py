@@ -1,0 +1,121 @@
+"""What several subcommands share: ports, logging, credentials and key flags, KV-cache flags."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import TypeAlias
+
+from dpserve import security
+
+log = logging.getLogger("dpserve")
+
+DEFAULT_ZMQ_PORT = 5555
+DEFAULT_HTTP_PORT = 8000
+
+# argparse's subparsers action is private and not subscriptable at run time.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def setup_logging(verbose: bool) -> None:
+    from dpserve.supervise import configure_logging
+
+    configure_logging(logging.DEBUG if verbose else logging.INFO)
+
+
+def tokenizer_spec(tokenizer: str | None) -> str | None:
+    if tokenizer is None or tokenizer == "bytes":
+        return None
+    from dpserve.models import resolve_model
+
+    return resolve_model(tokenizer)
+
+
+def api_keys(args: argparse.Namespace) -> tuple[bytes, ...] | None:
+    return security.load_api_keys(args.api_key_file) if args.api_key_file else None
+
+
+def client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | None:
+    """Keys from --credentials (or $DPSERVE_CREDENTIALS); for a coordinator on this machine
+    without them, the throw-away keys of the ``dpserve serve`` on that port, if one runs."""
+    directory = args.credentials or None
+    if directory is None:
+        host, _, port = address.split("://", 1)[-1].rpartition(":")
+        if port.isdigit() and security.is_loopback(host):
+            directory = security.find_local_credentials(int(port))
+    return None if directory is None else security.load_peer_keys(directory, args.role)
+
+
+def zmq_address(address: str) -> str:
+    from dpserve.client import coordinator_address
+
+    return coordinator_address(address)
+
+
+def add_credentials(parser: argparse.ArgumentParser, roles: bool = False) -> None:
+    parser.add_argument(
+        "--credentials",
+        metavar="DIR",
+        default=os.environ.get(security.ENV_CREDENTIALS),
+        help=f"CURVE keys (`dpserve keys generate DIR`; env {security.ENV_CREDENTIALS})",
+    )
+    if roles:
+        parser.add_argument(
+            "--role",
+            choices=[security.ADMIN, security.CLIENT],
+            default=None,
+            help="which key of --credentials to use (default: admin if present, else client)",
+        )
+
+
+def add_api_key_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=os.environ.get(security.ENV_API_KEY_FILE),
+        help="HTTP /v1/* require `Authorization: Bearer <a line of this file>` "
+        f"(env {security.ENV_API_KEY_FILE})",
+    )
+
+
+def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """The KV-cache flags of ``engine``, which ``serve`` passes on to each engine."""
+    from dpserve.engine.defaults import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_CPU_KV_CACHE_BYTES,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    )
+
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of the GPU's memory for weights, activations and the KV cache "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"size of the KV cache pool in bytes (default on CPU: {DEFAULT_CPU_KV_CACHE_BYTES}; "
+        "on CUDA: from --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV cache block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step computes, prefill chunks and decodes together "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on CUDA)",
+    )
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
+    )

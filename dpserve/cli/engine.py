@@ -1,0 +1,150 @@
+"""``dpserve engine``: one data-parallel engine, fake or with a model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dpserve import security
+from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
+from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
+
+if TYPE_CHECKING:
+    from dpserve.engine.runner import Runner
+
+
+def resolve_rank(rank: str) -> int:
+    """An integer, or ``auto``: the trailing ordinal of ``$POD_NAME`` or the hostname, which is
+    how a StatefulSet numbers its pods (``demo-engine-3`` -> 3)."""
+    if rank != "auto":
+        return int(rank)
+    name = os.environ.get("POD_NAME") or socket.gethostname()
+    match = re.search(r"-(\d+)$", name)
+    if match is None:
+        raise SystemExit(f"--rank auto: cannot find an ordinal at the end of {name!r}")
+    return int(match.group(1))
+
+
+def engine_device(requested: str, rank: int) -> str:
+    """One GPU per engine: on CUDA, engine rank r uses GPU r modulo the GPUs it can see (on
+    Kubernetes every engine pod sees exactly its own one)."""
+    if requested == "cpu":
+        return requested
+    import torch
+
+    if not torch.cuda.is_available():
+        return requested
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def add_parser(subparsers: Subcommands) -> None:
+    engine = subparsers.add_parser("engine", help="run one data-parallel engine")
+    engine.add_argument("--coordinator", required=True, help="tcp://HOST:PORT, HOST:PORT or PORT")
+    engine.add_argument("--rank", default="0", help="integer, or 'auto' (pod ordinal)")
+    engine.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
+    engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
+    engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
+    engine.add_argument(
+        "--context-size",
+        type=int,
+        default=DEFAULT_FAKE_CONTEXT_SIZE,
+        help="the fake engine's context in tokens (a model's comes from its config)",
+    )
+    engine.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="sequences running at once (default: derived from the KV cache pool)",
+    )
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_kv_cache_flags(engine)
+    engine.add_argument("--stream-interval", type=float, default=0.05)
+    engine.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's thread count (default: the cores this engine may use: its CPU affinity, "
+        "capped by its container's CPU limit)",
+    )
+    engine.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a heartbeat may go unanswered before registering again (default: 5)",
+    )
+    engine.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="a file that exists exactly while the engine is registered (readiness probes)",
+    )
+    add_credentials(engine)
+    engine.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
+    from dpserve.engine.server import EngineServer
+
+    rank = resolve_rank(args.rank)
+    runner = _runner(args, rank)
+    address = zmq_address(args.coordinator)
+    try:
+        keys = security.load_peer_keys(args.credentials, "engine") if args.credentials else None
+    except security.CredentialsError as exc:
+        print(f"dpserve engine: {exc}", file=sys.stderr)
+        return 2
+    server = EngineServer(
+        CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
+        runner,
+        stream_interval=args.stream_interval,
+        coordinator_timeout=args.coordinator_timeout,
+        ready_file=args.ready_file,
+    )
+    server.install_signal_handlers()
+    log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
+    try:
+        return server.run()
+    except CoordinatorRefused as exc:
+        log.error("%s", exc)
+        return 1
+
+
+def _runner(args: argparse.Namespace, rank: int) -> Runner:
+    """The fake runner, or the model with its KV cache (torch imported only here)."""
+    if args.fake:
+        from dpserve.engine.fake import FakeRunner
+
+        return FakeRunner(
+            capacity=args.max_batch_size or 256,
+            step_delay=args.step_delay,
+            max_context=args.context_size,
+        )
+    import torch
+
+    from dpserve.engine.cpus import torch_threads
+    from dpserve.engine.model_runner import ModelRunner
+    from dpserve.models import resolve_model
+
+    threads, source = torch_threads(args.torch_threads)
+    torch.set_num_threads(threads)
+    log.info("engine rank %d: %d torch thread(s), from %s", rank, threads, source)
+    return ModelRunner(
+        resolve_model(args.model),
+        max_batch_size=args.max_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=engine_device(args.device, rank),
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=not args.no_cuda_graphs,
+    )

@@ -1,0 +1,66 @@
+"""``dpserve http``: the OpenAI-compatible HTTP API for a coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dpserve import flags, security
+from dpserve.cli.common import (
+    DEFAULT_HTTP_PORT,
+    Subcommands,
+    add_api_key_file,
+    add_credentials,
+    api_keys,
+    client_keys,
+    log,
+    tokenizer_spec,
+    zmq_address,
+)
+
+
+def add_parser(subparsers: Subcommands) -> None:
+    http = subparsers.add_parser(
+        "http", help="serve the OpenAI-compatible HTTP API for a coordinator"
+    )
+    http.add_argument("--coordinator", required=True, help="tcp://HOST:PORT, HOST:PORT or PORT")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
+    http.add_argument("--tokenizer", default=None, help="for chat templates (default: bytes)")
+    http.add_argument("--model-name", default=None, help="name reported by /v1/models")
+    add_credentials(http, roles=True)
+    add_api_key_file(http)
+    flags.add_request_limits(http)
+    flags.add_http_limits(http)
+    http.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dpserve.openai.server import FrontConfig, run_http_front
+
+    address = zmq_address(args.coordinator)
+    try:
+        keys = client_keys(args, address)
+        http_api_keys = api_keys(args)
+    except security.CredentialsError as exc:
+        print(f"dpserve http: {exc}", file=sys.stderr)
+        return 2
+    if http_api_keys is None and not security.is_loopback(args.host):
+        log.warning(
+            "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
+        )
+    front = FrontConfig(
+        address,
+        tokenizer_spec(args.tokenizer),
+        args.host,
+        args.port,
+        args.model_name or args.tokenizer or "dpserve",
+        credentials=keys,
+        api_keys=http_api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
+    )
+    asyncio.run(run_http_front(front))
+    return 0

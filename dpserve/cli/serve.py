@@ -1,0 +1,102 @@
+"""``dpserve serve``: a coordinator, engines and the HTTP front on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dpserve import flags, security
+from dpserve.cli.common import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_ZMQ_PORT,
+    Subcommands,
+    add_api_key_file,
+    add_kv_cache_flags,
+    api_keys,
+)
+
+
+def add_parser(subparsers: Subcommands) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="run a coordinator, engines and the HTTP front on this machine"
+    )
+    serve.add_argument("--data-parallel-size", type=int, default=2, help="engines (default: 2)")
+    serve.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
+    serve.add_argument("--port", type=int, default=DEFAULT_ZMQ_PORT, help="ZMQ port")
+    serve.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
+    )
+    serve.add_argument("--max-batch-size", type=int, default=None)
+    add_kv_cache_flags(serve)
+    serve.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch threads per engine (default: this process's cores divided among the engines)",
+    )
+    serve.add_argument("--fake", action="store_true", help="fake engines, no model")
+    serve.add_argument(
+        "--credentials",
+        metavar="DIR",
+        default=os.environ.get(security.ENV_CREDENTIALS),
+        help="CURVE keys for every process (default: throw-away keys, removed on exit)",
+    )
+    serve.add_argument(
+        "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
+    )
+    add_api_key_file(serve)
+    flags.add_request_limits(serve)
+    flags.add_http_limits(serve)
+    serve.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dpserve.local import LocalDeployment, serve
+
+    try:
+        if args.credentials and args.insecure:
+            raise security.CredentialsError("--insecure and --credentials contradict each other")
+        if args.credentials:  # every process of the deployment reads its part of this one
+            security.load_server_keys(args.credentials)
+            security.load_peer_keys(args.credentials, "engine")
+            security.load_peer_keys(args.credentials, None)
+        http_api_keys = api_keys(args)
+    except security.CredentialsError as exc:
+        print(f"dpserve serve: {exc}", file=sys.stderr)
+        return 2
+    if args.fake:
+        model_path, model_name = "fake", "fake"
+    else:
+        from dpserve.models import DEFAULT_MODEL, resolve_model
+
+        model_name = args.model or DEFAULT_MODEL
+        model_path = resolve_model(args.model)
+    deployment = LocalDeployment(
+        model_path=model_path,
+        data_parallel_size=args.data_parallel_size,
+        port=args.port,
+        http_port=None if args.http_port == 0 else args.http_port,
+        max_batch_size=args.max_batch_size,
+        torch_threads=args.torch_threads,
+        kv_cache_args=_kv_cache_args(args),
+        fake=args.fake,
+        credentials=args.credentials or None,
+        api_keys=http_api_keys,
+        limits=flags.request_limits(args),
+        http_limits=flags.http_limits(args),
+    )
+    return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
+
+
+def _kv_cache_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``serve``'s KV-cache flags as the engine command line takes them (only those given)."""
+    out = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    out += ["--block-size", str(args.block_size)]
+    if args.kv_cache_bytes is not None:
+        out += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.max_num_batched_tokens is not None:
+        out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_cuda_graphs:
+        out.append("--no-cuda-graphs")
+    return tuple(out)
