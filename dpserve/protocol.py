@@ -452,7 +452,7 @@ def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
     return packed.tobytes()
 
 
-def _unpack(typecode: str, what: str, data: bytes) -> list[Any]:
+def _unpack(typecode: str, what: str, data: bytes | bytearray) -> list[Any]:
     if len(data) % 4:
         raise ProtocolError(f"packed {what} must be a multiple of 4 bytes, got {len(data)}")
     values = array(typecode)
@@ -467,7 +467,7 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return _pack("i", tokens)
 
 
-def unpack_tokens(data: bytes) -> list[int]:
+def unpack_tokens(data: bytes | bytearray) -> list[int]:
     """Inverse of ``pack_tokens``; raises ``ProtocolError`` for a length that is not 4k."""
     return _unpack("i", "tokens", data)
 
@@ -477,5 +477,5 @@ def pack_floats(values: Sequence[float]) -> bytes:
     return _pack("f", values)
 
 
-def unpack_floats(data: bytes) -> list[float]:
+def unpack_floats(data: bytes | bytearray) -> list[float]:
     return _unpack("f", "floats", data)
