@@ -351,12 +351,15 @@ def encode(message: Any, *fields: Any) -> bytes:
     """Serialize one message: a record (``encode(Cancel(7))``), or a header and its fields
     (``encode(Header.CANCEL, 7)``, the older form). The bytes are the same either way.
     Fields are not checked here: senders are our own code."""
+    packed: bytes  # msgpack is untyped; Packer.pack returns bytes
     if type(message) is Header:
-        return _packer.pack([int(message), *fields])
-    return _packer.pack([_HEADER_NUMBERS[type(message)], *message])
+        packed = _packer.pack([int(message), *fields])
+    else:
+        packed = _packer.pack([_HEADER_NUMBERS[type(message)], *message])
+    return packed
 
 
-def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list]:
+def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list[Any]]:
     """Parse and check one message; raise ``ProtocolError`` for anything malformed."""
     if len(payload) > max_bytes:
         raise MessageTooLarge(len(payload), max_bytes, *_peek_reference(payload))
@@ -403,7 +406,7 @@ def decode_record(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) ->
 
 
 def check_fields(
-    what: str, fields: Sequence, types: FieldTypes, required: int | None = None
+    what: str, fields: Sequence[object], types: FieldTypes, required: int | None = None
 ) -> None:
     """Raise ``ProtocolError`` unless ``fields`` holds ``len(types)`` items of those types, or,
     when ``required`` is given, at least that many (the first ones)."""
@@ -429,8 +432,8 @@ def check_fields(
 
 
 def check_records(
-    what: str, records: list, types: FieldTypes, required: int | None = None
-) -> list[list]:
+    what: str, records: list[Any], types: FieldTypes, required: int | None = None
+) -> list[list[Any]]:
     """Check every record of a batched message (ENGINE_REPLY, RESULTS, STREAM)."""
     for record in records:
         if not isinstance(record, list):
@@ -442,14 +445,14 @@ def check_records(
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _pack(typecode: str, values: Sequence) -> bytes:
+def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
     packed = array(typecode, values)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
 
 
-def _unpack(typecode: str, what: str, data: bytes) -> list:
+def _unpack(typecode: str, what: str, data: bytes | bytearray) -> list[Any]:
     if len(data) % 4:
         raise ProtocolError(f"packed {what} must be a multiple of 4 bytes, got {len(data)}")
     values = array(typecode)
@@ -464,7 +467,7 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return _pack("i", tokens)
 
 
-def unpack_tokens(data: bytes) -> list[int]:
+def unpack_tokens(data: bytes | bytearray) -> list[int]:
     """Inverse of ``pack_tokens``; raises ``ProtocolError`` for a length that is not 4k."""
     return _unpack("i", "tokens", data)
 
@@ -474,5 +477,5 @@ def pack_floats(values: Sequence[float]) -> bytes:
     return _pack("f", values)
 
 
-def unpack_floats(data: bytes) -> list[float]:
+def unpack_floats(data: bytes | bytearray) -> list[float]:
     return _unpack("f", "floats", data)

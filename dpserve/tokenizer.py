@@ -62,18 +62,22 @@ class HuggingFaceTokenizer:
         if not texts:
             return []
         # Chat templates and clients add special tokens themselves where they want them.
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        token_lists: list[list[int]] = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return token_lists
 
     def decode_batch(self, token_lists: list[list[int]]) -> list[str]:
         if not token_lists:
             return []
-        return self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+        texts: list[str] = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+        return texts
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
+            # tokenize=False makes it return the rendered prompt as one string.
+            prompt: str = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
+            return prompt
         return ByteTokenizer().apply_chat_template(messages)
 
 

@@ -178,29 +178,34 @@ class Cluster:
 
     # ------------------------------------------------------------------ objects
 
-    def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    # The API server answers a GET, POST or PUT of an object with that object as JSON, which
+    # read, create and replace return as such.
+    def read(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         resource = KIND_RESOURCES[kind]
         rbac.require(api_group(api_version), resource, "get")
         status, payload = self.request(
             "GET", resource_path(api_version, resource, namespace, name), ok_statuses=(404,)
         )
-        return None if status == 404 else payload
+        live: dict[str, Any] | None = None if status == 404 else payload
+        return live
 
-    def create(self, manifest: Mapping[str, Any]) -> dict:
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         api_version, resource, namespace, _ = _address(manifest)
         rbac.require(api_group(api_version), resource, "create")
         _, payload = self.request(
             "POST", resource_path(api_version, resource, namespace), body=dict(manifest)
         )
-        return payload
+        created: dict[str, Any] = payload
+        return created
 
-    def replace(self, manifest: Mapping[str, Any]) -> dict:
+    def replace(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         api_version, resource, namespace, name = _address(manifest)
         rbac.require(api_group(api_version), resource, "update")
         _, payload = self.request(
             "PUT", resource_path(api_version, resource, namespace, name), body=dict(manifest)
         )
-        return payload
+        replaced: dict[str, Any] = payload
+        return replaced
 
     def apply(self, desired: Mapping[str, Any]) -> ApplyResult:
         """Create ``desired``, or replace the live object unless it already matches."""
@@ -317,9 +322,9 @@ def contains(live: Any, desired: Any, *, quantities: bool = False) -> bool:
         return desired in (None, "", False, 0)
     if quantities:
         try:
-            return parse_quantity(live) == parse_quantity(desired)
+            return bool(parse_quantity(live) == parse_quantity(desired))
         except ValueError:
-            return live == desired
+            return bool(live == desired)
     return live == desired and type(live) is type(desired)
 
 

@@ -218,7 +218,9 @@ def cpu_threads_env(container: str) -> dict[str, Any]:
     return {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": limit}}
 
 
-def _merge_env(operator_env: list[dict[str, Any]], user_env: list[dict[str, Any]]) -> list[dict]:
+def _merge_env(
+    operator_env: list[dict[str, Any]], user_env: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """The operator's variables, minus those the user redefines, then the user's."""
     user_names = {variable["name"] for variable in user_env}
     return [v for v in operator_env if v["name"] not in user_names] + user_env

@@ -115,7 +115,9 @@ def sticky_apply_error(previous: Mapping[str, Any] | None, generation: int) -> s
 
 
 def condition(status: Mapping[str, Any] | None, kind: str) -> Mapping[str, Any] | None:
-    for item in (status or {}).get("conditions") or []:
+    # Conditions as this operator writes them (``_condition`` builds each one).
+    conditions: list[Mapping[str, Any]] = (status or {}).get("conditions") or []
+    for item in conditions:
         if item.get("type") == kind:
             return item
     return None

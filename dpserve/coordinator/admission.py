@@ -7,13 +7,12 @@ prompt-token limit of a text prompt, which is checked right after tokenizing its
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
-from dpserve.coordinator.control import ControlState
 from dpserve.coordinator.registry import Client
-from dpserve.protocol import ErrorCode, ProtocolError
+from dpserve.protocol import ControlState, ErrorCode, ProtocolError
 from dpserve.sampling import SamplingParams
 
 _PARAMS_CACHE_SIZE = 1024  # distinct parameter sets remembered (clients reuse a few)
@@ -24,7 +23,7 @@ Refusal = tuple[str, str]  # (ERROR code, message)
 class Admission:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self._params_cache: dict[tuple, dict] = {}
+        self._params_cache: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
 
     def refusal(
         self, client: Client, inflight: int, state: ControlState, prompt: Any
@@ -65,7 +64,7 @@ class Admission:
             )
         return None
 
-    def validated_params(self, raw: dict) -> dict:
+    def validated_params(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Checked, normalized sampling parameters (raises ``InvalidSamplingParams``). Most
         clients send the same few parameter sets over and over, so results are memoized
         (validation dominated the submit path)."""
@@ -82,11 +81,11 @@ class Admission:
         return cached
 
 
-def is_chat(prompt: Any) -> bool:
+def is_chat(prompt: object) -> TypeGuard[list[Any]]:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
-def chat_messages(messages: list) -> list[dict[str, str]]:
+def chat_messages(messages: list[Any]) -> list[dict[str, str]]:
     """Check a chat prompt: a list of ``{"role": str, "content": str}`` maps."""
     for message in messages:
         if not (
@@ -98,7 +97,7 @@ def chat_messages(messages: list) -> list[dict[str, str]]:
     return messages
 
 
-def token_prompt(prompt: bytes | list) -> bytes:
+def token_prompt(prompt: bytes | list[Any]) -> bytes:
     """A token prompt (packed bytes or a list of ids) as checked packed int32 tokens."""
     if isinstance(prompt, list):
         if not all(type(t) is int and 0 <= t < 2**31 for t in prompt):

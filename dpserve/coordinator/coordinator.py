@@ -26,9 +26,9 @@ import secrets
 import signal
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from dpserve import protocol, security
 from dpserve.coordinator.admission import Admission
@@ -50,6 +50,7 @@ from dpserve.tokenizer import as_batch_tokenizer
 log = logging.getLogger("dpserve.coordinator")
 
 Handler = Callable[[bytes, Any], None]
+_Record = TypeVar("_Record")
 
 
 class DataParallelInferenceCoordinator:
@@ -141,7 +142,7 @@ class DataParallelInferenceCoordinator:
             **{signal: self.control.on_signal for signal in protocol.CONTROL_SIGNALS},
         }
 
-    def _from_engine(self, handler: Callable[[Engine, list], None]) -> Handler:
+    def _from_engine(self, handler: Callable[[Engine, _Record], None]) -> Handler:
         """A handler for a message only registered engines may send."""
         engine_or_reject = self.membership.engine_or_reject
         return lambda identity, record: handler(engine_or_reject(identity), record)
@@ -174,7 +175,7 @@ class DataParallelInferenceCoordinator:
         """The identity of the engine that gets the next request under the routing policy."""
         return choose_engine(self.registry, self.routing)
 
-    def detokenize(self, finished_request_record: dict) -> dict:
+    def detokenize(self, finished_request_record: dict[str, Any]) -> dict[str, Any]:
         """Fill ``generated_text`` from ``generated_tokens`` in place."""
         tokens = finished_request_record.get("generated_tokens") or []
         [finished_request_record["generated_text"]] = self.tokenizer.decode_batch([list(tokens)])
@@ -272,7 +273,7 @@ class DataParallelInferenceCoordinator:
         self.membership.check_engines(now)
         self.dispatcher.expire_queued(now)
 
-    def _handle_batch(self, batch: list[Received]) -> None:
+    def _handle_batch(self, batch: Sequence[Received]) -> None:
         """Handle ``(identity, payload, role)`` messages, then run the batch step. On a CURVE
         socket every message carries its connection's role, and one that role may not send is
         refused before any handler sees it; on a plain socket the role is None."""

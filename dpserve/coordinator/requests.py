@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from dpserve.tokenizer import IncrementalDetokenizer
 
@@ -14,7 +15,7 @@ class InflightRequest:
     client: bytes
     client_request_id: int
     prompt_tokens: bytes  # packed int32
-    params: dict  # validated SamplingParams.serialize() form, forwarded to engines as is
+    params: dict[str, Any]  # validated SamplingParams.serialize() form, forwarded to engines as is
     stream: bool
     received_at: float
     engine: bytes | None = None

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpserve.coordinator.config import CoordinatorConfig
-from dpserve.coordinator.control import ControlState
 from dpserve.coordinator.registry import EngineRegistry
 from dpserve.coordinator.requests import RequestTable
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.coordinator.transport import Transport
+from dpserve.protocol import ControlState
 
 
 def status_report(

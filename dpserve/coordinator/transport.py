@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import zmq
@@ -50,7 +50,7 @@ class Transport:
         self.on_unreachable: Callable[[bytes], None] = lambda identity: None
         self.authenticator: security.RoleAuthenticator | None = None
         # How a drained batch is received: plain, or with each message's role (CURVE).
-        self.receive: Callable[[], list[Received]] = self._drain
+        self.receive: Callable[[], Sequence[Received]] = self._drain
         self.pipe = pipe
         self._closed = False
         try:
@@ -95,12 +95,15 @@ class Transport:
     def poll(self, timeout_ms: int) -> tuple[bool, bool]:
         """Wait for input; returns (the parent asks us to stop, messages are waiting)."""
         events = dict(self.poller.poll(timeout_ms))
-        stop = self.pipe is not None and self.pipe.fileno() in events and self._pipe_says_stop()
+        pipe = self.pipe
+        stop = pipe is not None and pipe.fileno() in events and self._pipe_says_stop(pipe)
         return stop, self.socket in events
 
-    def _pipe_says_stop(self) -> bool:
+    @staticmethod
+    def _pipe_says_stop(pipe: Connection) -> bool:
         try:
-            return self.pipe.recv() == "stop"  # type: ignore[union-attr]
+            message: object = pipe.recv()
+            return message == "stop"
         except (EOFError, OSError):
             return True
 

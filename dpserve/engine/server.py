@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from dpserve import protocol
 from dpserve.engine.connection import CoordinatorConnection
@@ -42,6 +42,11 @@ class _ReportsStats(Protocol):
     """A runner with numbers to report (``ModelRunner``: KV pool, capacity, preemptions)."""
 
     def stats(self) -> Mapping[str, object]: ...
+
+
+def _is_finite_number(value: object) -> TypeGuard[int | float]:
+    # The exact types: a bool is an int subclass but no statistic, and numpy's scalars are left out.
+    return (type(value) is int or type(value) is float) and math.isfinite(value)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +92,7 @@ class EngineServer:
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
-        self._outbox: list[list] = []
+        self._outbox: list[list[object]] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
         self._last_register = 0.0
@@ -175,11 +180,7 @@ class EngineServer:
         except Exception:  # the numbers are for dashboards: never let them stop a heartbeat
             log.exception("engine rank %d: the runner's stats failed", self.connection.rank)
             return {}
-        numbers = {
-            name: value
-            for name, value in reported.items()
-            if type(value) in (int, float) and math.isfinite(value)
-        }
+        numbers = {name: value for name, value in reported.items() if _is_finite_number(value)}
         return dict(sorted(numbers.items())[: DEFAULT_ENGINE_STATS_LIMITS.max_entries])
 
     def _note_waiting(self, now: float) -> None:
@@ -228,7 +229,7 @@ class EngineServer:
 
     # ---------------------------------------------------------------- messages
 
-    def _handle(self, header: Header, fields: list) -> None:
+    def _handle(self, header: Header, fields: list[Any]) -> None:
         if header is Header.ENGINE_REQUEST:
             self._on_request(*fields)
         elif header is Header.CANCEL:
@@ -255,7 +256,9 @@ class EngineServer:
         else:
             log.warning("ignoring unexpected %s from the coordinator", header.name)
 
-    def _on_request(self, request_id: int, prompt: bytes, params: dict, resume: bytes) -> None:
+    def _on_request(
+        self, request_id: int, prompt: bytes, params: dict[str, Any], resume: bytes
+    ) -> None:
         try:
             request = EngineRequest(
                 request_id,
@@ -317,7 +320,7 @@ class EngineServer:
                 self._stream_dirty.add(update.request_id)
 
     @staticmethod
-    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> list:
+    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> list[object]:
         entry = [
             request_id,
             protocol.pack_tokens(held.tokens),
