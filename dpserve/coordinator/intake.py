@@ -90,6 +90,26 @@ class Intake:
         for request, text in zip(resumed, texts, strict=True):
             request.text.append(text.rstrip("\ufffd"))
 
+    def _tokenize_texts(self) -> None:
+        """One tokenizer call for the batch. Should it raise, each prompt is tokenized alone, so
+        that only a prompt the tokenizer cannot take fails (``bad_request``) and the others of
+        the batch go on."""
+        texts, self._texts = self._texts, []
+        try:
+            batch: list[list[int]] | None = self.tokenizer.encode_batch([t for _, t in texts])
+        except Exception:
+            batch = None
+        for index, (request, text) in enumerate(texts):
+            try:
+                tokens = batch[index] if batch else self.tokenizer.encode_batch([text])[0]
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"[:500]
+                self.dispatcher.fail(
+                    request, ErrorCode.BAD_REQUEST, f"the tokenizer cannot encode the prompt: {why}"
+                )
+                continue
+            request.prompt_tokens = protocol.pack_tokens(tokens)
+
     def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
         request = self.requests.find(identity, cancel.ref)
         if request is not None:
@@ -100,13 +120,10 @@ class Intake:
         if not self._accepted:
             return
         if self._texts:
-            texts = [text for _, text in self._texts]
-            for (request, _), tokens in zip(
-                self._texts, self.tokenizer.encode_batch(texts), strict=True
-            ):
-                request.prompt_tokens = protocol.pack_tokens(tokens)
-            self._texts.clear()
-        accepted, self._accepted = self._accepted, []
+            self._tokenize_texts()
+        by_id = self.requests.by_id
+        accepted = [request for request in self._accepted if request.request_id in by_id]
+        self._accepted.clear()
         self._start_with_the_text_the_client_has(accepted)
         for request in accepted:
             refusal = self.admission.prompt_tokens_refusal(request.prompt_tokens)
