@@ -75,7 +75,21 @@ class EngineStatsLimits:
     max_name_chars: int = 64
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheLimits:
+    """Bounds of the prefix-cache bookkeeping between engines and the coordinator."""
+
+    # Block hashes in one KV_EVENTS message (8 bytes each): a snapshot of a large pool is
+    # sent in several messages, never one over the message size limit.
+    max_hashes_per_message: int = 8192
+    # Hashes the coordinator's index keeps per engine: an engine claiming more (a bug or a
+    # hostile peer) gets its entries dropped and a snapshot asked for.
+    max_hashes_per_engine: int = 4_000_000
+    max_cache_salt_chars: int = 256  # a request's cache_salt (its prefix-cache isolation key)
+
+
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
+DEFAULT_PREFIX_CACHE_LIMITS: Final = PrefixCacheLimits()
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()
 DEFAULT_ENGINE_STATS_LIMITS: Final = EngineStatsLimits()

@@ -81,6 +81,10 @@ class Header(IntEnum):
     STATUS = 60
     STATUS_REPLY = 61
 
+    # Prefix cache: what each engine's KV cache holds, for cache-aware routing (70-79).
+    KV_EVENTS = 70
+    KV_SNAPSHOT_REQUEST = 71
+
     # Errors (90-99).
     ERROR = 90
 
@@ -199,6 +203,9 @@ class EngineUpdate(NamedTuple):
     error: str | None  # the request failed; finish_reason then holds the ErrorCode
     ttft: float | None  # engine-side seconds to the first token
     text: str | None = None  # the tokens' text (incremental detokenization on the engine)
+    # Prompt tokens the engine found in its prefix cache (sent with the finishing update).
+    # Optional: added after protocol version 1.
+    cached_tokens: int | None = None
 
 
 class EngineReply(NamedTuple):
@@ -216,6 +223,9 @@ class ClientResult(NamedTuple):
     logprobs: bytes | None
     ttft: float | None  # seconds from the coordinator receiving it to the first token
     engine_rank: int
+    # Prompt tokens served from the engine's prefix cache (OpenAI's usage cached_tokens).
+    # Optional: added after protocol version 1.
+    cached_tokens: int | None = None
 
 
 class Results(NamedTuple):
@@ -272,6 +282,29 @@ class StatusReply(NamedTuple):
     status: dict[str, Any]
 
 
+class KvEvent(NamedTuple):
+    """One entry of KV_EVENTS: a change of the block hashes an engine's cache holds."""
+
+    kind: int  # 0 stored, 1 removed, 2 cleared (everything before it is gone)
+    hashes: bytes  # block hashes, little-endian uint64 (block_hash.pack_hashes)
+    parent: int | None  # stored: the hash of the block before the first (0 at a prompt's start)
+
+
+class KvEvents(NamedTuple):
+    """A batch of an engine's KV events, numbered per engine incarnation: a gap in the
+    numbers means some were lost, and the coordinator asks for a snapshot (a batch that
+    starts with a cleared event and lists everything held)."""
+
+    instance: str  # the engine's instance id (as in REGISTER): numbers restart with it
+    number: int  # 0, 1, 2, ... per instance
+    block_size: int  # tokens per block: what the hashes were computed over
+    events: list[KvEvent]
+
+
+class KvSnapshotRequest(NamedTuple):
+    pass
+
+
 class Error(NamedTuple):
     ref: int | None  # the request, control or query id, when the refused message had one
     code: str  # ErrorCode
@@ -302,6 +335,8 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.CONTROL_ACK: ControlAck,
     Header.STATUS: Status,
     Header.STATUS_REPLY: StatusReply,
+    Header.KV_EVENTS: KvEvents,
+    Header.KV_SNAPSHOT_REQUEST: KvSnapshotRequest,
     Header.ERROR: Error,
 }
 HEADER_OF: Final[dict[type, Header]] = {record: header for header, record in RECORDS.items()}
@@ -340,6 +375,7 @@ _REQUIRED_FIELDS: Final = {header: required_fields(record) for header, record in
 ENGINE_UPDATE_FIELDS: Final = field_types(EngineUpdate)
 CLIENT_RESULT_FIELDS: Final = field_types(ClientResult)
 STREAM_CHUNK_FIELDS: Final = field_types(StreamChunk)
+KV_EVENT_FIELDS: Final = field_types(KvEvent)
 
 _packer = msgpack.Packer(use_bin_type=True)
 _HEADERS: Final = {int(h): h for h in Header}  # a dict lookup is ~5x cheaper than Header(n)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from dpserve.limits import DEFAULT_REQUEST_LIMITS
+from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS, DEFAULT_REQUEST_LIMITS
 
 # Temperatures below this sample greedily (as vLLM does below 1e-5).
 GREEDY_TEMPERATURE: Final = 1e-5
@@ -34,6 +34,9 @@ class SamplingParams:
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension: EOS / termination_id do not end the request
     min_tokens: int = 0  # EOS, termination_id and stop strings are ignored before this many
+    # vLLM's name: requests with different salts never share prefix-cache blocks (one tenant
+    # cannot learn another's prompts from timing); None or "" shares with every unsalted one.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
@@ -88,6 +91,12 @@ class SamplingParams:
                 f"min_tokens must be in [0, num_tokens_to_generate={self.num_tokens_to_generate}],"
                 f" got {self.min_tokens}"
             )
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise InvalidSamplingParams("cache_salt must be a string")
+            most = DEFAULT_PREFIX_CACHE_LIMITS.max_cache_salt_chars
+            if len(self.cache_salt) > most:
+                raise InvalidSamplingParams(f"cache_salt may have at most {most} characters")
         for flag in ("return_log_probs", "stream", "ignore_eos"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSamplingParams(f"{flag} must be true or false")

@@ -71,6 +71,7 @@ PERMITTED: Final[Mapping[str, frozenset[Header]]] = {
             Header.DEREGISTER,
             Header.ENGINE_REPLY,
             Header.CONTROL_ACK,
+            Header.KV_EVENTS,
         }
     ),
     CLIENT: _CLIENT_HEADERS,

@@ -34,6 +34,8 @@ from dpserve.client.records import (
 from dpserve.protocol import Header
 from dpserve.sampling import SamplingParams
 
+_RESULT_REQUIRED = protocol.required_fields(protocol.ClientResult)
+
 
 def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
     return not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict))
@@ -140,9 +142,13 @@ class PendingTable:
             self._send(protocol.encode(Header.CANCEL, request_id))
 
     def on_results(self, results: list[list[Any]]) -> None:
-        protocol.check_records("RESULTS record", results, protocol.CLIENT_RESULT_FIELDS)
+        protocol.check_records(
+            "RESULTS record", results, protocol.CLIENT_RESULT_FIELDS, _RESULT_REQUIRED
+        )
         now = time.monotonic()
-        for request_id, prompt, tokens, text, reason, logprobs, ttft, rank in results:
+        for result in results:
+            request_id, prompt, tokens, text, reason, logprobs, ttft, rank = result[:8]
+            cached = result[8] if len(result) > 8 else None  # a coordinator older than it
             pending = self._forget(request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
@@ -158,6 +164,7 @@ class PendingTable:
                 else pending.first_token_at - pending.submitted_at,
                 latency=now - pending.submitted_at,
                 engine_rank=rank,
+                cached_tokens=cached,
             )
             if not pending.future.done():
                 pending.future.set_result(record)

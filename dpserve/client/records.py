@@ -60,6 +60,8 @@ class RequestRecord:
     ttft: float | None  # seconds from the coordinator receiving it to the first token
     latency: float  # seconds from add_request to the result, on this client
     engine_rank: int
+    # Prompt tokens the engine served from its prefix cache (None: not reported).
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ no text is still served: its requests get a detokenizer of their own (``_text_he
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
@@ -28,6 +29,7 @@ from dpserve.protocol import (
 from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
 
 _UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
+_UPDATE_FIELDS = len(EngineUpdate._fields)
 
 
 class ResultRouter:
@@ -46,7 +48,9 @@ class ResultRouter:
         self.counters = counters
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes, str]] = []
-        self._finish_info: dict[int, tuple[str, float | None, int]] = {}
+        # Told each finished request's cached prompt tokens (the router's accuracy numbers).
+        self.on_cached_tokens: Callable[[InflightRequest, int | None], None] = lambda r, n: None
+        self._finish_info: dict[int, tuple[str, float | None, int, int | None]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
         updates = protocol.check_records(
@@ -54,9 +58,9 @@ class ResultRouter:
         )
         by_id, identity = self.requests.by_id, engine.identity
         for update in updates:
-            if len(update) == _UPDATE_REQUIRED:
-                update.append(None)  # an engine that sends no text
-            request_id, tokens, logprobs, finish_reason, error, ttft, text = update
+            if len(update) < _UPDATE_FIELDS:  # an engine that sends no text or cache numbers
+                update.extend([None] * (_UPDATE_FIELDS - len(update)))
+            request_id, tokens, logprobs, finish_reason, error, ttft, text, cached = update
             request = by_id.get(request_id)
             if request is None or request.engine != identity:
                 self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
@@ -83,7 +87,9 @@ class ResultRouter:
                     finish_reason,
                     None if ttft is None else queued_for + ttft,
                     engine.rank,
+                    cached,
                 )
+                self.on_cached_tokens(request, cached)
                 self._finished.append(request)
             elif request.stream and tokens:
                 self._streaming.append((request, tokens, text))
@@ -107,7 +113,7 @@ class ResultRouter:
         finished, self._finished = self._finished, []
         per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
         for request in finished:
-            reason, ttft, rank = self._finish_info.pop(request.request_id)
+            reason, ttft, rank, cached = self._finish_info.pop(request.request_id)
             per_client[request.client].append(
                 ClientResult(
                     request.client_request_id,
@@ -118,6 +124,7 @@ class ResultRouter:
                     None if request.logprobs is None else bytes(request.logprobs),
                     ttft,
                     rank,
+                    cached,
                 )
             )
             self.dispatcher.forget(request)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dpserve.block_hash import BlockHash, extra_keys
 from dpserve.engine import sampler
 from dpserve.engine.backend import Backend
 from dpserve.engine.defaults import (
@@ -32,6 +33,7 @@ from dpserve.engine.defaults import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
 from dpserve.engine.hf_runner import HFBatchRunner
+from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_runner import PagedConfig, PagedRunner
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
@@ -65,7 +67,8 @@ class ModelRunner:
     and activations). ``block_size``: tokens per KV block. ``executor``: "auto" (ours for the
     Llama family, else transformers), "llama" or "transformers". ``dtype`` / ``device``:
     "auto" is bf16 on CUDA, fp32 on CPU. ``gguf_file`` loads a GGUF file inside
-    ``model_path_or_id`` directly.
+    ``model_path_or_id`` directly. ``prefix_caching``: share the KV blocks of equal prompt
+    prefixes between requests (paged backend only; ``kv_cache.BlockPool``).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class ModelRunner:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool = True,
         executor: str = "auto",
+        prefix_caching: bool = True,
     ) -> None:
         if (max_batch_size is not None and max_batch_size < 1) or executor not in EXECUTORS:
             raise ValueError(
@@ -118,6 +122,7 @@ class ModelRunner:
                 kv_cache_bytes=kv_cache_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 cuda_graphs=cuda_graphs,
+                prefix_caching=prefix_caching,
             ),
         )
         self.capacity: int = self.backend.capacity
@@ -216,6 +221,7 @@ class ModelRunner:
             stop_ids=stop_ids,
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
+            cache_extra=extra_keys(params.cache_salt),
         )
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
@@ -254,6 +260,21 @@ class ModelRunner:
 
     def has_work(self) -> bool:
         return bool(self._arrived_done) or self.backend.has_work()
+
+    # -------------------------------------------------------------------- prefix cache
+
+    @property
+    def kv_block_size(self) -> int | None:
+        """Tokens per block of the prefix cache; None without one (transformers fallback)."""
+        if isinstance(self.backend, PagedRunner) and self.backend.config.prefix_caching:
+            return self.backend.kv_block_size
+        return None
+
+    def kv_events(self) -> list[KVEvent]:
+        return self.backend.kv_events() if isinstance(self.backend, PagedRunner) else []
+
+    def kv_snapshot(self) -> list[BlockHash]:
+        return self.backend.kv_snapshot() if isinstance(self.backend, PagedRunner) else []
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dpserve.block_hash import BlockHash
 from dpserve.engine.backend import Consume
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
@@ -40,6 +41,7 @@ from dpserve.engine.kv_cache import (
     cuda_kv_budget_bytes,
     num_blocks_for_budget,
 )
+from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.llama import ForwardBatch, LlamaExecutor
 from dpserve.engine.paged_attention import decode_attention_backend
 from dpserve.engine.paged_batch import build_forward_batch
@@ -57,6 +59,7 @@ class PagedConfig:
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
+    prefix_caching: bool = True  # share full blocks of equal prefixes (``kv_cache.BlockPool``)
 
 
 class PagedRunner:
@@ -73,6 +76,8 @@ class PagedRunner:
         self._sequences: dict[int, Sequence] = {}
         self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
+        # KV events of pools already released (their hashes are gone), not yet taken.
+        self._released_events: list[KVEvent] = []
         self._build(model)
 
     # ------------------------------------------------------------------------ construction
@@ -82,7 +87,10 @@ class PagedRunner:
             self.executor: LlamaExecutor | None = LlamaExecutor(model)
             shape = self.executor.kv_cache_shape(self.config.block_size)
             self.cache: PagedKVCache | None = PagedKVCache(
-                shape, self._pool_blocks(shape), self.device
+                shape,
+                self._pool_blocks(shape),
+                self.device,
+                enable_prefix_caching=self.config.prefix_caching,
             )
         self.context_size = min(self.executor.context_size, self.cache.token_capacity)
         self.capacity = self.config.max_num_seqs or max(
@@ -92,7 +100,8 @@ class PagedRunner:
                 self.cache.token_capacity // min(self.context_size, TOKENS_PER_SEQUENCE),
             ),
         )
-        waiting = self.scheduler.waiting if self.scheduler is not None else []
+        previous = self.scheduler
+        waiting = previous.waiting if previous is not None else []
         self.scheduler = Scheduler(
             self.cache.pool,
             self.config.block_size,
@@ -100,6 +109,10 @@ class PagedRunner:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.scheduler.waiting.extend(waiting)
+        if previous is not None:  # counters survive a suspend
+            self.scheduler.preemptions = previous.preemptions
+            self.scheduler.prefix_queries = previous.prefix_queries
+            self.scheduler.prefix_hits = previous.prefix_hits
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             try:
@@ -153,14 +166,42 @@ class PagedRunner:
         return facts
 
     def stats(self) -> dict[str, Any]:
-        assert self.scheduler is not None
+        scheduler = self.scheduler
+        assert scheduler is not None
+        pool = scheduler.pool
         return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "running": len(scheduler.running),
             "prefill_tokens": self.prefill_tokens,
-            "preemptions": self.scheduler.preemptions,
-            "kv_free_blocks": self.scheduler.pool.free_blocks,
+            "preemptions": scheduler.preemptions,
+            "kv_free_blocks": pool.free_blocks,
+            # vLLM's kv_cache_usage_perc: the share of blocks held by running sequences
+            # (cached free blocks do not count: they are evicted when needed).
+            "kv_cache_usage": pool.held_blocks / pool.usable_blocks,
+            "kv_cached_blocks": pool.cached_blocks,
+            "prefix_caching": int(pool.enable_caching),
+            # Context tokens looked up in / found in the prefix cache (vLLM's names).
+            "prefix_cache_queries": scheduler.prefix_queries,
+            "prefix_cache_hits": scheduler.prefix_hits,
+            "prefix_cache_evictions": pool.evictions,
         }
+
+    # ------------------------------------------------------------------------ prefix cache
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.config.block_size
+
+    def kv_events(self) -> list[KVEvent]:
+        """What changed in the pool's cached hashes since the last call."""
+        events, self._released_events = self._released_events, []
+        if self.cache is not None:
+            events += self.cache.pool.take_events()
+        return events
+
+    def kv_snapshot(self) -> list[BlockHash]:
+        """Every hash the pool holds now (events taken before this are superseded by it)."""
+        return [] if self.cache is None else self.cache.pool.snapshot()
 
     # ---------------------------------------------------------------------------- requests
 
@@ -185,6 +226,9 @@ class PagedRunner:
     def release(self) -> None:
         assert self.scheduler is not None
         self.scheduler.preempt_all()
+        if self.cache is not None:
+            self.cache.pool.clear_cache()
+            self._released_events += self.cache.pool.take_events()
         self.executor = self.cache = self.graphs = None
 
     def reload(self, model: Any) -> None:

@@ -41,6 +41,8 @@ class TokenUpdate:
     tokens: list[int]
     logprobs: list[float] | None = None  # one per token, only when return_log_probs
     finish_reason: str | None = None  # "stop" (EOS / termination id / stop string) or "length"
+    # Context tokens the engine found in its prefix cache when it admitted the request.
+    cached_tokens: int | None = None
 
 
 class Runner(Protocol):

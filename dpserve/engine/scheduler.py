@@ -16,6 +16,14 @@ chunk of its uncached tokens. Every step:
    its whole context are free, and takes them at once, so a prefill never stalls half-way for
    memory; no sequence is admitted in a step that had to preempt.
 
+Prefix caching (when the pool has it on): at admission the longest run of the context's full
+blocks whose hashes the pool holds is shared instead of computed (``num_cached`` starts after
+it), so the prefill begins there. At most ``context - 1`` tokens are taken from the cache: the
+last one is always computed, for its logits. Hits are whole blocks, so a sequence only ever
+writes into blocks of its own. When a step's tokens are committed, every block they filled gets
+its hash and becomes findable. A preempted sequence keeps its hashes: readmitted, it finds its
+own blocks again unless they were evicted meanwhile.
+
 Decodes are never held back by the token budget (a step with more running sequences than the
 budget still decodes all of them); prefill then waits for the next step. So inter-token latency
 stays one step, and a burst of long prompts is spread over steps of bounded size.
@@ -29,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from dpserve.block_hash import ROOT_HASH, BlockHash, hash_block
 from dpserve.engine.kv_cache import BlockPool
 
 
@@ -37,8 +46,16 @@ class PagedSequence(Protocol):
 
     blocks: list[int]  # the block table: token t lives in blocks[t // block_size]
     num_cached: int  # context tokens whose keys and values are in the cache
+    # Prefix caching: the hashes of the context's full blocks computed so far, the extra keys
+    # (``block_hash.extra_keys``) they mix in, and how many context tokens the first
+    # admission found in the cache (None until admitted).
+    block_hashes: list[BlockHash]
+    cache_extra: bytes
+    cached_prompt_tokens: int | None
 
     def context_length(self) -> int: ...
+
+    def tokens_between(self, start: int, end: int) -> list[int]: ...
 
 
 # The runner's own sequence type: plans hand back the objects the runner added.
@@ -89,6 +106,9 @@ class Scheduler(Generic[S]):
         self.waiting: deque[S] = deque()
         self.running: list[S] = []  # in admission order: the newest last
         self.preemptions = 0
+        # Context tokens looked up in the prefix cache at admission, and those found.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def add(self, sequence: S) -> None:
         self.waiting.append(sequence)
@@ -134,17 +154,24 @@ class Scheduler(Generic[S]):
             if len(self.running) >= self.max_num_seqs or not self._admit(self.waiting[0]):
                 break
             sequence = self.waiting.popleft()
-            chunk = PrefillChunk(sequence, 0, min(sequence.context_length(), budget))
+            remaining = sequence.context_length() - sequence.num_cached
+            chunk = PrefillChunk(sequence, sequence.num_cached, min(remaining, budget))
             plan.prefills.append(chunk)
             budget -= chunk.length
         return plan
 
     def commit(self, plan: StepPlan[S]) -> None:
-        """The step's forward ran: its tokens are in the cache now."""
+        """The step's forward ran: its tokens are in the cache now, and the blocks they
+        filled can be found by their hashes."""
+        caching = self.pool.enable_caching
         for sequence in plan.decodes:
             sequence.num_cached += 1
+            if caching and sequence.num_cached % self.block_size == 0:
+                self._cache_filled_blocks(sequence, sequence.num_cached - 1)
         for chunk in plan.prefills:
             chunk.sequence.num_cached = chunk.start + chunk.length
+            if caching:
+                self._cache_filled_blocks(chunk.sequence, chunk.start)
 
     # ---------------------------------------------------------------------------- blocks
 
@@ -152,12 +179,47 @@ class Scheduler(Generic[S]):
         return -(-tokens // self.block_size)
 
     def _admit(self, sequence: S) -> bool:
-        needed = self._blocks_for(sequence.context_length()) - len(sequence.blocks)
-        if needed > self.pool.free_blocks:
+        pool, length = self.pool, sequence.context_length()
+        hit: list[int] = []
+        if pool.enable_caching:
+            # Whole blocks only, and never the last token: its logits are needed.
+            usable = (length - 1) // self.block_size
+            hit = pool.lookup(self._hashes(sequence, usable)[:usable])
+        needed = self._blocks_for(length) - len(hit)
+        # A hit on an evictable block takes it out of the free count too.
+        if needed + sum(1 for block in hit if pool.ref_counts[block] == 0) > pool.free_blocks:
             return False
-        sequence.blocks.extend(self.pool.allocate(needed))
+        pool.touch(hit)
+        sequence.blocks = hit + pool.allocate(needed)
+        sequence.num_cached = len(hit) * self.block_size
+        if pool.enable_caching:
+            self.prefix_queries += length
+            self.prefix_hits += sequence.num_cached
+        if sequence.cached_prompt_tokens is None:
+            sequence.cached_prompt_tokens = sequence.num_cached
         self.running.append(sequence)
         return True
+
+    def _hashes(self, sequence: S, full_blocks: int) -> list[BlockHash]:
+        """The sequence's block hashes, computed up to ``full_blocks`` blocks."""
+        hashes = sequence.block_hashes
+        block_size = self.block_size
+        while len(hashes) < full_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            tokens = sequence.tokens_between(index * block_size, (index + 1) * block_size)
+            hashes.append(hash_block(parent, tokens, sequence.cache_extra))
+        return hashes
+
+    def _cache_filled_blocks(self, sequence: S, since: int) -> None:
+        """Hash the blocks completed by the tokens from context position ``since`` on."""
+        first, full = since // self.block_size, sequence.num_cached // self.block_size
+        if full <= first:
+            return
+        hashes = self._hashes(sequence, full)
+        for index in range(first, full):
+            parent = hashes[index - 1] if index else ROOT_HASH
+            self.pool.cache_full_block(sequence.blocks[index], hashes[index], parent)
 
     def _reserve(self, sequence: S, plan: StepPlan[S]) -> bool:
         """Room for the sequence's next token, preempting the newest sequences if the pool is

@@ -37,6 +37,12 @@ class Sequence:
     # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
+    # Prefix caching (see ``scheduler``): hashes of the context's full blocks, the request's
+    # extra keys they mix in (``block_hash.extra_keys`` of its cache_salt), and the context
+    # tokens found cached at its first admission (reported as usage's cached tokens).
+    block_hashes: list[int] = field(default_factory=list)
+    cache_extra: bytes = b""
+    cached_prompt_tokens: int | None = None
 
     @property
     def request_id(self) -> int:
@@ -92,7 +98,9 @@ class Sequence:
             # logprobs has no entries for resume tokens: shift indices by their count.
             offset = len(self.request.resume_tokens)
             logprobs = self.logprobs[start - offset : ready - offset]
-        return TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish)
+        return TokenUpdate(
+            self.request_id, self.tokens[start:ready], logprobs, finish, self.cached_prompt_tokens
+        )
 
     def _scan_stop_strings(self, decode: Decode) -> tuple[int, bool]:
         """How many tokens may be returned now, and whether a stop string appeared. Only the

@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeGuard, runtime_checkable
 from dpserve import protocol
 from dpserve.engine.connection import CoordinatorConnection
 from dpserve.engine.detokenize import RequestText
+from dpserve.engine.kv_events import KVEventPublisher, ReportsKVEvents
 from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import CONTROL_SIGNALS, ControlState, ErrorCode, Header
@@ -59,6 +60,7 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache
 
 
 class EngineServer:
@@ -99,6 +101,12 @@ class EngineServer:
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
+        # The runner's prefix-cache events for the coordinator's index (None: no cache).
+        self._kv_source: ReportsKVEvents | None = None
+        self._kv_publisher: KVEventPublisher | None = None
+        if isinstance(runner, ReportsKVEvents) and runner.kv_block_size is not None:
+            self._kv_source = runner
+            self._kv_publisher = KVEventPublisher(connection.instance, runner.kv_block_size)
 
     @property
     def registered(self) -> bool:
@@ -135,6 +143,7 @@ class EngineServer:
                 self._keep_registered(looked_at)
                 if self.registered and not self.paused and self.runner.has_work():
                     self._absorb(self.runner.step())
+                self._publish_kv_events()
                 self._flush(time.monotonic())
                 if self._drain_step(time.monotonic()):
                     break
@@ -215,6 +224,26 @@ class EngineServer:
             self.suspended = False
         if self.drain_requested and self.drain_started is not None:
             self.connection.send(Header.DRAIN)  # a new coordinator must not route to us
+        self._send_kv_snapshot()  # a (new) coordinator's index learns what we hold
+
+    # ------------------------------------------------------------ prefix cache
+
+    def _publish_kv_events(self) -> None:
+        """Send what the cache gained and lost since the last turn (kept while unregistered:
+        the snapshot sent on registration supersedes them)."""
+        if self._kv_source is None or self._kv_publisher is None or not self.registered:
+            return
+        events = self._kv_source.kv_events()
+        if events:
+            for message in self._kv_publisher.messages(events):
+                self.connection.send(Header.KV_EVENTS, *message)
+
+    def _send_kv_snapshot(self) -> None:
+        if self._kv_source is None or self._kv_publisher is None:
+            return
+        self._kv_source.kv_events()  # superseded by the snapshot
+        for message in self._kv_publisher.snapshot(self._kv_source.kv_snapshot()):
+            self.connection.send(Header.KV_EVENTS, *message)
 
     def _forget_all(self, why: str) -> None:
         """Drop every held request: the coordinator that sent them no longer tracks them (its
@@ -246,6 +275,9 @@ class EngineServer:
             self._on_register_ack(*fields)
         elif header is Header.DRAIN_ACK:
             self.drain_acked = True
+        elif header is Header.KV_SNAPSHOT_REQUEST:
+            if self.registered:
+                self._send_kv_snapshot()
         elif header is Header.ERROR:
             _ref, code, message = fields
             if code == ErrorCode.UNKNOWN_PEER:
@@ -307,6 +339,8 @@ class EngineServer:
                 continue
             if held.ttft is None and update.tokens:
                 held.ttft = now - held.received_at
+            if update.cached_tokens is not None:
+                held.cached_tokens = update.cached_tokens
             held.tokens.extend(update.tokens)
             if update.logprobs is not None:
                 if held.logprobs is None:
@@ -329,6 +363,7 @@ class EngineServer:
             None,
             held.ttft,
             held.text.push(held.tokens, final=finish_reason is not None),
+            held.cached_tokens if finish_reason is not None else None,
         ]
         held.tokens = []
         held.logprobs = None if held.logprobs is None else []

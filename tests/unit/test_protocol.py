@@ -89,7 +89,7 @@ def test_records_of_batched_messages_are_checked() -> None:
     with_text = [[1, b"a\x00\x00\x00", None, None, None, 0.1, "a"]]
     assert protocol.check_records("u", without_text, fields, required) == without_text
     assert protocol.check_records("u", with_text, fields, required) == with_text
-    with pytest.raises(ProtocolError, match="takes 6-7 field"):
+    with pytest.raises(ProtocolError, match="takes 6-8 field"):
         protocol.check_records("u", [[1, b""]], fields, required)
     with pytest.raises(ProtocolError, match="takes 7 field"):
         protocol.check_records("u", without_text, fields)
@@ -133,7 +133,7 @@ def test_the_protocol_page_lists_every_record_with_its_fields() -> None:
     expected = {}
     for header, record in protocol.RECORDS.items():
         expected[record.__name__] = (str(int(header)), header.name, _doc_fields(record))
-    for record in (EngineUpdate, protocol.ClientResult, protocol.StreamChunk):
+    for record in (EngineUpdate, protocol.ClientResult, protocol.StreamChunk, protocol.KvEvent):
         expected[record.__name__] = ("", "(entry)", _doc_fields(record))
     assert documented == expected
 

@@ -20,9 +20,15 @@ class FakeSequence:
     generated: int = 0
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    cache_extra: bytes = b""
+    cached_prompt_tokens: int | None = None
 
     def context_length(self) -> int:
         return self.prompt + self.generated
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        return list(range(start, end))
 
 
 def blocks_for(tokens: int) -> int:
@@ -31,7 +37,10 @@ def blocks_for(tokens: int) -> int:
 
 def make(num_blocks: int, *, seqs: int = 8, budget: int = 32) -> Scheduler:
     return Scheduler(
-        BlockPool(num_blocks), BLOCK_SIZE, max_num_seqs=seqs, max_num_batched_tokens=budget
+        # Without prefix caching: these tests are about blocks never being shared.
+        BlockPool(num_blocks, enable_caching=False),
+        BLOCK_SIZE,
+        max_num_seqs=seqs, max_num_batched_tokens=budget
     )
 
 

@@ -1,0 +1,88 @@
+"""The identity of a full KV-cache block: one definition for the engine and the coordinator.
+
+A block's hash chains its parent's: ``hash(parent hash, the block's token ids, extra keys)``,
+so equal hashes mean equal *prefixes*, not just equal blocks, and the coordinator can find an
+engine's cached prefix of a prompt from hashes alone. Extra keys separate caches that must not
+be shared (today a request's ``cache_salt``; later an adapter's name).
+
+The hash is 64 bits of BLAKE2b over a fixed little-endian encoding: the same on every process,
+machine and restart (Python's ``hash()`` is salted per process, so it is never used here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Final
+
+BlockHash = int  # unsigned 64-bit
+
+# The parent of a prompt's first block (no block has this hash but by a 2**-64 accident).
+ROOT_HASH: Final[BlockHash] = 0
+_DIGEST_BYTES: Final = 8
+_PARENT: Final = struct.Struct("<Q")
+_LITTLE_ENDIAN: Final = sys.byteorder == "little"
+_TOKEN_BYTES: Final = 4  # token ids are int32, as on the wire
+
+
+def extra_keys(cache_salt: str | None) -> bytes:
+    """The extra keys of a request as the bytes every block hash of it mixes in."""
+    if not cache_salt:
+        return b""
+    return b"salt:" + cache_salt.encode("utf-8")
+
+
+def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """The hash of one full block: ``parent`` is the previous block's hash (``ROOT_HASH`` for
+    the first), ``extra`` the request's ``extra_keys``."""
+    packed = array("i", tokens)
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    digest.update(_PARENT.pack(parent))
+    # Lengths first: (tokens, extra) pairs can never be re-split into another valid pair.
+    digest.update(_PARENT.pack(len(packed) * _TOKEN_BYTES))
+    digest.update(packed.tobytes())
+    digest.update(extra)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    extra: bytes = b"",
+    *,
+    start: int = 0,
+    parent: BlockHash = ROOT_HASH,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``tokens`` from block ``start`` on (``parent``: the hash of
+    block ``start - 1``); a trailing partial block has none."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes = []
+    for first in range(start * block_size, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[first : first + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:
+    """Hashes as little-endian uint64 bytes (how KV events carry them)."""
+    packed = array("Q", hashes)
+    if not _LITTLE_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_hashes(data: bytes) -> list[BlockHash]:
+    """Inverse of ``pack_hashes``; ``ValueError`` for a length that is not a multiple of 8."""
+    if len(data) % _DIGEST_BYTES:
+        raise ValueError(f"packed block hashes must be a multiple of 8 bytes, got {len(data)}")
+    values = array("Q")
+    values.frombytes(data)
+    if not _LITTLE_ENDIAN:
+        values.byteswap()
+    return values.tolist()
