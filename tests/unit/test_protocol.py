@@ -91,7 +91,7 @@ def test_records_of_batched_messages_are_checked() -> None:
     assert protocol.check_records("u", with_text, fields, required) == with_text
     with pytest.raises(ProtocolError, match="takes 6-8 field"):
         protocol.check_records("u", [[1, b""]], fields, required)
-    with pytest.raises(ProtocolError, match="takes 7 field"):
+    with pytest.raises(ProtocolError, match="takes 8 field"):
         protocol.check_records("u", without_text, fields)
     with pytest.raises(ProtocolError, match="must be an array"):
         protocol.check_records("u", [5], fields, required)
