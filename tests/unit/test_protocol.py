@@ -111,7 +111,7 @@ def test_records_encode_byte_identically_to_header_and_fields() -> None:
     update = EngineUpdate(3, b"", None, "stop", None, None, "text")
     reply = protocol.encode(protocol.EngineReply([update]))
     assert reply == protocol.encode(
-        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text"]]
+        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text", None]]
     )
     assert protocol.decode_record(reply).updates == [list(update)]
 
