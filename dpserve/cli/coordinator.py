@@ -38,7 +38,7 @@ def add_parser(subparsers: Subcommands) -> None:
         "--routing",
         choices=[p.value for p in RoutingPolicy],
         default=None,
-        help="default: least-outstanding (round-robin with --deterministic)",
+        help="default: prefix-aware (round-robin with --deterministic)",
     )
     coordinator.add_argument("--deterministic", action="store_true", help="reproducible routing")
     coordinator.add_argument("--http-port", type=int, default=None, help="also serve HTTP here")

@@ -28,8 +28,11 @@ def _flag(default: Any, help: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     host: str = _flag("127.0.0.1", "address to bind (default: %(default)s)")
-    # None: least-outstanding, or round-robin in deterministic mode.
+    # None: prefix-aware, or round-robin in deterministic mode.
     routing: RoutingPolicy | str | None = None
+    # Seconds an engine counts as holding a prefix it was just sent, before its KV events
+    # confirm it (same-prefix bursts land together).
+    prefix_prediction_ttl: float = 2.0
     heartbeat_timeout: float = _flag(
         5.0, "seconds of engine silence before the coordinator probes it (default: %(default)s)"
     )
@@ -63,7 +66,7 @@ class CoordinatorConfig:
     def routing_policy(self, deterministic_mode: bool) -> RoutingPolicy:
         if self.routing:
             return RoutingPolicy(self.routing)
-        return RoutingPolicy.ROUND_ROBIN if deterministic_mode else RoutingPolicy.LEAST_OUTSTANDING
+        return RoutingPolicy.ROUND_ROBIN if deterministic_mode else RoutingPolicy.PREFIX_AWARE
 
     def status_limits(self) -> dict[str, int]:
         """The limits as STATUS reports them (the HTTP front exports each as a metric)."""

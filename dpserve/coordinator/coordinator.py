@@ -127,6 +127,7 @@ class DataParallelInferenceCoordinator:
         self.results = ResultRouter(
             self.tokenizer, transport, self.requests, self.dispatcher, self.counters
         )
+        self.results.on_cached_tokens = self.dispatcher.router.finished
         # The loop's table: one handler per message header, called as (identity, record).
         self._handlers: dict[Header, Handler] = {
             Header.CONNECT: self.membership.on_connect,
@@ -138,6 +139,7 @@ class DataParallelInferenceCoordinator:
             Header.CANCEL: self.intake.on_cancel,
             Header.ENGINE_REPLY: self._from_engine(self.results.on_engine_reply),
             Header.CONTROL_ACK: self._from_engine(self.control.on_ack),
+            Header.KV_EVENTS: self._from_engine(self.dispatcher.router.on_kv_events),
             Header.STATUS: self._on_status,
             **{signal: self.control.on_signal for signal in protocol.CONTROL_SIGNALS},
         }
@@ -240,6 +242,7 @@ class DataParallelInferenceCoordinator:
             clients=len(self.clients),
             requests=self.requests,
             counters=self.counters,
+            prefix_routing=self.dispatcher.router.status(),
         )
 
     # ------------------------------------------------------------------- the loop

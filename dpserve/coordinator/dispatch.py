@@ -16,9 +16,10 @@ from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.registry import Client, Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest, RequestTable
-from dpserve.coordinator.routing import RoutingPolicy, choose_engine
+from dpserve.coordinator.router import Router
+from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import Cancel, EngineRequest, ErrorCode
+from dpserve.protocol import Cancel, EngineRequest, ErrorCode, KvSnapshotRequest
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -41,6 +42,14 @@ class Dispatcher:
         self.requests = requests
         self.clients = clients
         self.counters = counters
+        self.router = Router(
+            routing,
+            registry,
+            prediction_ttl=config.prefix_prediction_ttl,
+            request_snapshot=lambda identity: transport.send(
+                identity, protocol.encode(KvSnapshotRequest())
+            ),
+        )
         # Called with each engine that is removed (a control operation stops waiting for it).
         self.on_engine_removed: Callable[[Engine], None] = lambda engine: None
 
@@ -48,7 +57,8 @@ class Dispatcher:
 
     def dispatch(self, request: InflightRequest) -> None:
         """Send the request to the engine the policy picks, or queue it when none can."""
-        while (identity := choose_engine(self.registry, self.routing)) is not None:
+        while (decision := self.router.choose(request)) is not None:
+            identity = decision.identity
             payload = protocol.encode(
                 EngineRequest(
                     request.request_id,
@@ -60,6 +70,7 @@ class Dispatcher:
             if not self.transport.send(identity, payload):
                 continue  # that engine vanished (and was removed): the request never got there
             self.registry.engines[identity].outstanding.add(request.request_id)
+            self.router.routed(request, decision)
             request.engine = identity
             request.progressed = False
             if request.dispatched_at is None:
@@ -117,6 +128,7 @@ class Dispatcher:
     def forget(self, request: InflightRequest) -> None:
         if self.requests.pop(request.request_id) is None:
             return
+        self.router.forget(request.request_id)
         if request.engine is not None and (engine := self.registry.get(request.engine)):
             engine.outstanding.discard(request.request_id)
         client = self.clients.get(request.client)
@@ -149,6 +161,7 @@ class Dispatcher:
         and a request with ``max_dispatch_attempts`` such deaths is failed instead: it is
         likely what kills them, and sending it on would take every engine down in turn."""
         self.registry.remove(engine.identity)
+        self.router.engine_removed(engine)  # re-dispatch below routes by the survivors' caches
         self.on_engine_removed(engine)
         by_id = self.requests.by_id
         orphans = [by_id[rid] for rid in engine.outstanding if rid in by_id]

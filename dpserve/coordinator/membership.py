@@ -99,7 +99,9 @@ class Membership:
                 return
             # Same identity, new process: the old one died.
             self.dispatcher.remove_engine(existing, died=True)
-        self.registry.add(Engine(identity, rank, capacity, instance, time.monotonic()))
+        engine = Engine(identity, rank, capacity, instance, time.monotonic())
+        self.registry.add(engine)
+        self.dispatcher.router.engine_added(engine)  # its snapshot follows the ack
         log.info(
             "engine rank %d registered (capacity %d); %d engine(s)",
             rank,

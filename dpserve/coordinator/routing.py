@@ -1,8 +1,22 @@
-"""Which engine gets the next request."""
+"""Which engine gets the next request: the policies, as functions of what the coordinator knows.
+
+* ``round-robin``: request k goes to the k-th routable engine in turn (reproducible);
+* ``least-outstanding``: fewest outstanding requests relative to capacity;
+* ``prefix-aware`` (the default): the cost of sending a request to an engine is the prompt
+  tokens it would have to prefill (those its cache does not hold, from the prefix index) plus
+  ``load_weight`` x the work already queued there (uncached prompt tokens and output tokens of
+  its outstanding requests), as NVIDIA Dynamo's KV router scores workers. The cheapest wins. A
+  hot-spot guard passes over an engine with far more outstanding requests than the least busy
+  one, so even one very popular prefix spreads over every engine (each then caches it).
+
+``choose_by_prefix`` is pure: candidates in, a ``Decision`` (engine and reason) out.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from dpserve.coordinator.registry import EngineRegistry
 
@@ -12,10 +26,83 @@ class RoutingPolicy(StrEnum):
     ROUND_ROBIN = "round-robin"
     # Fewest outstanding requests relative to the engine's capacity; adapts to slow engines.
     LEAST_OUTSTANDING = "least-outstanding"
+    # Cached prefix against load (see the module's docstring).
+    PREFIX_AWARE = "prefix-aware"
+
+
+class Reason(StrEnum):
+    """Why ``choose_by_prefix`` picked an engine (a label of the routing metrics)."""
+
+    PREFIX = "prefix"  # it holds the longest cached prefix of the prompt
+    LOAD = "load"  # no engine holds any of the prompt: the least loaded
+    BALANCE = "balance"  # another holds more of it, but is busier by more than that is worth
+    HOT_SPOT = "hot_spot"  # the best-cached engine was passed over by the hot-spot guard
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRouting:
+    """The prefix-aware policy's weights."""
+
+    # Tokens of queued work that cost as much as one prompt token to prefill.
+    load_weight: float = 1.0
+    # An engine with more than factor x (fewest outstanding of any engine) + slack
+    # outstanding requests is passed over while another is under that bound.
+    hot_spot_factor: float = 2.0
+    hot_spot_slack: int = 4
+
+
+DEFAULT_PREFIX_ROUTING: Final = PrefixRouting()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    identity: bytes
+    cached_tokens: int  # prompt tokens its cache holds (or is predicted to)
+    outstanding: int  # requests in flight there
+    queued_tokens: int  # work charged to it by earlier decisions and not yet finished
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    identity: bytes
+    reason: Reason
+    predicted_cached_tokens: int
+    cost: float
+
+
+def choose_by_prefix(
+    candidates: list[Candidate],
+    prompt_tokens: int,
+    weights: PrefixRouting = DEFAULT_PREFIX_ROUTING,
+) -> Decision | None:
+    """The cheapest candidate (ties: the first), or None when there is none."""
+    if not candidates:
+        return None
+    fewest = min(c.outstanding for c in candidates)
+    bound = weights.hot_spot_factor * fewest + weights.hot_spot_slack
+    eligible = [c for c in candidates if c.outstanding <= bound]
+    best_cached = max(candidates, key=lambda c: c.cached_tokens)
+
+    def cost(candidate: Candidate) -> float:
+        uncached = prompt_tokens - candidate.cached_tokens
+        return uncached + weights.load_weight * candidate.queued_tokens
+
+    chosen = min(eligible, key=cost)
+    if best_cached.cached_tokens == 0:
+        reason = Reason.LOAD
+    elif chosen.cached_tokens >= best_cached.cached_tokens:
+        reason = Reason.PREFIX
+    elif best_cached not in eligible:
+        reason = Reason.HOT_SPOT
+    else:
+        reason = Reason.BALANCE
+    return Decision(chosen.identity, reason, chosen.cached_tokens, cost(chosen))
 
 
 def choose_engine(registry: EngineRegistry, policy: RoutingPolicy) -> bytes | None:
-    """The identity of the engine for the next request, or None when none can take work."""
+    """The identity of the engine for the next request by load alone (round-robin or least
+    outstanding; prefix-aware without a prompt is least outstanding), or None when none can
+    take work."""
     routable = registry.routable
     if not routable:
         return None

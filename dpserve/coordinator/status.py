@@ -25,6 +25,7 @@ def status_report(
     clients: int,
     requests: RequestTable,
     counters: Mapping[str, int],
+    prefix_routing: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     engines = registry.engines.values()
     counters = dict(counters)
@@ -53,4 +54,6 @@ def status_report(
         "security": "curve" if transport.secured else "none",
         "limits": config.status_limits(),
         "counters": counters,
+        # Routing decisions by reason, and the prefix index's predicted vs actual cached tokens.
+        "prefix_routing": dict(prefix_routing or {}),
     }

@@ -12,7 +12,7 @@ rows of a CUDA graph write to, may point at it harmlessly.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
@@ -127,8 +127,8 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block. Pass a block table in order: its tail is made
         evictable first, so a prefix's first blocks (shared most) are evicted last."""
-        for block in blocks:
-            if self.ref_counts[block] <= 0:
+        for block, count in Counter(blocks).items():
+            if self.ref_counts[block] < count:
                 raise ValueError(f"block {block} is not allocated (double free?)")
         for block in reversed(blocks):
             self.ref_counts[block] -= 1

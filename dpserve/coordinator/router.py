@@ -1,0 +1,170 @@
+"""``Router``: the dispatcher's one call for "which engine", under the configured policy.
+
+For ``prefix-aware`` it hashes the request's prompt (``dpserve.block_hash``, the engines' own
+definition, at each engine's block size), asks the ``PrefixIndex`` how much of it each routable
+engine holds, charges the chosen engine the work it was given (until the request finishes,
+fails, is cancelled or moves), and counts the decisions and how good the index's predictions
+were (predicted cached tokens against what the engine reports it found)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from dpserve import protocol
+from dpserve.block_hash import BlockHash, block_hashes, extra_keys
+from dpserve.coordinator.prefix_index import PrefixIndex
+from dpserve.coordinator.registry import Engine, EngineRegistry
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.routing import (
+    DEFAULT_PREFIX_ROUTING,
+    Candidate,
+    Decision,
+    PrefixRouting,
+    Reason,
+    RoutingPolicy,
+    choose_by_prefix,
+    choose_engine,
+)
+from dpserve.protocol import KvEvents
+
+# Output tokens a request is charged at most: the decode work of a long generation is spread
+# over many batched steps, and a huge max_tokens must not make its engine look busy forever.
+OUTPUT_TOKENS_CHARGED_AT_MOST = 256
+
+
+class Router:
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        registry: EngineRegistry,
+        *,
+        prediction_ttl: float = 2.0,
+        weights: PrefixRouting = DEFAULT_PREFIX_ROUTING,
+        request_snapshot: Callable[[bytes], object] = lambda identity: None,
+    ) -> None:
+        self.policy = policy
+        self.registry = registry
+        self.weights = weights
+        self.index = PrefixIndex(prediction_ttl)
+        self.request_snapshot = request_snapshot
+        self.decisions: Counter[str] = Counter()
+        self._charges: dict[int, tuple[bytes, int]] = {}  # request id -> (engine, tokens)
+        self._queued: dict[bytes, int] = {}  # engine -> charged tokens
+        self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
+        self.predicted_tokens = 0  # sums over finished requests with a reported count
+        self.actual_tokens = 0
+        self.prediction_error_tokens = 0
+
+    # ------------------------------------------------------------------- decisions
+
+    def choose(self, request: InflightRequest) -> Decision | None:
+        if self.policy is not RoutingPolicy.PREFIX_AWARE:
+            identity = choose_engine(self.registry, self.policy)
+            return None if identity is None else Decision(identity, Reason.LOAD, 0, 0.0)
+        routable = self.registry.routable
+        if not routable:
+            return None
+        now = time.monotonic()
+        self.index.expire(now)
+        tokens = protocol.unpack_tokens(request.prompt_tokens)
+        context = tokens + protocol.unpack_tokens(request.generated)
+        extra = extra_keys(request.params.get("cache_salt"))
+        hashes_by_size: dict[int, list[BlockHash]] = {}
+        cached: dict[bytes, int] = {}
+        for identity in routable:
+            size = self.index.block_size(identity)
+            if size is None:
+                cached[identity] = 0
+                continue
+            if size not in hashes_by_size:
+                # At most context - 1 tokens can come from a cache (the last is computed).
+                usable = (len(context) - 1) // size
+                hashes_by_size[size] = block_hashes(context[: usable * size], size, extra)
+            blocks = self.index.matched_blocks(hashes_by_size[size], (identity,), now)
+            cached[identity] = blocks[identity] * size
+        engines = self.registry.engines
+        candidates = [
+            Candidate(
+                identity,
+                cached[identity],
+                len(engines[identity].outstanding),
+                self._queued.get(identity, 0),
+            )
+            for identity in routable
+        ]
+        decision = choose_by_prefix(candidates, len(context), self.weights)
+        if decision is not None:
+            size = self.index.block_size(decision.identity)
+            if size is not None:
+                self.index.predict(decision.identity, hashes_by_size[size], now)
+        return decision
+
+    def routed(self, request: InflightRequest, decision: Decision) -> None:
+        """The request was sent where ``decision`` said: charge that engine."""
+        self.release(request.request_id)
+        self.decisions[decision.reason.value] += 1
+        if self.policy is not RoutingPolicy.PREFIX_AWARE:
+            return
+        context_tokens = (len(request.prompt_tokens) + len(request.generated)) // 4
+        output = min(
+            int(request.params.get("num_tokens_to_generate", 16)), OUTPUT_TOKENS_CHARGED_AT_MOST
+        )
+        charge = context_tokens - decision.predicted_cached_tokens + output
+        self._charges[request.request_id] = (decision.identity, charge)
+        self._queued[decision.identity] = self._queued.get(decision.identity, 0) + charge
+        self._predicted[request.request_id] = decision.predicted_cached_tokens
+
+    def release(self, request_id: int) -> None:
+        """The request left its engine (finished, failed, cancelled, or moves elsewhere)."""
+        charged = self._charges.pop(request_id, None)
+        if charged is not None:
+            identity, tokens = charged
+            left = self._queued.get(identity, 0) - tokens
+            if left > 0:
+                self._queued[identity] = left
+            else:
+                self._queued.pop(identity, None)
+
+    def finished(self, request: InflightRequest, cached_tokens: int | None) -> None:
+        """The engine reported how much of the prompt it found cached: the index's accuracy."""
+        predicted = self._predicted.pop(request.request_id, None)
+        if predicted is None or cached_tokens is None:
+            return
+        self.predicted_tokens += predicted
+        self.actual_tokens += cached_tokens
+        self.prediction_error_tokens += abs(predicted - cached_tokens)
+
+    def forget(self, request_id: int) -> None:
+        self.release(request_id)
+        self._predicted.pop(request_id, None)
+
+    # ----------------------------------------------------------------- membership
+
+    def engine_added(self, engine: Engine) -> None:
+        self.index.add_engine(engine.identity, engine.instance)
+
+    def engine_removed(self, engine: Engine) -> None:
+        self.index.remove_engine(engine.identity)
+        self._queued.pop(engine.identity, None)
+        for request_id in [r for r, (i, _) in self._charges.items() if i == engine.identity]:
+            del self._charges[request_id]
+
+    def on_kv_events(self, engine: Engine, batch: KvEvents) -> None:
+        if self.index.apply(engine.identity, batch):
+            self.request_snapshot(engine.identity)
+
+    # ---------------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "decisions": dict(self.decisions),
+            "predicted_cached_tokens": self.predicted_tokens,
+            "actual_cached_tokens": self.actual_tokens,
+            "prediction_error_tokens": self.prediction_error_tokens,
+            "indexed_blocks": len(self.index.holders),
+            "event_gaps": self.index.gaps,
+            "stale_event_batches": self.index.stale_batches,
+        }
