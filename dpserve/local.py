@@ -47,6 +47,7 @@ class LocalDeployment:
     torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
+    routing: str | None = None  # the coordinator's --routing (None: its default)
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
@@ -84,6 +85,7 @@ class LocalDeployment:
             *tokenizer,
             *keys,
             *_coordinator_limit_flags(self.limits),
+            *(["--routing", self.routing] if self.routing else []),
         )
         for rank in range(self.data_parallel_size):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]

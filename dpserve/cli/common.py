@@ -119,3 +119,8 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not share KV blocks of equal prompt prefixes between requests",
+    )

@@ -50,6 +50,18 @@ def add_parser(subparsers: Subcommands) -> None:
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
     engine.add_argument(
+        "--fake-prefill-cost",
+        type=float,
+        default=0.0,
+        help="seconds a fake step takes per prompt token its simulated prefix cache lacks",
+    )
+    engine.add_argument(
+        "--fake-cache-blocks",
+        type=int,
+        default=4096,
+        help="blocks the fake engine's simulated prefix cache holds (default: %(default)s)",
+    )
+    engine.add_argument(
         "--context-size",
         type=int,
         default=DEFAULT_FAKE_CONTEXT_SIZE,
@@ -122,11 +134,17 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
     """The fake runner, or the model with its KV cache (torch imported only here)."""
     if args.fake:
         from dpserve.engine.fake import FakeRunner
+        from dpserve.engine.fake_cache import SimulatedPrefixCache
 
+        cache = None
+        if not args.no_prefix_caching:
+            cache = SimulatedPrefixCache(args.fake_cache_blocks, args.block_size)
         return FakeRunner(
             capacity=args.max_batch_size or 256,
             step_delay=args.step_delay,
             max_context=args.context_size,
+            prefix_cache=cache,
+            prefill_cost=args.fake_prefill_cost,
         )
     import torch
 
@@ -147,4 +165,5 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs,
+        prefix_caching=not args.no_prefix_caching,
     )

@@ -15,6 +15,7 @@ from dpserve.cli.common import (
     add_kv_cache_flags,
     api_keys,
 )
+from dpserve.coordinator.routing import RoutingPolicy
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -36,6 +37,12 @@ def add_parser(subparsers: Subcommands) -> None:
         help="torch threads per engine (default: this process's cores divided among the engines)",
     )
     serve.add_argument("--fake", action="store_true", help="fake engines, no model")
+    serve.add_argument(
+        "--routing",
+        choices=[p.value for p in RoutingPolicy],
+        default=None,
+        help="the coordinator's routing policy (default: prefix-aware)",
+    )
     serve.add_argument(
         "--credentials",
         metavar="DIR",
@@ -81,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
         fake=args.fake,
+        routing=args.routing,
         credentials=args.credentials or None,
         api_keys=http_api_keys,
         limits=flags.request_limits(args),
@@ -99,4 +107,6 @@ def _kv_cache_args(args: argparse.Namespace) -> tuple[str, ...]:
         out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.no_cuda_graphs:
         out.append("--no-cuda-graphs")
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
     return tuple(out)

@@ -18,6 +18,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from dpserve.block_hash import BlockHash, extra_keys
+from dpserve.engine.fake_cache import SimulatedPrefixCache
+from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
 from dpserve.protocol import ErrorCode
 
@@ -45,6 +48,7 @@ class _Sequence:
     end: int  # position (resume tokens included) where the output stops
     finish_reason: str
     position: int  # next position to emit
+    cached_tokens: int | None = None  # found in the simulated prefix cache at admission
 
 
 def _termination_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
@@ -96,11 +100,22 @@ def plan_finish(request: EngineRequest, context_size: int) -> tuple[int, str]:
 
 class FakeRunner:
     def __init__(
-        self, capacity: int = 256, step_delay: float = 0.0, max_context: int = DEFAULT_CONTEXT_SIZE
+        self,
+        capacity: int = 256,
+        step_delay: float = 0.0,
+        max_context: int = DEFAULT_CONTEXT_SIZE,
+        *,
+        prefix_cache: SimulatedPrefixCache | None = None,
+        prefill_cost: float = 0.0,
     ) -> None:
         self.capacity = capacity
         self.step_delay = step_delay
         self.max_context = max_context
+        # Cache simulation: a step that admits requests also sleeps ``prefill_cost`` seconds
+        # per prompt token the simulated prefix cache did not hold.
+        self.prefix_cache = prefix_cache
+        self.prefill_cost = prefill_cost
+        self.prefill_tokens = 0
         self.released = False
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}
@@ -130,11 +145,15 @@ class FakeRunner:
         """One token for every running request; admits waiting ones up to capacity."""
         if self.released:
             raise RuntimeError("step() on a released runner: reload() first")
+        prefilled = 0
         while self._waiting and len(self._running) < self.capacity:
             sequence = self._waiting.popleft()
             self._running[sequence.request.request_id] = sequence
-        if self.step_delay:
-            time.sleep(self.step_delay)
+            prefilled += self._prefill(sequence)
+        self.prefill_tokens += prefilled
+        delay = self.step_delay + prefilled * self.prefill_cost
+        if delay:
+            time.sleep(delay)
         updates = []
         finished = []
         for request_id, sequence in self._running.items():
@@ -144,8 +163,9 @@ class FakeRunner:
                 sequence.position += 1
             done = sequence.position >= sequence.end
             logprobs = [-1.0] * len(tokens) if sequence.request.params.return_log_probs else None
+            finish = sequence.finish_reason if done else None
             updates.append(
-                TokenUpdate(request_id, tokens, logprobs, sequence.finish_reason if done else None)
+                TokenUpdate(request_id, tokens, logprobs, finish, sequence.cached_tokens)
             )
             if done:
                 finished.append(request_id)
@@ -160,4 +180,35 @@ class FakeRunner:
         self.released = False
 
     def stats(self) -> dict[str, int]:
-        return {"waiting": len(self._waiting), "running": len(self._running)}
+        stats = {"waiting": len(self._waiting), "running": len(self._running)}
+        if self.prefix_cache is not None:
+            cache = self.prefix_cache
+            stats |= {
+                "prefill_tokens": self.prefill_tokens,
+                "kv_cached_blocks": len(cache),
+                "prefix_cache_queries": cache.queries,
+                "prefix_cache_hits": cache.hits,
+                "prefix_cache_evictions": cache.evictions,
+            }
+        return stats
+
+    # --------------------------------------------------------- prefix-cache simulation
+
+    def _prefill(self, sequence: _Sequence) -> int:
+        """Admit a sequence to the simulated cache; the prompt tokens it must compute."""
+        prompt = sequence.request.prompt_tokens
+        if self.prefix_cache is None:
+            return len(prompt)
+        extra = extra_keys(sequence.request.params.cache_salt)
+        sequence.cached_tokens = self.prefix_cache.admit(prompt, extra)
+        return len(prompt) - sequence.cached_tokens
+
+    @property
+    def kv_block_size(self) -> int | None:
+        return None if self.prefix_cache is None else self.prefix_cache.block_size
+
+    def kv_events(self) -> list[KVEvent]:
+        return [] if self.prefix_cache is None else self.prefix_cache.take_events()
+
+    def kv_snapshot(self) -> list[BlockHash]:
+        return [] if self.prefix_cache is None else self.prefix_cache.snapshot()

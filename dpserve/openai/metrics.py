@@ -79,6 +79,36 @@ ENGINE_STATS_METRICS: Final = (
         "Sequences the engine preempted for KV-cache blocks (recomputed later)",
         True,
     ),
+    (
+        "dpserve_engine_prefix_cache_queries",
+        "prefix_cache_queries",
+        "Prompt tokens the engine looked up in its prefix cache (vLLM's prefix_cache_queries)",
+        True,
+    ),
+    (
+        "dpserve_engine_prefix_cache_hits",
+        "prefix_cache_hits",
+        "Prompt tokens the engine found in its prefix cache (vLLM's prefix_cache_hits)",
+        True,
+    ),
+    (
+        "dpserve_engine_kv_cache_usage_perc",
+        "kv_cache_usage",
+        "Share (0-1) of KV-cache blocks held by running sequences (vLLM's kv_cache_usage_perc)",
+        False,
+    ),
+    (
+        "dpserve_engine_kv_cache_cached_blocks",
+        "kv_cached_blocks",
+        "KV-cache blocks holding a reusable prefix (held or evictable)",
+        False,
+    ),
+    (
+        "dpserve_engine_prefill_tokens",
+        "prefill_tokens",
+        "Prompt tokens the engine actually computed (those not served from its prefix cache)",
+        True,
+    ),
 )
 
 
@@ -92,6 +122,43 @@ def _engine_stats_metrics(engines: list[Mapping[str, Any]]) -> Iterable[Metric]:
                 family.add_metric([str(engine["rank"])], value)
         if family.samples:
             yield family
+
+
+def _routing_metrics(routing: Mapping[str, Any]) -> Iterable[Metric]:
+    """The coordinator's routing decisions and how well its prefix index predicted caches."""
+    decisions = CounterMetricFamily(
+        "dpserve_routing_decisions",
+        "Requests routed, by the reason the policy gave (prefix, load, balance, hot_spot)",
+        labels=["reason"],
+    )
+    for reason, count in sorted(routing.get("decisions", {}).items()):
+        decisions.add_metric([reason], count)
+    yield decisions
+    for name, key, help_text in (
+        (
+            "dpserve_routing_predicted_cached_tokens",
+            "predicted_cached_tokens",
+            "Prompt tokens the prefix index predicted the chosen engines had cached",
+        ),
+        (
+            "dpserve_routing_actual_cached_tokens",
+            "actual_cached_tokens",
+            "Prompt tokens the chosen engines reported they found cached (same requests)",
+        ),
+        (
+            "dpserve_routing_prediction_error_tokens",
+            "prediction_error_tokens",
+            "Sum over requests of |predicted - actual| cached prompt tokens",
+        ),
+    ):
+        if key in routing:
+            yield CounterMetricFamily(name, help_text, value=routing[key])
+    if "indexed_blocks" in routing:
+        yield GaugeMetricFamily(
+            "dpserve_routing_indexed_blocks",
+            "Block hashes in the coordinator's prefix index",
+            value=routing["indexed_blocks"],
+        )
 
 
 class _ScrapeCollector:
@@ -138,6 +205,7 @@ class _ScrapeCollector:
         yield inflight
         yield capacity
         yield from _engine_stats_metrics(engines)
+        yield from _routing_metrics(status.get("prefix_routing", {}))
         for name, value in status.get("limits", {}).items():
             yield GaugeMetricFamily(
                 f"dpserve_limit_{name}",

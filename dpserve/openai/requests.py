@@ -72,6 +72,10 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
     "max_tokens": _honoured("SamplingParams.num_tokens_to_generate"),
     "ignore_eos": _honoured("vLLM extension: SamplingParams.ignore_eos"),
     "min_tokens": _honoured("vLLM extension: SamplingParams.min_tokens"),
+    "cache_salt": _honoured(
+        "vLLM extension: SamplingParams.cache_salt; requests with different salts never share "
+        "prefix-cache blocks (docs/security.md)"
+    ),
     "logprobs": _honoured("the sampled tokens' log-probs; not with stream"),
     "n": _no_op("one choice per request", 1),
     "best_of": _no_op("one candidate per request", 1),
@@ -252,6 +256,7 @@ def _generation_request(
             stream=stream,
             ignore_eos=read_bool(body, "ignore_eos", default=False),
             min_tokens=read_int(body, "min_tokens", 0),
+            cache_salt=_cache_salt(body.get("cache_salt")),
         )
     except InvalidSamplingParams as exc:  # SamplingParams owns the value rules
         raise InvalidRequest(str(exc), param=_param_named_in(str(exc), max_tokens_key)) from None
@@ -268,6 +273,7 @@ _API_NAMES: Final = {
     "stop string": "stop",
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
+    "cache_salt": "cache_salt",
 }
 
 
@@ -277,6 +283,12 @@ def _param_named_in(message: str, max_tokens_key: str) -> str | None:
     names = {**_API_NAMES, "num_tokens_to_generate": max_tokens_key}
     found = [(message.find(field), param) for field, param in names.items() if field in message]
     return min(found)[1] if found else None
+
+
+def _cache_salt(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidRequest("cache_salt must be a string", param="cache_salt")
 
 
 def _stop_strings(stop: object, limits: RequestLimits) -> tuple[str, ...]:

@@ -36,8 +36,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def record_usage(record: RequestRecord) -> dict[str, int]:
-    return usage(len(record.prompt_tokens), len(record.generated_tokens))
+def record_usage(record: RequestRecord) -> dict[str, Any]:
+    counts: dict[str, Any] = usage(len(record.prompt_tokens), len(record.generated_tokens))
+    if record.cached_tokens is not None:
+        # OpenAI's field: prompt tokens served from the prefix cache (a resumed request's
+        # cached context may include generated tokens: never more than the prompt).
+        cached = min(record.cached_tokens, len(record.prompt_tokens))
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts
 
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:
