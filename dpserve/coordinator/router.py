@@ -2,9 +2,8 @@
 
 For ``prefix-aware`` it hashes the request's prompt (``dpserve.block_hash``, the engines' own
 definition, at each engine's block size), asks the ``PrefixIndex`` how much of it each routable
-engine holds, charges the chosen engine the work it was given (until the request finishes,
-fails, is cancelled or moves), and counts the decisions and how good the index's predictions
-were (predicted cached tokens against what the engine reports it found)."""
+engine holds, picks one (``routing.choose_by_prefix``), and counts the decisions and how good
+the index's predictions were (predicted cached tokens against what the engine found)."""
 
 from __future__ import annotations
 
@@ -30,10 +29,6 @@ from dpserve.coordinator.routing import (
 )
 from dpserve.protocol import KvEvents
 
-# Output tokens a request is charged at most: the decode work of a long generation is spread
-# over many batched steps, and a huge max_tokens must not make its engine look busy forever.
-OUTPUT_TOKENS_CHARGED_AT_MOST = 256
-
 
 class Router:
     def __init__(
@@ -51,8 +46,6 @@ class Router:
         self.index = PrefixIndex(prediction_ttl)
         self.request_snapshot = request_snapshot
         self.decisions: Counter[str] = Counter()
-        self._charges: dict[int, tuple[bytes, int]] = {}  # request id -> (engine, tokens)
-        self._queued: dict[bytes, int] = {}  # engine -> charged tokens
         self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
         self.predicted_tokens = 0  # sums over finished requests with a reported count
         self.actual_tokens = 0
@@ -87,12 +80,7 @@ class Router:
             cached[identity] = blocks[identity] * size
         engines = self.registry.engines
         candidates = [
-            Candidate(
-                identity,
-                cached[identity],
-                len(engines[identity].outstanding),
-                self._queued.get(identity, 0),
-            )
+            Candidate(identity, cached[identity], len(engines[identity].outstanding))
             for identity in routable
         ]
         decision = choose_by_prefix(candidates, len(context), self.weights)
@@ -103,30 +91,10 @@ class Router:
         return decision
 
     def routed(self, request: InflightRequest, decision: Decision) -> None:
-        """The request was sent where ``decision`` said: charge that engine."""
-        self.release(request.request_id)
+        """The request was sent where ``decision`` said."""
         self.decisions[decision.reason.value] += 1
-        if self.policy is not RoutingPolicy.PREFIX_AWARE:
-            return
-        context_tokens = (len(request.prompt_tokens) + len(request.generated)) // 4
-        output = min(
-            int(request.params.get("num_tokens_to_generate", 16)), OUTPUT_TOKENS_CHARGED_AT_MOST
-        )
-        charge = context_tokens - decision.predicted_cached_tokens + output
-        self._charges[request.request_id] = (decision.identity, charge)
-        self._queued[decision.identity] = self._queued.get(decision.identity, 0) + charge
-        self._predicted[request.request_id] = decision.predicted_cached_tokens
-
-    def release(self, request_id: int) -> None:
-        """The request left its engine (finished, failed, cancelled, or moves elsewhere)."""
-        charged = self._charges.pop(request_id, None)
-        if charged is not None:
-            identity, tokens = charged
-            left = self._queued.get(identity, 0) - tokens
-            if left > 0:
-                self._queued[identity] = left
-            else:
-                self._queued.pop(identity, None)
+        if self.policy is RoutingPolicy.PREFIX_AWARE:
+            self._predicted[request.request_id] = decision.predicted_cached_tokens
 
     def finished(self, request: InflightRequest, cached_tokens: int | None) -> None:
         """The engine reported how much of the prompt it found cached: the index's accuracy."""
@@ -138,7 +106,6 @@ class Router:
         self.prediction_error_tokens += abs(predicted - cached_tokens)
 
     def forget(self, request_id: int) -> None:
-        self.release(request_id)
         self._predicted.pop(request_id, None)
 
     # ----------------------------------------------------------------- membership
@@ -148,9 +115,6 @@ class Router:
 
     def engine_removed(self, engine: Engine) -> None:
         self.index.remove_engine(engine.identity)
-        self._queued.pop(engine.identity, None)
-        for request_id in [r for r, (i, _) in self._charges.items() if i == engine.identity]:
-            del self._charges[request_id]
 
     def on_kv_events(self, engine: Engine, batch: KvEvents) -> None:
         if self.index.apply(engine.identity, batch):

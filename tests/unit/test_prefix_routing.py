@@ -1,0 +1,112 @@
+"""The prefix index under events, gaps, restarts and deaths, and the prefix-aware policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpserve.block_hash import ROOT_HASH, block_hashes, pack_hashes
+from dpserve.coordinator.prefix_index import PrefixIndex
+from dpserve.coordinator.routing import Candidate, Reason, choose_by_prefix
+from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode_record, encode
+
+A, B = b"engine-a", b"engine-b"
+
+
+def stored(hashes: list[int], parent: int | None = ROOT_HASH) -> KvEvent:
+    return KvEvent(0, pack_hashes(hashes), parent)
+
+
+def removed(hashes: list[int]) -> KvEvent:
+    return KvEvent(1, pack_hashes(hashes), None)
+
+
+CLEARED = KvEvent(2, b"", None)
+
+
+def batch(instance: str, number: int, block_size: int, events: list[KvEvent]) -> KvEvents:
+    """A KV_EVENTS batch as the coordinator receives it: through the wire format."""
+    received: KvEvents = decode_record(encode(KvEvents(instance, number, block_size, events)))
+    return received
+
+
+def test_index_follows_events_and_matches_prefixes_only() -> None:
+    index = PrefixIndex()
+    index.add_engine(A, "a1")
+    hashes = block_hashes(list(range(40)), 4)
+    assert not index.apply(A, batch("a1", 0, 4, [CLEARED, stored(hashes[:6])]))
+    assert index.matched_blocks(hashes, [A, B], now=0.0) == {A: 6, B: 0}
+    assert not index.apply(A, batch("a1", 1, 4, [removed([hashes[2]])]))
+    assert index.matched_blocks(hashes, [A], now=0.0) == {A: 2}  # a prefix, not a count
+
+
+def test_a_gap_drops_the_engine_and_waits_for_a_snapshot() -> None:
+    index = PrefixIndex()
+    index.add_engine(A, "a1")
+    index.apply(A, batch("a1", 0, 4, [CLEARED, stored([1, 2])]))
+    assert index.apply(A, batch("a1", 2, 4, [stored([3], 2)]))  # batch 1 was lost
+    assert index.held(A) == 0 and index.gaps == 1
+    assert not index.apply(A, batch("a1", 3, 4, [stored([4], 3)]))  # ignored meanwhile
+    assert index.held(A) == 0
+    index.apply(A, batch("a1", 4, 4, [CLEARED, stored([1, 2, 3, 4], None)]))
+    assert index.held(A) == 4
+    assert not index.apply(A, batch("a1", 5, 4, [stored([5], 4)]))
+    assert index.held(A) == 5
+
+
+def test_restart_and_death_drop_entries_and_stale_batches_are_ignored() -> None:
+    index = PrefixIndex()
+    index.add_engine(A, "a1")
+    index.add_engine(B, "b1")
+    index.apply(A, batch("a1", 0, 4, [CLEARED, stored([1, 2])]))
+    index.apply(B, batch("b1", 0, 4, [CLEARED, stored([1])]))
+    index.add_engine(A, "a2")  # restarted: a new process under the same identity
+    assert index.held(A) == 0 and index.holders[1] == {B}
+    index.apply(A, batch("a1", 1, 4, [stored([3], 2)]))  # from the dead process
+    assert index.held(A) == 0 and index.stale_batches == 1
+    index.remove_engine(B)
+    assert index.holders == {}
+
+
+def test_predictions_count_until_their_ttl() -> None:
+    index = PrefixIndex(prediction_ttl=2.0)
+    index.add_engine(A, "a1")
+    index.apply(A, batch("a1", 0, 4, [CLEARED]))
+    index.predict(A, [7, 8], now=10.0)
+    assert index.matched_blocks([7, 8, 9], [A], now=11.0) == {A: 2}
+    assert index.matched_blocks([7, 8, 9], [A], now=11.0, confirmed_only=True) == {A: 0}
+    index.expire(12.5)
+    assert index.matched_blocks([7, 8], [A], now=12.5) == {A: 0}
+
+
+def test_malformed_events_are_refused_whole() -> None:
+    index = PrefixIndex()
+    index.add_engine(A, "a1")
+    with pytest.raises(ProtocolError, match="multiple of 8"):
+        index.apply(A, batch("a1", 0, 4, [KvEvent(0, b"abc", None)]))  # type: ignore[list-item]
+    with pytest.raises(ProtocolError, match="kind"):
+        index.apply(A, batch("a1", 0, 4, [KvEvent(9, b"", None)]))
+    with pytest.raises(ProtocolError, match="block size"):
+        index.apply(A, batch("a1", 0, 0, []))
+    assert index.held(A) == 0
+
+
+def test_policy_weighs_cached_prefix_against_load() -> None:
+    cached = Candidate(A, cached_tokens=960, outstanding=2)
+    idle = Candidate(B, cached_tokens=0, outstanding=0)
+    decision = choose_by_prefix([cached, idle], prompt_tokens=1000)
+    assert decision is not None and (decision.identity, decision.reason) == (A, Reason.PREFIX)
+    # A short cached prefix is not worth queueing behind two requests.
+    short = Candidate(A, cached_tokens=64, outstanding=2)
+    decision = choose_by_prefix([short, idle], prompt_tokens=1000)
+    assert decision is not None and (decision.identity, decision.reason) == (B, Reason.BALANCE)
+    # Nothing cached anywhere: the least loaded.
+    decision = choose_by_prefix([Candidate(A, 0, 3), Candidate(B, 0, 1)], prompt_tokens=1000)
+    assert decision is not None and (decision.identity, decision.reason) == (B, Reason.LOAD)
+    assert choose_by_prefix([], prompt_tokens=10) is None
+
+
+def test_hot_spot_guard_spreads_a_popular_prefix() -> None:
+    # However long the cached prefix, an engine far busier than the idlest is passed over.
+    hot = Candidate(A, cached_tokens=100_000, outstanding=5)
+    decision = choose_by_prefix([hot, Candidate(B, 0, 0)], prompt_tokens=100_001)
+    assert decision is not None and (decision.identity, decision.reason) == (B, Reason.HOT_SPOT)
