@@ -75,7 +75,9 @@ class ResultRouter:
                 text = self._text_here(request, tokens, finish_reason is not None)
             request.text.append(text)
             request.generated += tokens
-            request.progressed = request.progressed or bool(tokens)
+            if tokens and not request.progressed:
+                request.progressed = True
+                self.dispatcher.router.prefilled(request_id)
             if logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()

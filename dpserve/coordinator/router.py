@@ -47,6 +47,10 @@ class Router:
         self.request_snapshot = request_snapshot
         self.decisions: Counter[str] = Counter()
         self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
+        # Prefill sent to each engine and not known to be done: request id -> (engine,
+        # uncached tokens), and their sum per engine.
+        self._prefills: dict[int, tuple[bytes, int]] = {}
+        self._queued: dict[bytes, int] = {}
         self.predicted_tokens = 0  # sums over finished requests with a reported count
         self.actual_tokens = 0
         self.prediction_error_tokens = 0
@@ -80,7 +84,12 @@ class Router:
             cached[identity] = blocks[identity] * size
         engines = self.registry.engines
         candidates = [
-            Candidate(identity, cached[identity], len(engines[identity].outstanding))
+            Candidate(
+                identity,
+                cached[identity],
+                len(engines[identity].outstanding),
+                self._queued.get(identity, 0),
+            )
             for identity in routable
         ]
         decision = choose_by_prefix(candidates, len(context), self.weights)
@@ -95,6 +104,22 @@ class Router:
         self.decisions[decision.reason.value] += 1
         if self.policy is RoutingPolicy.PREFIX_AWARE:
             self._predicted[request.request_id] = decision.predicted_cached_tokens
+            self.prefilled(request.request_id)
+            context = (len(request.prompt_tokens) + len(request.generated)) // 4
+            uncached = context - decision.predicted_cached_tokens
+            self._prefills[request.request_id] = (decision.identity, uncached)
+            self._queued[decision.identity] = self._queued.get(decision.identity, 0) + uncached
+
+    def prefilled(self, request_id: int) -> None:
+        """The request's prefill is done (its first token came), or it left its engine."""
+        charged = self._prefills.pop(request_id, None)
+        if charged is not None:
+            identity, tokens = charged
+            left = self._queued.get(identity, 0) - tokens
+            if left > 0:
+                self._queued[identity] = left
+            else:
+                self._queued.pop(identity, None)
 
     def finished(self, request: InflightRequest, cached_tokens: int | None) -> None:
         """The engine reported how much of the prompt it found cached: the index's accuracy."""
@@ -107,6 +132,7 @@ class Router:
 
     def forget(self, request_id: int) -> None:
         self._predicted.pop(request_id, None)
+        self.prefilled(request_id)
 
     # ----------------------------------------------------------------- membership
 
@@ -115,6 +141,9 @@ class Router:
 
     def engine_removed(self, engine: Engine) -> None:
         self.index.remove_engine(engine.identity)
+        self._queued.pop(engine.identity, None)
+        for request_id in [r for r, (i, _) in self._prefills.items() if i == engine.identity]:
+            del self._prefills[request_id]
 
     def on_kv_events(self, engine: Engine, batch: KvEvents) -> None:
         if self.index.apply(engine.identity, batch):
@@ -123,7 +152,12 @@ class Router:
     # ---------------------------------------------------------------------- status
 
     def status(self) -> dict[str, Any]:
+        engines = self.registry.engines
+        by_rank = {
+            str(engine.rank): self.index.held(identity) for identity, engine in engines.items()
+        }
         return {
+            "indexed_blocks_by_rank": by_rank,
             "decisions": dict(self.decisions),
             "predicted_cached_tokens": self.predicted_tokens,
             "actual_cached_tokens": self.actual_tokens,

@@ -2,13 +2,14 @@
 
 * ``round-robin``: request k goes to the k-th routable engine in turn (reproducible);
 * ``least-outstanding``: fewest outstanding requests relative to capacity;
-* ``prefix-aware`` (the default): the cost of sending a request to an engine is the prompt
-  tokens it would have to prefill (those its cache does not hold, from the prefix index) plus
-  ``request_cost_tokens`` for each request already outstanding there — NVIDIA Dynamo's KV
-  router cost (prefill blocks + weight x active load), in prompt tokens. The cheapest wins: a
-  long cached prefix outweighs a few more requests in flight, a short one does not. A hot-spot
-  guard passes over an engine with far more outstanding requests than the least busy one, so
-  even one very popular prefix spreads over every engine (each then caches it too).
+* ``prefix-aware`` (the default): the cost of sending a request to an engine is, in prompt
+  tokens, what it would have to prefill (those its cache does not hold, from the prefix index),
+  plus the prefill already queued there (uncached tokens of requests sent to it that have not
+  produced a token yet), plus ``request_cost_tokens`` per request in flight there (decoding
+  ones slow every step a little) — NVIDIA Dynamo's KV-router cost (prefill blocks + active
+  load). The cheapest wins. A hot-spot guard passes over an engine with far more outstanding
+  requests than the least busy one, so even one very popular prefix spreads over every engine
+  (each then caches it too).
 
 ``choose_by_prefix`` is pure: candidates in, a ``Decision`` (engine and reason) out.
 """
@@ -44,10 +45,8 @@ class Reason(StrEnum):
 class PrefixRouting:
     """The prefix-aware policy's weights."""
 
-    # What one more request in flight on an engine costs, in prompt tokens to prefill: on the
-    # engines we measured a running request slows every step by about as much over its life
-    # as a few hundred prompt tokens of prefill.
-    request_cost_tokens: float = 256.0
+    # What one more request in flight on an engine costs, in prompt tokens to prefill.
+    request_cost_tokens: float = 16.0
     # An engine with more than factor x (fewest outstanding of any engine) + slack
     # outstanding requests is passed over while another is under that bound.
     hot_spot_factor: float = 2.0
@@ -62,6 +61,7 @@ class Candidate:
     identity: bytes
     cached_tokens: int  # prompt tokens its cache holds (or is predicted to)
     outstanding: int  # requests in flight there
+    queued_prefill_tokens: int = 0  # uncached prompt tokens sent there, not yet computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,8 @@ def choose_by_prefix(
 
     def cost(candidate: Candidate) -> float:
         uncached = prompt_tokens - candidate.cached_tokens
-        return uncached + weights.request_cost_tokens * candidate.outstanding
+        queued = candidate.queued_prefill_tokens
+        return uncached + queued + weights.request_cost_tokens * candidate.outstanding
 
     chosen = min(eligible, key=cost)
     if best_cached.cached_tokens == 0:

@@ -95,8 +95,8 @@ def test_policy_weighs_cached_prefix_against_load() -> None:
     idle = Candidate(B, cached_tokens=0, outstanding=0)
     decision = choose_by_prefix([cached, idle], prompt_tokens=1000)
     assert decision is not None and (decision.identity, decision.reason) == (A, Reason.PREFIX)
-    # A short cached prefix is not worth queueing behind two requests.
-    short = Candidate(A, cached_tokens=64, outstanding=2)
+    # A short cached prefix is not worth queueing behind another prompt's prefill.
+    short = Candidate(A, cached_tokens=64, outstanding=2, queued_prefill_tokens=500)
     decision = choose_by_prefix([short, idle], prompt_tokens=1000)
     assert decision is not None and (decision.identity, decision.reason) == (B, Reason.BALANCE)
     # Nothing cached anywhere: the least loaded.

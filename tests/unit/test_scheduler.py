@@ -40,7 +40,8 @@ def make(num_blocks: int, *, seqs: int = 8, budget: int = 32) -> Scheduler:
         # Without prefix caching: these tests are about blocks never being shared.
         BlockPool(num_blocks, enable_caching=False),
         BLOCK_SIZE,
-        max_num_seqs=seqs, max_num_batched_tokens=budget
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
     )
 
 
