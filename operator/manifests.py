@@ -121,6 +121,7 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         "--dtype", spec.engine.dtype,
         "--device", spec.engine.device,
         "--ready-file", ENGINE_READY_FILE,
+        *([] if spec.engine.prefix_caching else ["--no-prefix-caching"]),
     ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ DEFAULT_DEVICE = "auto"
 DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS = 60
 DEFAULT_ZMQ_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
-DEFAULT_ROUTING = "least-outstanding"
+DEFAULT_ROUTING = "prefix-aware"
 DEFAULT_MODEL_MOUNT_PATH = "/models"
 
 # Writable scratch directories (emptyDirs, the root filesystem is read-only): the model must
@@ -40,7 +40,7 @@ CACHE_DIR = "/home/dpserve/.cache"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ROUTINGS = ("least-outstanding", "round-robin")
+ROUTINGS = ("prefix-aware", "least-outstanding", "round-robin")
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -113,6 +113,7 @@ class EngineSpec:
     device: str
     termination_grace_period_seconds: int
     env: tuple[Mapping[str, Any], ...]
+    prefix_caching: bool = True  # share KV blocks of equal prompt prefixes (--no-prefix-caching)
 
 
 @dataclass(frozen=True)
@@ -473,6 +474,7 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
             minimum=1,
         ),
         env=freeze(env),
+        prefix_caching=engine.boolean("prefixCaching", default=True),
     )
 
 

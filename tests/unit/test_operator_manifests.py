@@ -156,7 +156,7 @@ def test_coordinator_deployment() -> None:
         "--credentials", "/etc/dpserve/credentials",
         "--api-key-file", "/etc/dpserve/credentials/http-api-token", "--port", "5555",
         "--http-port", "8000", "--data-parallel-size", "0",
-        "--tokenizer", "smollm2-135m-instruct", "--routing", "least-outstanding",
+        "--tokenizer", "smollm2-135m-instruct", "--routing", "prefix-aware",
     ]  # fmt: skip
     assert coordinator["ports"] == [
         {"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
@@ -553,7 +553,8 @@ def test_defaults() -> None:
     assert (engine.max_batch_size, engine.dtype, engine.device) == (8, "auto", "auto")
     assert spec.engine.termination_grace_period_seconds == 60
     assert (spec.coordinator.zmq_port, spec.coordinator.http_port) == (5555, 8000)
-    assert spec.coordinator.routing == "least-outstanding"
+    assert spec.coordinator.routing == "prefix-aware"
+    assert spec.engine.prefix_caching is True
     assert spec.model_volume is None and spec.image_pull_policy is None
 
 
