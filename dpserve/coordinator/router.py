@@ -64,6 +64,7 @@ class Router:
         routable = self.registry.routable
         if not routable:
             return None
+        routable.rotate(-1)  # the remaining ties go round
         now = time.monotonic()
         self.index.expire(now)
         tokens = protocol.unpack_tokens(request.prompt_tokens)
@@ -89,6 +90,7 @@ class Router:
                 cached[identity],
                 len(engines[identity].outstanding),
                 self._queued.get(identity, 0),
+                self.index.held(identity),
             )
             for identity in routable
         ]

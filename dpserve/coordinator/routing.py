@@ -62,6 +62,9 @@ class Candidate:
     cached_tokens: int  # prompt tokens its cache holds (or is predicted to)
     outstanding: int  # requests in flight there
     queued_prefill_tokens: int = 0  # uncached prompt tokens sent there, not yet computed
+    # Blocks its cache holds: among equal costs the emptiest cache takes a new prefix (it
+    # evicts least); the candidates' order breaks the remaining ties.
+    held_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,7 @@ def choose_by_prefix(
     prompt_tokens: int,
     weights: PrefixRouting = DEFAULT_PREFIX_ROUTING,
 ) -> Decision | None:
-    """The cheapest candidate (ties: the first), or None when there is none."""
+    """The cheapest candidate (ties: the emptiest cache, then the first), or None."""
     if not candidates:
         return None
     fewest = min(c.outstanding for c in candidates)
@@ -90,7 +93,7 @@ def choose_by_prefix(
         queued = candidate.queued_prefill_tokens
         return uncached + queued + weights.request_cost_tokens * candidate.outstanding
 
-    chosen = min(eligible, key=cost)
+    chosen = min(eligible, key=lambda c: (cost(c), c.held_blocks))
     if best_cached.cached_tokens == 0:
         reason = Reason.LOAD
     elif chosen.cached_tokens >= best_cached.cached_tokens:

@@ -337,7 +337,8 @@ class EngineServer:
             held = self._held.get(update.request_id)
             if held is None:
                 continue
-            if held.ttft is None and update.tokens:
+            first = held.ttft is None and bool(update.tokens)
+            if first:
                 held.ttft = now - held.received_at
             if update.cached_tokens is not None:
                 held.cached_tokens = update.cached_tokens
@@ -350,7 +351,10 @@ class EngineServer:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
                 self._outbox.append(self._entry(update.request_id, held, update.finish_reason))
-            elif held.stream:
+            elif held.stream or first:
+                # A request's first tokens go out at once even when it does not stream: the
+                # coordinator learns that its prefill is done (cache-aware routing counts the
+                # prefill still queued on each engine).
                 self._stream_dirty.add(update.request_id)
 
     @staticmethod
