@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dpserve.block_hash import ROOT_HASH, block_hashes, pack_hashes
+from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, pack_hashes
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.routing import Candidate, Reason, choose_by_prefix
+from dpserve.engine.fake_cache import SimulatedPrefixCache
 from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode_record, encode
 
 A, B = b"engine-a", b"engine-b"
@@ -110,3 +111,24 @@ def test_hot_spot_guard_spreads_a_popular_prefix() -> None:
     hot = Candidate(A, cached_tokens=100_000, outstanding=5)
     decision = choose_by_prefix([hot, Candidate(B, 0, 0)], prompt_tokens=100_001)
     assert decision is not None and (decision.identity, decision.reason) == (B, Reason.HOT_SPOT)
+
+
+def test_a_new_prefix_goes_to_the_emptiest_cache() -> None:
+    full = Candidate(A, cached_tokens=0, outstanding=0, held_blocks=900)
+    empty = Candidate(B, cached_tokens=0, outstanding=0, held_blocks=10)
+    decision = choose_by_prefix([full, empty], prompt_tokens=500)
+    assert decision is not None and (decision.identity, decision.reason) == (B, Reason.LOAD)
+
+
+def test_the_fake_engines_cache_hashes_and_reports_like_the_pool() -> None:
+    cache = SimulatedPrefixCache(capacity_blocks=4, block_size=4)
+    prompt = list(range(10))  # 2 full blocks
+    assert cache.admit(prompt, b"") == 0
+    assert cache.admit(prompt, b"") == 8
+    assert cache.admit(prompt, extra_keys("other tenant")) == 0
+    assert cache.queries == 30 and cache.hits == 8
+    events = cache.take_events()
+    assert events[0].hashes == block_hashes(prompt, 4) and events[0].parent == ROOT_HASH
+    assert cache.evictions == 0 and len(cache) == 4
+    cache.admit(list(range(100, 105)), b"")  # one more block: the least recently used goes
+    assert cache.evictions == 1 and cache.take_events()[-1].kind == 1
