@@ -2,7 +2,9 @@
 
 A message is ``[identity, payload]`` on the ROUTER. ``receive`` drains every message already
 waiting as ``(identity, payload or None, role or None)``; ``send`` never blocks and never
-raises for a peer that vanished: it reports it to ``on_unreachable`` and returns False.
+raises for a peer that vanished: it notes the peer in ``unreachable`` and returns False. The
+coordinator's loop removes those peers after the turn's handlers returned
+(``Membership.remove_unreachable``), never in the middle of a send.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
@@ -47,7 +50,8 @@ class Transport:
         # (ROUTER_MANDATORY), which is how the liveness check tells dead from busy.
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout * 1000))
-        self.on_unreachable: Callable[[bytes], None] = lambda identity: None
+        # Peers a send found gone, oldest first, until the loop removes them.
+        self.unreachable: deque[bytes] = deque()
         self.authenticator: security.RoleAuthenticator | None = None
         # How a drained batch is received: plain, or with each message's role (CURVE).
         self.receive: Callable[[], Sequence[Received]] = self._drain
@@ -121,13 +125,13 @@ class Transport:
         return batch
 
     def send(self, identity: bytes, payload: bytes) -> bool:
-        """Send to one peer; a peer that vanished is reported, never fatal."""
+        """Send to one peer; a peer that vanished is noted in ``unreachable``, never fatal."""
         try:
             self.socket.send_multipart((identity, payload), zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.on_unreachable(identity)
+                self.unreachable.append(identity)
                 return False
             raise
 
