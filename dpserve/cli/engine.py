@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpserve import security
 from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
+from dpserve.security import key_files
 
 if TYPE_CHECKING:
     from dpserve.engine.runner import Runner
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     runner = _runner(args, rank)
     address = zmq_address(args.coordinator)
     try:
-        keys = security.load_peer_keys(args.credentials, "engine") if args.credentials else None
-    except security.CredentialsError as exc:
+        keys = key_files.load_peer_keys(args.credentials, "engine") if args.credentials else None
+    except key_files.CredentialsError as exc:
         print(f"dpserve engine: {exc}", file=sys.stderr)
         return 2
     server = EngineServer(

@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.security import key_files
 
 _REQUEST = DEFAULT_REQUEST_LIMITS
 _ADMISSION = DEFAULT_ADMISSION_LIMITS
@@ -58,7 +58,7 @@ class CoordinatorConfig:
         "(default: %(default)s)",
     )
     # CURVE keys, or the credentials directory holding them; None: plain ZMQ.
-    credentials: security.ServerKeys | str | os.PathLike[str] | None = None
+    credentials: key_files.ServerKeys | str | os.PathLike[str] | None = None
 
     def routing_policy(self, deterministic_mode: bool) -> RoutingPolicy:
         if self.routing:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.coordinator.admission import Admission
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlRelay
@@ -50,6 +50,7 @@ from dpserve.coordinator.shared import SharedState
 from dpserve.coordinator.status import status_report
 from dpserve.coordinator.transport import Received, Transport
 from dpserve.protocol import ErrorCode, Header, MessageTooLarge, ProtocolError
+from dpserve.security import roles
 from dpserve.tokenizer import as_batch_tokenizer
 
 log = logging.getLogger("dpserve.coordinator")
@@ -262,7 +263,7 @@ class DataParallelInferenceCoordinator:
             protocol.HEADER_OF,
             self.config.max_message_bytes,
         )
-        handlers, permitted = self._handlers, security.PERMITTED
+        handlers, permitted = self._handlers, roles.PERMITTED
         for identity, payload, role in batch:
             try:
                 if payload is None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dpserve import security
 from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import HEADER_OF, ErrorCode, Header, MessageTooLarge
+from dpserve.security import roles
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -27,7 +27,7 @@ class Refusals:
             log.warning("%s #%d from %r: %s", what, count, identity, reason)
 
     def forbidden(self, identity: bytes, role: str, record: Any) -> None:
-        ref, reason = security.forbidden(role, HEADER_OF[type(record)], record)
+        ref, reason = roles.forbidden(role, HEADER_OF[type(record)], record)
         self._count_and_log("forbidden", "refused message", identity, reason)
         self.shared.transport.error(identity, ref, ErrorCode.FORBIDDEN, reason)
 

@@ -18,9 +18,10 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.protocol import Error
+from dpserve.security import bind, key_files, roles
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -52,7 +53,7 @@ class Transport:
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout * 1000))
         # Peers a send found gone, oldest first, until the loop removes them.
         self.unreachable: deque[bytes] = deque()
-        self.authenticator: security.RoleAuthenticator | None = None
+        self.authenticator: roles.RoleAuthenticator | None = None
         # How a drained batch is received: plain, or with each message's role (CURVE).
         self.receive: Callable[[], Sequence[Received]] = self._drain
         self.pipe = pipe
@@ -71,11 +72,11 @@ class Transport:
 
     def _secure(self, config: CoordinatorConfig) -> None:
         if config.credentials is not None:
-            keys = security.as_server_keys(config.credentials)
+            keys = key_files.as_server_keys(config.credentials)
             # Admit only allowed keys (ZAP) and receive each message with its connection's role.
-            self.authenticator = security.secure_server(self.socket, keys)
-            self.receive = functools.partial(security.receive_with_roles, self.socket, MAX_BATCH)
-        elif not security.is_loopback(config.host):
+            self.authenticator = roles.secure_server(self.socket, keys)
+            self.receive = functools.partial(receive_with_roles, self.socket, MAX_BATCH)
+        elif not bind.is_loopback(config.host):
             log.warning(
                 "coordinator bound to %s WITHOUT credentials: anyone who can reach the port "
                 "can submit work, register as an engine and stop every engine",
@@ -150,3 +151,33 @@ class Transport:
                 self.authenticator.stop()  # its sockets would keep context.term() waiting
         with contextlib.suppress(Exception):
             self.context.term()
+
+
+def receive_with_roles(
+    socket: zmq.Socket[bytes], limit: int
+) -> list[tuple[bytes, bytes | None, str]]:
+    """Up to ``limit`` waiting messages of a CURVE ROUTER as (identity, payload, role); the
+    payload is None for a message that is not exactly one frame after the identity.
+    Two ``recv`` calls cost less than one ``recv_multipart``, which pays back most of
+    receiving the payload as a ``Frame`` to read its User-Id."""
+    batch: list[tuple[bytes, bytes | None, str]] = []
+    recv = socket.recv
+    try:
+        while len(batch) < limit:
+            identity = recv(zmq.NOBLOCK)
+            frame = recv(zmq.NOBLOCK, copy=False)  # the parts of a message arrive together
+            payload: bytes | None = frame.bytes
+            if frame.more:
+                payload = None
+                while recv(zmq.NOBLOCK, copy=False).more:
+                    pass
+            try:
+                # A bytes name: libzmq's string properties come back as str (pyzmq types a
+                # str name's result as int | str, covering its int options too).
+                role = frame.get(b"User-Id")
+            except zmq.ZMQError:  # no User-Id: cannot happen behind our ZAP handler
+                role = ""
+            batch.append((identity, payload, role))
+    except zmq.Again:
+        pass
+    return batch

@@ -10,9 +10,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.protocol import ProtocolError, Register
+from dpserve.security import key_files, roles
 
 log = logging.getLogger("dpserve.engine")
 
@@ -29,14 +30,16 @@ class CoordinatorConnection:
         rank: int,
         capacity: int,
         *,
-        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        credentials: key_files.PeerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
         """``credentials``: the engine's keys, or a credentials directory (its engine key),
         for a coordinator that requires CURVE."""
         self.address = address
         self.rank = rank
         self.capacity = capacity
-        keys = None if credentials is None else security.as_peer_keys(credentials, security.ENGINE)
+        keys = (
+            None if credentials is None else key_files.as_peer_keys(credentials, key_files.ENGINE)
+        )
         # A new instance id per process: the coordinator tells a restarted engine from a
         # repeated REGISTER of the same one.
         self.instance = uuid.uuid4().hex
@@ -47,7 +50,7 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
-            security.secure_peer(self.socket, keys)
+            roles.secure_peer(self.socket, keys)
         # A refused CURVE handshake shows only as a monitor event (see dpserve.handshake).
         self.handshake = HandshakeWatch(address, "engine", keys is not None, "allowed/engine/")
         self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)

@@ -15,7 +15,6 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from dpserve import security
 from dpserve.client import ClientError, InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.body import parse_json_body
@@ -42,6 +41,7 @@ from dpserve.openai.responses import (
     ChatFormat,
     CompletionFormat,
 )
+from dpserve.security import api_tokens
 from dpserve.tokenizer import BatchTokenizer
 
 log = logging.getLogger("dpserve.http")
@@ -209,7 +209,7 @@ def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/v1" or request.path.startswith("/v1/"):
             authorization = request.headers.get("Authorization")
-            if not security.bearer_token_matches(authorization, tokens):
+            if not api_tokens.bearer_token_matches(authorization, tokens):
                 message = (
                     "Incorrect API key provided."
                     if authorization

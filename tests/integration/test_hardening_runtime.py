@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from dpserve import security
 from dpserve.client import (
     CoordinatorRefused,
     InferenceClient,
@@ -28,6 +27,7 @@ from dpserve.engine.cpus import usable_cores
 from dpserve.engine.fake import fake_token
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.sampling import SamplingParams
+from dpserve.security import key_files
 from tests.integration.runtime import DPSERVE, Processes, eventually, free_port, wait_for_engines
 
 pytestmark = pytest.mark.timeout(180)
@@ -198,7 +198,7 @@ async def test_fake_engine_honours_its_context_and_finishing_rules(processes, cl
 
 def run_dpserve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     """Run a dpserve command without inherited credentials; returns it and its duration."""
-    env = {k: v for k, v in os.environ.items() if k != security.ENV_CREDENTIALS}
+    env = {k: v for k, v in os.environ.items() if k != key_files.ENV_CREDENTIALS}
     started = time.monotonic()
     done = subprocess.run(
         [DPSERVE, *args], capture_output=True, text=True, timeout=timeout, env=env
@@ -207,8 +207,8 @@ def run_dpserve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedPr
 
 
 async def test_wrong_or_missing_credentials_fail_fast_and_say_why(processes, port, tmp_path):
-    keys = security.generate_credentials(tmp_path / "keys")
-    stranger = security.generate_credentials(tmp_path / "stranger")
+    keys = key_files.generate_credentials(tmp_path / "keys")
+    stranger = key_files.generate_credentials(tmp_path / "stranger")
     shutil.copy(keys / "coordinator.key", stranger / "coordinator.key")
     processes.coordinator(port, *FAST, "--credentials", str(keys))
     async with InferenceClient(port, credentials=keys) as admin:  # the coordinator is up
