@@ -28,7 +28,7 @@ log = logging.getLogger("dpserve.client")
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
 
 
-class CoordinatorConnection:
+class ClientConnection:
     """One DEALER socket, its monitor and its handshake watch. ``on_message`` gets every
     payload that arrives; ``on_refused`` is called once the coordinator refuses this peer."""
 

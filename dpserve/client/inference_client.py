@@ -1,6 +1,6 @@
 """``InferenceClient``: an asyncio DEALER client for the coordinator (Megatron-Core's API).
 
-It holds a ``CoordinatorConnection`` (the socket, its handshake watch), a ``PendingTable``
+It holds a ``ClientConnection`` (the socket, its handshake watch), a ``PendingTable``
 (requests and control calls awaiting answers) and a ``CoordinatorSession`` (handshake,
 heartbeats, restarts), and dispatches the coordinator's messages between them. After a restart
 it fails the control calls the old coordinator had and resubmits every pending request.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dpserve import protocol
-from dpserve.client.connection import CoordinatorConnection
+from dpserve.client.connection import ClientConnection
 from dpserve.client.pending import PendingTable
 from dpserve.client.records import (
     ClientError,
@@ -72,9 +72,7 @@ class InferenceClient:
         self.handshake_timeout = handshake_timeout
         self.startup_timeout = startup_timeout
         self.heartbeat_interval = heartbeat_interval
-        self._connection = CoordinatorConnection(
-            self.address, self.keys, self._handle, self._on_refused
-        )
+        self._connection = ClientConnection(self.address, self.keys, self._handle, self._on_refused)
         self.context = self._connection.context
         self.socket = self._connection.socket
         self._send = self._connection.send

@@ -16,13 +16,13 @@ from dpserve.coordinator.registry import Engine
 from dpserve.coordinator.requests import InflightRequest
 from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import (
+    ClientChunk,
     ClientResult,
     EngineReply,
     ErrorCode,
     ProtocolError,
     Results,
     Stream,
-    StreamChunk,
 )
 from dpserve.tokenizer import IncrementalDetokenizer
 
@@ -112,10 +112,10 @@ class ResultRouter:
     def _flush_stream(self) -> None:
         streaming, self._streaming = self._streaming, []
         by_id = self.shared.requests.by_id
-        per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
+        per_client: dict[bytes, list[ClientChunk]] = defaultdict(list)
         for request, tokens, text in streaming:
             if request.request_id in by_id:
-                chunk = StreamChunk(request.client_request_id, tokens, text)
+                chunk = ClientChunk(request.client_request_id, tokens, text)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
             self.shared.transport.send(client, protocol.encode(Stream(chunks)))

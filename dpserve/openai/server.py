@@ -19,7 +19,7 @@ from dpserve.openai.connections import ConnectionGuard
 from dpserve.security import key_files
 from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
 
-log = logging.getLogger("dpserve.http")
+log = logging.getLogger("dpserve.openai")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ import pytest
 from dpserve.client import (
     CoordinatorRefused,
     InferenceClient,
-    InvalidRequest,
     RequestFailed,
     RequestRecord,
+    UnsendableRequest,
 )
 from dpserve.engine.cpus import usable_cores
 from dpserve.engine.fake import fake_token
@@ -116,10 +116,10 @@ async def test_text_that_cannot_be_encoded_is_refused_before_sending(processes, 
         lambda: client.add_request([1, 2**40]),
     ]
     for attempt in attempts:
-        with pytest.raises(InvalidRequest) as refused:
+        with pytest.raises(UnsendableRequest) as refused:
             attempt()
         assert "encode" in str(refused.value)
-    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+    with pytest.raises(UnsendableRequest, match="not valid Unicode"):
         client.add_request(lone_surrogate)
     assert not client.completion_futures, "a refused request never reaches the pending table"
     # The client keeps serving, and a restart's resubmission has nothing that cannot encode.
@@ -147,7 +147,7 @@ async def test_oversize_request_fails_fast_while_other_streams_finish_exactly(
     token_ids = [7] * (limit // 4)  # a few bytes over the limit once framed
     started = time.monotonic()
     for oversize in (token_ids, "x" * limit, [{"role": "user", "content": "y" * limit}]):
-        with pytest.raises(InvalidRequest, match=f"message limit of {limit} bytes"):
+        with pytest.raises(UnsendableRequest, match=f"message limit of {limit} bytes"):
             client.add_request(oversize, params)
     assert time.monotonic() - started < 1.0
     # The biggest request the limit allows still goes through, on the same connection.

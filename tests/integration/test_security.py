@@ -279,8 +279,8 @@ async def test_one_client_flooding_hits_its_cap_while_another_is_served(
         assert all(isinstance(e, RequestFailed) and e.code == "overloaded" for e in refused)
         assert "--max-inflight-per-client 50" in refused[0].message
         status = await admin.get_status()
-        assert status["limits"]["inflight_per_client"] == 50
-        assert status["limits"]["prompt_tokens"] == 100
+        assert status["limits"]["max_inflight_per_client"] == 50
+        assert status["limits"]["max_prompt_tokens"] == 100
     finally:
         flooder.stop()
 
