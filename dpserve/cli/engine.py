@@ -91,7 +91,7 @@ def add_parser(subparsers: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
+    from dpserve.engine.connection import EngineConnection, EngineRefused
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dpserve engine: {exc}", file=sys.stderr)
         return 2
     server = EngineServer(
-        CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
+        EngineConnection(address, rank, runner.capacity, credentials=keys),
         runner,
         stream_interval=args.stream_interval,
         coordinator_timeout=args.coordinator_timeout,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
     try:
         return server.run()
-    except CoordinatorRefused as exc:
+    except EngineRefused as exc:
         log.error("%s", exc)
         return 1
 

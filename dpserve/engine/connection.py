@@ -18,12 +18,12 @@ from dpserve.security import key_files, roles
 log = logging.getLogger("dpserve.engine")
 
 
-class CoordinatorRefused(RuntimeError):
+class EngineRefused(RuntimeError):
     """The coordinator refused this engine's handshake (no keys, or a key it does not
     allow): the engine could only wait forever."""
 
 
-class CoordinatorConnection:
+class EngineConnection:
     def __init__(
         self,
         address: str,
@@ -80,13 +80,13 @@ class CoordinatorConnection:
 
     def register(self) -> None:
         """Send REGISTER (about once a second until registered). Raises
-        ``CoordinatorRefused`` once the coordinator refused the handshake: the engine could
+        ``EngineRefused`` once the coordinator refused the handshake: the engine could
         only wait forever, so it had better exit and show why."""
         self.check_handshake()
         self.send(Register(self.rank, self.capacity, self.instance))
 
     def check_handshake(self) -> None:
-        """Read the socket's connection events; raise ``CoordinatorRefused`` for a refusal."""
+        """Read the socket's connection events; raise ``EngineRefused`` for a refusal."""
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
@@ -94,7 +94,7 @@ class CoordinatorConnection:
                 return
             refusal = self.handshake.observe(event["event"], event["value"])
             if refusal is not None:
-                raise CoordinatorRefused(refusal)
+                raise EngineRefused(refusal)
 
     def close(self) -> None:
         self.socket.disable_monitor()

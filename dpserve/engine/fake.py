@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
 
 PERIOD = 26  # fake tokens repeat with this period in the position (7 and 26 are coprime)
@@ -40,14 +40,14 @@ def fake_token(prompt_tokens: list[int], seed: int | None, position: int) -> int
 
 @dataclass(slots=True)
 class _Sequence:
-    request: EngineRequest
+    request: RunnerRequest
     base: int  # _base() of its prompt and seed
     end: int  # position (resume tokens included) where the output stops
     finish_reason: str
     position: int  # next position to emit
 
 
-def _termination_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
+def _termination_position(request: RunnerRequest, base: int, start: int, limit: int) -> int | None:
     """The first position in [start, limit) whose token ends the request, if any."""
     params = request.params
     if params.termination_id is None or params.ignore_eos:
@@ -59,7 +59,7 @@ def _termination_position(request: EngineRequest, base: int, start: int, limit: 
     return None
 
 
-def _stop_string_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
+def _stop_string_position(request: RunnerRequest, base: int, start: int, limit: int) -> int | None:
     """Where the stop string that appears first (ends first, at or before ``limit`` and not
     before ``min_tokens``, starting at or after ``start``) starts; None if none does."""
     params = request.params
@@ -78,7 +78,7 @@ def _stop_string_position(request: EngineRequest, base: int, start: int, limit: 
     return min(hits)[1] if hits else None
 
 
-def plan_finish(request: EngineRequest, context_size: int) -> tuple[int, str]:
+def plan_finish(request: RunnerRequest, context_size: int) -> tuple[int, str]:
     """Where a request's output ends (a position, resume tokens included) and why."""
     params = request.params
     base = _base(request.prompt_tokens, params.seed)
@@ -105,7 +105,7 @@ class FakeRunner:
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         length = len(request.prompt_tokens) + len(request.resume_tokens)
         if not request.prompt_tokens:
             raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")

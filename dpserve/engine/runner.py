@@ -24,7 +24,7 @@ class RequestRejected(Exception):
 
 
 @dataclass(slots=True)
-class EngineRequest:
+class RunnerRequest:
     request_id: int
     prompt_tokens: list[int]
     params: SamplingParams
@@ -46,7 +46,7 @@ class TokenUpdate:
 class Runner(Protocol):
     capacity: int  # sequences decoded together at most (reported to the coordinator)
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         """Queue a request; raise ``RequestRejected`` if it can never be served."""
 
     def cancel(self, request_id: int) -> None:
