@@ -28,7 +28,8 @@ from dpserve.engine.fake import fake_token
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.sampling import SamplingParams
 from dpserve.security import key_files
-from tests.integration.runtime import DPSERVE, Processes, eventually, free_port, wait_for_engines
+from tests.integration.runtime import DPSERVE, Processes, free_port, wait_for_engines
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
