@@ -19,7 +19,7 @@ from typing import Final
 import torch
 
 from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.llama import ForwardBatch, PagedLlama
 
 GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _WARMUP_RUNS: Final = 2  # Triton compiles and cuBLAS picks its kernels before capture
@@ -86,7 +86,7 @@ class StaticDecodeInputs:
 class DecodeGraphs:
     def __init__(
         self,
-        executor: LlamaExecutor,
+        model: PagedLlama,
         cache: PagedKVCache,
         max_batch: int,
         max_blocks_per_sequence: int,
@@ -99,15 +99,15 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         with torch.cuda.device(device):
-            self._capture(executor, cache)
+            self._capture(model, cache)
 
-    def _capture(self, executor: LlamaExecutor, cache: PagedKVCache) -> None:
+    def _capture(self, model: PagedLlama, cache: PagedKVCache) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for size in self.sizes:
                 for _ in range(_WARMUP_RUNS):
-                    executor.forward(self.inputs.batch(size), cache)
+                    model.forward(self.inputs.batch(size), cache)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = None
@@ -115,7 +115,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = executor.forward(self.inputs.batch(size), cache)
+                self._logits[size] = model.forward(self.inputs.batch(size), cache)
             pool = graph.pool()
             self._graphs[size] = graph
         torch.cuda.synchronize()
