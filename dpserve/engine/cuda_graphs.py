@@ -2,8 +2,10 @@
 
 An eager decode step launches a few kernels per layer and is CPU bound at every batch size
 (issue 10: 11 ms of launches for ~1 ms of GPU work). A decode-only step has the same shapes for
-a given batch size, so it is captured once per bucket (1, 2, 4, ..., 256) over static input
-buffers (``StaticDecodeInputs``) and replayed; a batch is padded up to its bucket. Padding rows
+a given batch size, so it is captured once per bucket over static input buffers
+(``StaticDecodeInputs``) and replayed; a batch is padded up to its bucket. The buckets are
+powers of two up to 16, then every 8 up to 32 and every 16 above: a batch of 129 runs as 144
+rows, not 256 (padding rows cost a decode step's worth of GPU work each). Padding rows
 feed token 0 at position 0, write their key/value to slot 0 (block 0, never handed out) and
 attend to that one slot, so they touch nothing a sequence owns; their logits are ignored.
 
@@ -21,7 +23,7 @@ import torch
 from dpserve.engine.kv_cache import PagedKVCache
 from dpserve.engine.llama import ForwardBatch, PagedLlama
 
-GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16))
 _WARMUP_RUNS: Final = 2  # Triton compiles and cuBLAS picks its kernels before capture
 
 

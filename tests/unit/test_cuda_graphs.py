@@ -4,6 +4,7 @@ are compared with eager decoding on a GPU in test_gpu_engine.py)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -19,8 +20,11 @@ from dpserve.sampling import SamplingParams
 
 def test_buckets_cover_every_batch_size() -> None:
     assert graph_batch_sizes(1) == [1]
-    assert graph_batch_sizes(22) == [1, 2, 4, 8, 16, 32]
-    assert graph_batch_sizes(256) == graph_batch_sizes(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert graph_batch_sizes(22) == [1, 2, 4, 8, 16, 24]
+    assert graph_batch_sizes(129)[-3:] == [112, 128, 144]  # not 256: at most 15 padding rows
+    steps = [b - a for a, b in itertools.pairwise(graph_batch_sizes(256))]
+    assert graph_batch_sizes(256)[-1] == 256 and max(steps) == 16
+    assert graph_batch_sizes(1000) == graph_batch_sizes(256)
 
 
 def decoding_runner(tiny_model_path: Path, count: int) -> ModelRunner:
