@@ -17,10 +17,10 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, TypeGuard
 
 from dpserve import protocol
 from dpserve.engine.connection import EngineConnection
@@ -51,13 +51,6 @@ log = logging.getLogger("dpserve.engine")
 
 _PAUSED, _SUSPENDED, _STOPPED = ControlState.PAUSED, ControlState.SUSPENDED, ControlState.STOPPED
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
-
-
-@runtime_checkable
-class _ReportsStats(Protocol):
-    """A runner with numbers to report (``ModelRunner``: KV pool, capacity, preemptions)."""
-
-    def stats(self) -> Mapping[str, object]: ...
 
 
 def _is_finite_number(value: object) -> TypeGuard[int | float]:
@@ -204,8 +197,6 @@ class EngineServer:
     def _numeric_stats(self) -> dict[str, int | float]:
         """The runner's numbers for the coordinator (STATUS, /metrics): what its ``stats()``
         reports that is a finite number, at most as many as the coordinator keeps."""
-        if not isinstance(self.runner, _ReportsStats):
-            return {}
         try:
             reported = self.runner.stats()
         except Exception:  # the numbers are for dashboards: never let them stop a heartbeat

@@ -28,7 +28,7 @@ KV_METRICS = {
     "dpserve_engine_kv_cache_blocks": "kv_blocks",
     "dpserve_engine_kv_cache_tokens": "kv_tokens",
     "dpserve_engine_kv_cache_bytes": "kv_bytes",
-    "dpserve_engine_max_concurrent_sequences": "max_concurrent_sequences",
+    "dpserve_engine_max_concurrent_sequences": "max_num_seqs",
 }
 
 

@@ -364,7 +364,7 @@ async def test_coordinator_exits_cleanly_on_sigterm(processes, client, port):
 
 async def test_frozen_engine_is_dropped_and_its_requests_served_elsewhere(processes, client, port):
     # Small batches keep most requests queued on the engines when one of them freezes.
-    engine_args = ("--step-delay", "0.01", "--max-batch-size", "8")
+    engine_args = ("--step-delay", "0.01", "--max-num-seqs", "8")
     await start(processes, client, port, engines=2, engine_args=engine_args)
     params = SamplingParams(num_tokens_to_generate=20)
     futures = [client.add_request(f"freeze {i}", params) for i in range(300)]
