@@ -14,8 +14,9 @@ Llama of the tests (``tests/tiny_model.py``), a pure decode step of ``--batch`` 
   (layers - 1), so the per-step work (embedding, RoPE table lookup, masks, final norm, vocabulary
   projection) is not counted against the layers.
 
-``count_decode_ops_per_layer`` is what ``tests/unit/test_ops_per_layer.py`` asserts and what
-``bench/engine_host.py`` prints as ``ops/layer decode: N``.
+``count_decode_ops_per_layer`` is what ``tests/unit/test_ops_per_layer.py`` asserts;
+``forward_ops_per_layer`` is what ``bench/layer_ops.py`` (for ``bench/engine_host.py``'s
+``ops/layer decode: N``) counts a real engine's decode step with.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.llama import ForwardBatch, PagedLlama
 
 # Calls that return a view of their input: no data moves, no kernel runs.
 VIEW_OPS: Final = frozenset(
@@ -93,12 +94,10 @@ def _descendants(event: Any) -> list[Any]:
     return found
 
 
-def _top_level_calls(
-    executor: LlamaExecutor, batch: ForwardBatch, cache: PagedKVCache
-) -> list[Any]:
-    executor.forward(batch, cache)  # warm-up: first-call allocations and lazy inits
+def _top_level_calls(model: PagedLlama, batch: ForwardBatch, cache: PagedKVCache) -> list[Any]:
+    model.forward(batch, cache)  # warm-up: first-call allocations and lazy inits
     with profile(activities=[ProfilerActivity.CPU]) as recorded:
-        executor.forward(batch, cache)
+        model.forward(batch, cache)
     return [
         event
         for event in recorded.events()
@@ -123,38 +122,43 @@ def _decode_batch(batch: int, context: int, block_size: int, vocab: int) -> Forw
     )
 
 
+def forward_ops_per_layer(model: PagedLlama, batch: ForwardBatch, cache: PagedKVCache) -> OpCount:
+    """Operations per decoder layer of ``model.forward(batch, cache)`` (CPU tensors): the full
+    model against the same model cut to its first layer."""
+    layers = len(model.layers)
+    if layers < 2:
+        raise ValueError("counting per layer needs a model with at least 2 layers")
+    with torch.inference_mode():
+        full = _top_level_calls(model, batch, cache)
+        everything = model.layers
+        model.layers = everything[:1]
+        try:
+            single = _top_level_calls(model, batch, cache)
+        finally:
+            model.layers = everything
+    per_layer = 1 / (layers - 1)
+    names = Counter(e.name for e in full if not _is_view(e))
+    names.subtract(Counter(e.name for e in single if not _is_view(e)))
+    return OpCount(
+        total=(len(full) - len(single)) * per_layer,
+        compute=sum(names.values()) * per_layer,
+        names={name: count * per_layer for name, count in names.items() if count},
+    )
+
+
 def count_decode_ops_per_layer(
     model_dir: str | Path, batch: int = 8, context: int = 40, block_size: int = 16
 ) -> OpCount:
     """Operations per decoder layer of a decode step of the model in ``model_dir`` (CPU)."""
     from dpserve.models import load_model_and_tokenizer
 
-    model, _ = load_model_and_tokenizer(str(model_dir), device="cpu")
+    loaded, _ = load_model_and_tokenizer(str(model_dir), device="cpu")
     with torch.inference_mode():
-        executor = LlamaExecutor(model)
-        layers = len(executor.layers)
-        if layers < 2:
-            raise ValueError("counting per layer needs a model with at least 2 layers")
-        shape = executor.kv_cache_shape(block_size)
+        model = PagedLlama(loaded)
+        shape = model.kv_cache_shape(block_size)
         cache = PagedKVCache(shape, 1 + batch * shape.blocks_for(context), torch.device("cpu"))
-        step = _decode_batch(batch, context, block_size, executor.vocab_size)
-        full = _top_level_calls(executor, step, cache)
-        everything = executor.layers
-        executor.layers = everything[:1]
-        try:
-            single = _top_level_calls(executor, step, cache)
-        finally:
-            executor.layers = everything
-    per_layer = 1 / (layers - 1)
-    names = Counter(e.name for e in full if not _is_view(e))
-    names.subtract(Counter(e.name for e in single if not _is_view(e)))
-    compute = sum(names.values())
-    total = len(full) - len(single)
-    return OpCount(
-        total=total * per_layer,
-        compute=compute * per_layer,
-        names={name: count * per_layer for name, count in names.items() if count},
-    )
+    step = _decode_batch(batch, context, block_size, model.vocab_size)
+    return forward_ops_per_layer(model, step, cache)
 
 
 def main(argv: list[str] | None = None) -> int:
