@@ -298,6 +298,23 @@ class PagedLlama:
             linears += [layer.qkv, layer.o_proj, *layer.mlp.linears()]
         return describe_linears(linears)
 
+    def warm_up_kernels(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
+        """Compile the Triton decode kernel's variants a run can hit (nothing elsewhere)."""
+        if self.decode_backend != "triton":
+            return
+        from dpserve.engine import triton_decode
+
+        triton_decode.warm_up(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            cache.block_size,
+            self.dtype,
+            self.device,
+            max_batch,
+            max_blocks,
+        )
+
     # ---------------------------------------------------------------------------- forward
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:

@@ -345,3 +345,40 @@ def paged_decode_attention_triton(
         **({} if interpret else {"num_warps": 4}),
     )
     return out
+
+
+def warm_up(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_batch: int,
+    max_blocks_per_sequence: int,
+) -> set[tuple[int, int]]:
+    """Compile, before serving, every kernel variant a run's eager decode steps can hit, so no
+    step waits for Triton's JIT (about a second per variant on a GPU).
+
+    A variant is fixed by the model's shapes (compile-time constants) plus what Triton
+    specializes runtime integers on (equal to 1, divisible by 16): here the block table's row
+    stride (its width) and the split count, which follows from the batch size and the width
+    (``default_num_splits``). Every power-of-two batch up to ``max_batch`` is run at table
+    widths 1, 2, 16, 17 and ``max_blocks_per_sequence`` (each a specialization class, clamped to
+    the maximum). Returns the (width, splits) pairs run."""
+    widths = sorted({min(w, max_blocks_per_sequence) for w in (1, 2, 16, 17)})
+    widths = sorted({*widths, max_blocks_per_sequence})
+    batches = sorted({1 << i for i in range(max(1, max_batch).bit_length())} | {max_batch})
+    cache_shape = (max(widths) + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    ran: set[tuple[int, int]] = set()
+    for batch in batches:
+        query = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
+        for width in widths:
+            splits = default_num_splits(batch, num_kv_heads, width * block_size, device)
+            tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+            lengths = torch.full((batch,), width * block_size, dtype=torch.int32, device=device)
+            paged_decode_attention_triton(query, k_cache, v_cache, tables, lengths, 1.0)
+            ran.add((width, splits))
+    return ran

@@ -170,3 +170,19 @@ def test_each_sequence_splits_its_own_length() -> None:
     for floor in (1, 16, 40, 1000):
         got = paged_decode_attention_triton(*case.args(), num_splits=8, min_split_tokens=floor)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@interpreter_case
+def test_warm_up_runs_every_width_class_and_batch() -> None:
+    ran = triton_decode.warm_up(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_batch=3,
+        max_blocks_per_sequence=20,
+    )
+    # Widths 1, 2, 16, 17 and the maximum: each Triton specialization class of the row stride.
+    assert {width for width, _ in ran} == {1, 2, 16, 17, 20}
