@@ -62,8 +62,8 @@ class _Sink:
     def __init__(self) -> None:
         self.bytes_sent = 0
 
-    def send(self, header: protocol.Header, *fields: object) -> None:
-        self.bytes_sent += len(protocol.encode(header, *fields))
+    def send(self, record: Any) -> None:
+        self.bytes_sent += len(protocol.encode(record))
 
     def close(self) -> None:
         pass
@@ -144,7 +144,9 @@ class Workload:
                 stop_strings=(STOP,) if self.stop else (),
             )
             self.server._on_request(
-                self.next_id, protocol.pack_tokens(prompt), params.serialize(), b""
+                protocol.EngineRequest(
+                    self.next_id, protocol.pack_tokens(prompt), params.serialize(), b""
+                )
             )
             self.next_id += 1
 

@@ -12,7 +12,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
-from dpserve.protocol import Header, ProtocolError
+from dpserve.protocol import ProtocolError, Register
 
 log = logging.getLogger("dpserve.engine")
 
@@ -56,8 +56,9 @@ class CoordinatorConnection:
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
-    def receive_all(self) -> list[tuple[Header, list[Any]]]:
-        """Every message already waiting; malformed ones are logged and skipped."""
+    def receive_all(self) -> list[Any]:
+        """Every message already waiting, as its ``dpserve.protocol`` record; malformed ones
+        are logged and skipped."""
         messages = []
         try:
             while True:
@@ -70,15 +71,16 @@ class CoordinatorConnection:
             pass
         return messages
 
-    def send(self, header: Header, *fields: object) -> None:
-        self.socket.send(protocol.encode(header, *fields), zmq.NOBLOCK)
+    def send(self, record: Any) -> None:
+        """Send one ``dpserve.protocol`` record."""
+        self.socket.send(protocol.encode(record), zmq.NOBLOCK)
 
     def register(self) -> None:
         """Send REGISTER (about once a second until registered). Raises
         ``CoordinatorRefused`` once the coordinator refused the handshake: the engine could
         only wait forever, so it had better exit and show why."""
         self.check_handshake()
-        self.send(Header.REGISTER, self.rank, self.capacity, self.instance)
+        self.send(Register(self.rank, self.capacity, self.instance))
 
     def check_handshake(self) -> None:
         """Read the socket's connection events; raise ``CoordinatorRefused`` for a refusal."""
