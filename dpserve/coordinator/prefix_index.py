@@ -25,13 +25,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dpserve import protocol
 from dpserve.block_hash import BlockHash, unpack_hashes
 from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS
 from dpserve.protocol import KvEvents, ProtocolError
 
 STORED, REMOVED, CLEARED = 0, 1, 2
-_KV_EVENT_REQUIRED = protocol.required_fields(protocol.KvEvent)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,11 +112,9 @@ class PrefixIndex:
     def _checked(batch: KvEvents) -> list[tuple[int, list[BlockHash], int | None]]:
         if batch.block_size < 1:
             raise ProtocolError(f"KV_EVENTS block size must be >= 1, got {batch.block_size}")
-        raw = protocol.check_records(
-            "KV_EVENTS event", batch.events, protocol.KV_EVENT_FIELDS, _KV_EVENT_REQUIRED
-        )
+        # ``protocol.decode`` checked each event's shape and types already.
         events = []
-        for kind, packed, parent in raw:
+        for kind, packed, parent in batch.events:
             if kind not in (STORED, REMOVED, CLEARED):
                 raise ProtocolError(f"unknown KV event kind {kind}")
             try:

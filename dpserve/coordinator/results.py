@@ -14,38 +14,24 @@ from collections.abc import Callable
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Engine
-from dpserve.coordinator.requests import InflightRequest, RequestTable
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import (
+    ClientChunk,
     ClientResult,
     EngineReply,
-    EngineUpdate,
     ErrorCode,
     ProtocolError,
     Results,
     Stream,
-    StreamChunk,
 )
-from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
-
-_UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
-_UPDATE_FIELDS = len(EngineUpdate._fields)
+from dpserve.tokenizer import IncrementalDetokenizer
 
 
 class ResultRouter:
-    def __init__(
-        self,
-        tokenizer: BatchTokenizer,
-        transport: Transport,
-        requests: RequestTable,
-        dispatcher: Dispatcher,
-        counters: defaultdict[str, int],
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.transport = transport
-        self.requests = requests
+    def __init__(self, shared: SharedState, dispatcher: Dispatcher) -> None:
+        self.shared = shared
         self.dispatcher = dispatcher
-        self.counters = counters
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes, str]] = []
         # Told each finished request's cached prompt tokens (the router's accuracy numbers).
@@ -53,41 +39,39 @@ class ResultRouter:
         self._finish_info: dict[int, tuple[str, float | None, int, int | None]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
-        updates = protocol.check_records(
-            "ENGINE_REPLY update", reply.updates, protocol.ENGINE_UPDATE_FIELDS, _UPDATE_REQUIRED
-        )
-        by_id, identity = self.requests.by_id, engine.identity
-        for update in updates:
-            if len(update) < _UPDATE_FIELDS:  # an engine that sends no text or cache numbers
-                update.extend([None] * (_UPDATE_FIELDS - len(update)))
-            request_id, tokens, logprobs, finish_reason, error, ttft, text, cached = update
-            request = by_id.get(request_id)
+        by_id, identity = self.shared.requests.by_id, engine.identity
+        for update in reply.updates:
+            request = by_id.get(update.request_id)
             if request is None or request.engine != identity:
-                self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
+                self.shared.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
                 continue
-            if error is not None:
-                engine.outstanding.discard(request_id)
-                self.dispatcher.fail(request, finish_reason or ErrorCode.ENGINE_ERROR, error)
+            if update.error is not None:
+                engine.outstanding.discard(update.request_id)
+                reason = update.finish_reason or ErrorCode.ENGINE_ERROR
+                self.dispatcher.fail(request, reason, update.error)
                 continue
+            tokens, finish_reason = update.tokens, update.finish_reason
             if len(tokens) % 4:
                 raise ProtocolError("packed tokens must be a multiple of 4 bytes")
-            if text is None:
+            text = update.text
+            if text is None:  # an engine that sends no text
                 text = self._text_here(request, tokens, finish_reason is not None)
             request.text.append(text)
             request.generated += tokens
             if tokens and not request.progressed:
                 request.progressed = True
-                self.dispatcher.router.prefilled(request_id)
-            if logprobs is not None:
+                self.dispatcher.router.prefilled(update.request_id)
+            if update.logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
-                request.logprobs += logprobs
+                request.logprobs += update.logprobs
             if finish_reason is not None:
-                engine.outstanding.discard(request_id)
+                cached = update.cached_tokens
+                engine.outstanding.discard(update.request_id)
                 queued_for = (request.dispatched_at or request.received_at) - request.received_at
-                self._finish_info[request_id] = (
+                self._finish_info[update.request_id] = (
                     finish_reason,
-                    None if ttft is None else queued_for + ttft,
+                    None if update.ttft is None else queued_for + update.ttft,
                     engine.rank,
                     cached,
                 )
@@ -100,7 +84,7 @@ class ResultRouter:
         """The text of an update from an engine that sent none."""
         if request.detokenizer is None:
             resume = protocol.unpack_tokens(request.generated)
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, resume)
+            request.detokenizer = IncrementalDetokenizer(self.shared.tokenizer, resume)
         return request.detokenizer.push(protocol.unpack_tokens(tokens), final)
 
     def flush(self) -> None:
@@ -130,17 +114,17 @@ class ResultRouter:
                 )
             )
             self.dispatcher.forget(request)
-        self.counters["completed"] += len(finished)
+        self.shared.counters["completed"] += len(finished)
         for client, results in per_client.items():
-            self.transport.send(client, protocol.encode(Results(results)))
+            self.shared.transport.send(client, protocol.encode(Results(results)))
 
     def _flush_stream(self) -> None:
         streaming, self._streaming = self._streaming, []
-        by_id = self.requests.by_id
-        per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
+        by_id = self.shared.requests.by_id
+        per_client: dict[bytes, list[ClientChunk]] = defaultdict(list)
         for request, tokens, text in streaming:
             if request.request_id in by_id:
-                chunk = StreamChunk(request.client_request_id, tokens, text)
+                chunk = ClientChunk(request.client_request_id, tokens, text)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
-            self.transport.send(client, protocol.encode(Stream(chunks)))
+            self.shared.transport.send(client, protocol.encode(Stream(chunks)))

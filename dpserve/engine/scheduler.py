@@ -136,15 +136,19 @@ class Scheduler(Generic[S]):
 
     def schedule(self) -> StepPlan[S]:
         plan: StepPlan[S] = StepPlan()
+        decodes = plan.decodes
+        block_size = self.block_size
         for sequence in list(self.running):
-            if sequence in plan.preempted:  # made room for an older one in this loop
+            if plan.preempted and sequence in plan.preempted:  # made room for an older one
                 continue
-            if sequence.context_length() - sequence.num_cached == 1 and self._reserve(
-                sequence, plan
-            ):
-                plan.decodes.append(sequence)
+            cached = sequence.num_cached
+            if sequence.context_length() - cached != 1:
+                continue
+            # A new block only when the fed token starts one (every block_size tokens).
+            if cached < len(sequence.blocks) * block_size or self._reserve(sequence, plan):
+                decodes.append(sequence)
         budget = self.max_num_batched_tokens - len(plan.decodes)
-        for sequence in self.running:
+        for sequence in self.running if len(decodes) < len(self.running) else ():
             remaining = sequence.context_length() - sequence.num_cached
             if remaining > 1 and budget > 0:
                 chunk = PrefillChunk(sequence, sequence.num_cached, min(remaining, budget))
@@ -183,7 +187,9 @@ class Scheduler(Generic[S]):
         hit: list[int] = []
         if pool.enable_caching:
             # Whole blocks only, and never the last token: its logits are needed.
-            usable = (length - 1) // self.block_size
+            # Tokens still on the device (overlap) cannot be hashed yet.
+            known = length - getattr(sequence, "pending", 0)
+            usable = (min(length - 1, known)) // self.block_size
             hit = pool.lookup(self._hashes(sequence, usable)[:usable])
         needed = self._blocks_for(length) - len(hit)
         # A hit on an evictable block takes it out of the free count too.
@@ -213,7 +219,9 @@ class Scheduler(Generic[S]):
 
     def _cache_filled_blocks(self, sequence: S, since: int) -> None:
         """Hash the blocks completed by the tokens from context position ``since`` on."""
-        first, full = since // self.block_size, sequence.num_cached // self.block_size
+        known = sequence.context_length() - getattr(sequence, "pending", 0)
+        first = since // self.block_size
+        full = min(sequence.num_cached, known) // self.block_size
         if full <= first:
             return
         hashes = self._hashes(sequence, full)

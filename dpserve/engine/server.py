@@ -17,20 +17,39 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
 from dpserve.engine.kv_events import KVEventPublisher, ReportsKVEvents
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
-from dpserve.protocol import CONTROL_SIGNALS, ControlState, ErrorCode, Header
+from dpserve.protocol import (
+    CONTROL_SIGNALS,
+    Cancel,
+    ControlAck,
+    ControlState,
+    Deregister,
+    Drain,
+    DrainAck,
+    EngineReply,
+    EngineUpdate,
+    Error,
+    ErrorCode,
+    HandOff,
+    HandOffAck,
+    Header,
+    Heartbeat,
+    HeartbeatAck,
+    KvSnapshotRequest,
+    RegisterAck,
+)
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer
+from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
 log = logging.getLogger("dpserve.engine")
 
@@ -38,16 +57,14 @@ _PAUSED, _SUSPENDED, _STOPPED = ControlState.PAUSED, ControlState.SUSPENDED, Con
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
 
 
-@runtime_checkable
-class _ReportsStats(Protocol):
-    """A runner with numbers to report (``ModelRunner``: KV pool, capacity, preemptions)."""
-
-    def stats(self) -> Mapping[str, object]: ...
-
-
 def _is_finite_number(value: object) -> TypeGuard[int | float]:
     # The exact types: a bool is an int subclass but no statistic, and numpy's scalars are left out.
     return (type(value) is int or type(value) is float) and math.isfinite(value)
+
+
+def _failed(request_id: int, code: str, message: str) -> EngineUpdate:
+    """The update of a request the runner refused: ``code`` (an ErrorCode) and why."""
+    return EngineUpdate(request_id, b"", None, code, message, None)
 
 
 @dataclass(slots=True, eq=False)
@@ -60,13 +77,16 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
+    # ``text`` is not used.
+    decoded: list[str] | None = None
     cached_tokens: int | None = None  # prompt tokens its engine found in the prefix cache
 
 
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -91,16 +111,30 @@ class EngineServer:
         self.drain_requested = False
         self.drain_started: float | None = None
         self.drain_acked = False
+        # HAND_OFF sent, answer awaited: no steps (the coordinator has every token so far).
+        self.handing_off = False
+        self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
-        self._outbox: list[list[object]] = []
+        self._outbox: list[EngineUpdate] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
-        self._last_register = 0.0
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
+        # One handler per message header, called with the message's record.
+        self._handlers: dict[Header, Callable[[Any], None]] = {
+            Header.ENGINE_REQUEST: self._on_request,
+            Header.CANCEL: self._on_cancel,
+            Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
+            Header.REGISTER_ACK: self._on_register_ack,
+            Header.DRAIN_ACK: self._on_drain_ack,
+            Header.HAND_OFF_ACK: self._on_hand_off_ack,
+            Header.ERROR: self._on_error,
+            Header.KV_SNAPSHOT_REQUEST: self._on_kv_snapshot_request,
+            **{signal: self._on_control for signal in CONTROL_SIGNALS},
+        }
         # The runner's prefix-cache events for the coordinator's index (None: no cache).
         self._kv_source: ReportsKVEvents | None = None
         self._kv_publisher: KVEventPublisher | None = None
@@ -121,7 +155,8 @@ class EngineServer:
         self._registered = value
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
+        """SIGTERM and SIGINT leave: hand what is held to the other engines and exit 0, or,
+        with no other engine, drain (no new work, finish what is held, deregister, exit 0)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.request_drain())
 
@@ -136,12 +171,13 @@ class EngineServer:
                 looked_at = time.monotonic()
                 if self.connection.poll(0 if busy else 50):
                     self._unanswered_since = None
-                    for header, fields in self.connection.receive_all():
-                        self._handle(header, fields)
+                    for record in self.connection.receive_all():
+                        self._handle(record)
                 if self.stopped:
                     break
                 self._keep_registered(looked_at)
-                if self.registered and not self.paused and self.runner.has_work():
+                stepping = self.registered and not self.paused and not self.handing_off
+                if stepping and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._publish_kv_events()
                 self._flush(time.monotonic())
@@ -156,6 +192,8 @@ class EngineServer:
     def _keep_registered(self, looked_at: float) -> None:
         """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
         found with nothing more to read."""
+        if self.handed_off:
+            return
         unanswered = self._unanswered_since
         if (
             self.registered
@@ -167,14 +205,13 @@ class EngineServer:
                 looked_at - unanswered,
             )
             self.registered = False
+            self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            if now - self._last_register >= self.heartbeat_interval:
-                self.connection.register()
-                self._last_register = now
+            self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
-            self.connection.send(Header.HEARTBEAT, len(self._held), self._numeric_stats())
+            self.connection.send(Heartbeat(len(self._held), self._numeric_stats()))
             self._last_heartbeat = now
             if self._unanswered_since is None:
                 self._unanswered_since = now
@@ -182,8 +219,6 @@ class EngineServer:
     def _numeric_stats(self) -> dict[str, int | float]:
         """The runner's numbers for the coordinator (STATUS, /metrics): what its ``stats()``
         reports that is a finite number, at most as many as the coordinator keeps."""
-        if not isinstance(self.runner, _ReportsStats):
-            return {}
         try:
             reported = self.runner.stats()
         except Exception:  # the numbers are for dashboards: never let them stop a heartbeat
@@ -205,13 +240,18 @@ class EngineServer:
             else "nothing listening yet (still starting?)",
         )
 
-    def _on_register_ack(self, instance: str, state: int) -> None:
+    def _on_register_ack(self, ack: RegisterAck) -> None:
+        instance, state = ack.instance, ack.state
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
+        newly = not self.registered or self.coordinator_instance != instance
         self.coordinator_instance = instance
         self.registered = True
         self._unanswered_since = None
-        log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
+        if newly:  # a repeated REGISTER is acknowledged again: nothing new to say
+            log.info(
+                "engine rank %d registered with coordinator %s", self.connection.rank, instance
+            )
         if state == _STOPPED:
             self.stopped = True
             return
@@ -223,7 +263,7 @@ class EngineServer:
             self.runner.reload()
             self.suspended = False
         if self.drain_requested and self.drain_started is not None:
-            self.connection.send(Header.DRAIN)  # a new coordinator must not route to us
+            self.connection.send(Drain())  # a new coordinator must not route to us
         self._send_kv_snapshot()  # a (new) coordinator's index learns what we hold
 
     # ------------------------------------------------------------ prefix cache
@@ -236,14 +276,18 @@ class EngineServer:
         events = self._kv_source.kv_events()
         if events:
             for message in self._kv_publisher.messages(events):
-                self.connection.send(Header.KV_EVENTS, *message)
+                self.connection.send(message)
 
     def _send_kv_snapshot(self) -> None:
         if self._kv_source is None or self._kv_publisher is None:
             return
         self._kv_source.kv_events()  # superseded by the snapshot
         for message in self._kv_publisher.snapshot(self._kv_source.kv_snapshot()):
-            self.connection.send(Header.KV_EVENTS, *message)
+            self.connection.send(message)
+
+    def _on_kv_snapshot_request(self, _request: KvSnapshotRequest) -> None:
+        if self.registered:
+            self._send_kv_snapshot()
 
     def _forget_all(self, why: str) -> None:
         """Drop every held request: the coordinator that sent them no longer tracks them (its
@@ -258,58 +302,60 @@ class EngineServer:
 
     # ---------------------------------------------------------------- messages
 
-    def _handle(self, header: Header, fields: list[Any]) -> None:
-        if header is Header.ENGINE_REQUEST:
-            self._on_request(*fields)
-        elif header is Header.CANCEL:
-            (request_id,) = fields
-            if self._held.pop(request_id, None) is not None:
-                self.runner.cancel(request_id)
-                self._stream_dirty.discard(request_id)
-        elif header in CONTROL_SIGNALS:
-            self._on_control(header, fields[0])
-        elif header is Header.HEARTBEAT_ACK:
-            if self.coordinator_instance not in (None, fields[0]):
-                self.registered = False  # restarted: register with the new one
-        elif header is Header.REGISTER_ACK:
-            self._on_register_ack(*fields)
-        elif header is Header.DRAIN_ACK:
-            self.drain_acked = True
-        elif header is Header.KV_SNAPSHOT_REQUEST:
-            if self.registered:
-                self._send_kv_snapshot()
-        elif header is Header.ERROR:
-            _ref, code, message = fields
-            if code == ErrorCode.UNKNOWN_PEER:
-                self._forget_all("the coordinator does not know this engine")
-                self.registered = False
-            else:
-                log.warning("coordinator error: %s: %s", code, message)
-        else:
+    def _handle(self, record: Any) -> None:
+        """Run the handler of a message's header with its record."""
+        header = protocol.header_of(record)
+        handler = self._handlers.get(header)
+        if handler is None:
             log.warning("ignoring unexpected %s from the coordinator", header.name)
+            return
+        handler(record)
 
-    def _on_request(
-        self, request_id: int, prompt: bytes, params: dict[str, Any], resume: bytes
-    ) -> None:
+    def _on_cancel(self, cancel: Cancel) -> None:
+        if self._held.pop(cancel.ref, None) is not None:
+            self.runner.cancel(cancel.ref)
+            self._stream_dirty.discard(cancel.ref)
+
+    def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
+        if self.coordinator_instance not in (None, ack.instance):
+            self.registered = False  # restarted: register with the new one
+            self.connection.register_again()
+
+    def _on_drain_ack(self, _ack: DrainAck) -> None:
+        self.drain_acked = True
+        self.handing_off = False  # nobody else takes our requests: finish them here
+
+    def _on_error(self, error: Error) -> None:
+        if error.code == ErrorCode.UNKNOWN_PEER:
+            self._forget_all("the coordinator does not know this engine")
+            self.registered = False
+            self.connection.register_again()
+        else:
+            log.warning("coordinator error: %s: %s", error.code, error.message)
+
+    def _on_request(self, message: protocol.EngineRequest) -> None:
+        request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
-                protocol.unpack_tokens(prompt),
-                SamplingParams.deserialize(params),
-                protocol.unpack_tokens(resume),
+                protocol.unpack_tokens(message.prompt_tokens),
+                SamplingParams.deserialize(message.sampling_params),
+                protocol.unpack_tokens(message.resume_tokens),
             )
             self.runner.add(request)
         except RequestRejected as exc:
-            self._outbox.append([request_id, b"", None, exc.code, exc.message, None])
+            self._outbox.append(_failed(request_id, exc.code, exc.message))
             return
         except (InvalidSamplingParams, protocol.ProtocolError) as exc:
-            self._outbox.append([request_id, b"", None, ErrorCode.BAD_REQUEST, str(exc), None])
+            self._outbox.append(_failed(request_id, ErrorCode.BAD_REQUEST, str(exc)))
             return
         self._held[request_id] = _Held(
             request.params.stream, time.monotonic(), self._text.start(request.resume_tokens)
         )
 
-    def _on_control(self, signal_header: Header, control_id: int) -> None:
+    def _on_control(self, control: Any) -> None:
+        """PAUSE, UNPAUSE, SUSPEND, RESUME or STOP (each a record with a ``control_id``)."""
+        signal_header = protocol.header_of(control)
         if signal_header is Header.PAUSE:
             self.paused = True
         elif signal_header is Header.UNPAUSE:
@@ -327,12 +373,13 @@ class EngineServer:
             self._forget_all("stop")
             self.stopped = True
         log.info("engine rank %d: %s", self.connection.rank, signal_header.name)
-        self.connection.send(Header.CONTROL_ACK, int(signal_header), control_id)
+        self.connection.send(ControlAck(int(signal_header), control.control_id))
 
     # ----------------------------------------------------------------- results
 
     def _absorb(self, updates: list[TokenUpdate]) -> None:
         now = time.monotonic()
+        finished: list[tuple[int, _Held, str | None]] = []
         for update in updates:
             held = self._held.get(update.request_id)
             if held is None:
@@ -343,6 +390,10 @@ class EngineServer:
             if update.cached_tokens is not None:
                 held.cached_tokens = update.cached_tokens
             held.tokens.extend(update.tokens)
+            if update.text is not None:
+                if held.decoded is None:
+                    held.decoded = []
+                held.decoded.append(update.text)
             if update.logprobs is not None:
                 if held.logprobs is None:
                     held.logprobs = []
@@ -350,52 +401,77 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                self._outbox.append(self._entry(update.request_id, held, update.finish_reason))
+                finished.append((update.request_id, held, update.finish_reason))
             elif held.stream or first:
                 # A request's first tokens go out at once even when it does not stream: the
                 # coordinator learns that its prefill is done (cache-aware routing counts the
                 # prefill still queued on each engine).
                 self._stream_dirty.add(update.request_id)
+        if finished:
+            self._outbox += self._entries(finished)
 
-    @staticmethod
-    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> list[object]:
-        entry = [
-            request_id,
-            protocol.pack_tokens(held.tokens),
-            None if held.logprobs is None else protocol.pack_floats(held.logprobs),
-            finish_reason,
-            None,
-            held.ttft,
-            held.text.push(held.tokens, final=finish_reason is not None),
-            held.cached_tokens if finish_reason is not None else None,
+    def _entries(self, items: list[tuple[int, _Held, str | None]]) -> list[EngineUpdate]:
+        """The ENGINE_REPLY entries of these requests (what they produced since their last
+        entry); the text the runner did not decode comes from one ``decode_batch`` for all."""
+        undecoded = [
+            (held.text, held.tokens, finish is not None)
+            for _, held, finish in items
+            if held.decoded is None
         ]
-        held.tokens = []
-        held.logprobs = None if held.logprobs is None else []
-        return entry
+        pushed = iter(push_batch(self._text.tokenizer, undecoded) if undecoded else [])
+        entries: list[EngineUpdate] = []
+        for request_id, held, finish_reason in items:
+            text = next(pushed) if held.decoded is None else "".join(held.decoded)
+            entries.append(
+                EngineUpdate(
+                    request_id,
+                    protocol.pack_tokens(held.tokens),
+                    None if held.logprobs is None else protocol.pack_floats(held.logprobs),
+                    finish_reason,
+                    None,
+                    held.ttft,
+                    text,
+                    held.cached_tokens if finish_reason is not None else None,
+                )
+            )
+            held.tokens = []
+            held.logprobs = None if held.logprobs is None else []
+            if held.decoded is not None:
+                held.decoded = []
+        return entries
 
     def _flush(self, now: float) -> None:
         if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
-            for request_id in self._stream_dirty:
-                self._outbox.append(self._entry(request_id, self._held[request_id], None))
+            held = self._held
+            self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now
         if self._outbox and self.registered:
-            self.connection.send(Header.ENGINE_REPLY, self._outbox)
+            self.connection.send(EngineReply(self._outbox))
             self._outbox = []
 
     # ----------------------------------------------------------------- draining
 
     def _drain_step(self, now: float) -> bool:
-        """Advance a requested drain; True when the engine may exit."""
+        """Advance a requested leave (hand-off, else drain); True when the engine may exit."""
         if not self.drain_requested:
             return False
         if self.drain_started is None:
             self.drain_started = now
-            log.info("engine rank %d draining %d request(s)", self.connection.rank, len(self._held))
+            log.info(
+                "engine rank %d leaving with %d request(s)", self.connection.rank, len(self._held)
+            )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
-            self.connection.send(Header.DRAIN)
+            self._hand_off()
             return False
+        if self.handed_off:
+            return True
+        if self.handing_off and now - self.drain_started > self.coordinator_timeout:
+            # No answer (a coordinator that predates HAND_OFF ignores it): drain instead.
+            log.warning("no answer to HAND_OFF within %.1f s: draining", self.coordinator_timeout)
+            self.handing_off = False
+            self.connection.send(Drain())
         if now - self.drain_started > self.drain_timeout:
             log.warning("drain timed out with %d request(s) unfinished", len(self._held))
             return True
@@ -407,7 +483,34 @@ class EngineServer:
             )
             return True
         if self.drain_acked and not self._held and not self._outbox:
-            self.connection.send(Header.DEREGISTER)
+            self.connection.send(Deregister())
             log.info("engine rank %d drained; leaving", self.connection.rank)
             return True
         return False
+
+    def _hand_off(self) -> None:
+        """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
+        re-dispatches the requests after exactly those tokens, so no step may run until it
+        answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        self._outbox += self._entries(
+            [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
+        )
+        self._stream_dirty.clear()
+        if self._outbox:
+            self.connection.send(EngineReply(self._outbox))
+            self._outbox = []
+        self.connection.send(HandOff())
+        self.handing_off = True
+
+    def _on_hand_off_ack(self, ack: HandOffAck) -> None:
+        log.info(
+            "engine rank %d handed %d request(s) to other engines; leaving",
+            self.connection.rank,
+            ack.requests,
+        )
+        for request_id in self._held:
+            self.runner.cancel(request_id)
+        self._held.clear()
+        self._outbox.clear()
+        self.handed_off = True
+        self.registered = False  # and never again: _keep_registered stands down

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.fake import FakeRunner
 from dpserve.engine.fake_cache import SimulatedPrefixCache
 from dpserve.engine.server import EngineServer
@@ -17,7 +17,7 @@ from dpserve.protocol import KvEvents
 
 def main(address: str, rank: str, lose_batch: str) -> int:
     runner = FakeRunner(step_delay=0.01, prefix_cache=SimulatedPrefixCache(4096, 16))
-    connection = CoordinatorConnection(address, int(rank), runner.capacity)
+    connection = EngineConnection(address, int(rank), runner.max_num_seqs)
     server = EngineServer(connection, runner)
     publisher = server._kv_publisher
     assert publisher is not None

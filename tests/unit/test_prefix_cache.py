@@ -17,7 +17,7 @@ from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, hash_block, 
 from dpserve.engine.kv_cache import BlockPool
 from dpserve.engine.kv_events import KVEventKind, KVEventPublisher
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest as EngineRequest
 from dpserve.engine.scheduler import Scheduler
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 
@@ -302,7 +302,7 @@ def test_concurrent_sharing_with_preemption_and_resume(tiny_model_path: Path) ->
         tiny_model_path,
         [[requests[0]], [*requests[1:], resumed]],
         kv_cache_bytes=_pool_bytes(tiny_model_path, blocks=1 + 40),
-        max_batch_size=6,
+        max_num_seqs=6,
     )
     stats = runner.stats()
     assert stats["preemptions"] > 0, "the pool was meant to run dry"
@@ -317,7 +317,7 @@ def test_an_evicted_block_is_recomputed(tiny_model_path: Path) -> None:
         tiny_model_path,
         [[greedy(0, first)], fillers, [greedy(1, first)]],
         kv_cache_bytes=_pool_bytes(tiny_model_path, blocks=1 + 30),
-        max_batch_size=1,
+        max_num_seqs=1,
     )
     assert runner.stats()["prefix_cache_evictions"] > 0
     assert out[1][1] == 0, "the fillers should have evicted the first prompt's blocks"
@@ -347,6 +347,6 @@ _BLOCK_BYTES: dict[Path, int] = {}
 
 def _pool_bytes(path: Path, blocks: int) -> int:
     if path not in _BLOCK_BYTES:
-        probe = ModelRunner(str(path), max_batch_size=1, block_size=BLOCK, kv_cache_bytes=1 << 20)
+        probe = ModelRunner(str(path), max_num_seqs=1, block_size=BLOCK, kv_cache_bytes=1 << 20)
         _BLOCK_BYTES[path] = probe.stats()["kv_bytes"] // probe.stats()["kv_blocks"]
     return blocks * _BLOCK_BYTES[path]

@@ -8,7 +8,7 @@ from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, pack_hashes
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.routing import Candidate, Reason, choose_by_prefix
 from dpserve.engine.fake_cache import SimulatedPrefixCache
-from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode_record, encode
+from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode, encode
 
 A, B = b"engine-a", b"engine-b"
 
@@ -26,7 +26,7 @@ CLEARED = KvEvent(2, b"", None)
 
 def batch(instance: str, number: int, block_size: int, events: list[KvEvent]) -> KvEvents:
     """A KV_EVENTS batch as the coordinator receives it: through the wire format."""
-    received: KvEvents = decode_record(encode(KvEvents(instance, number, block_size, events)))
+    received: KvEvents = decode(encode(KvEvents(instance, number, block_size, events)))
     return received
 
 

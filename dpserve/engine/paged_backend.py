@@ -1,30 +1,41 @@
-"""The GPU engine core: our Llama executor over the paged KV cache, scheduled in chunks.
+"""The GPU engine core: our Llama forward over the paged KV cache, scheduled in chunks.
 
-``PagedRunner`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the executor
-(``llama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one forward: the
-scheduler's decodes and prefill chunks are flattened into one batch (``paged_batch``), the
-executor writes their keys/values into the pool and returns the logits of the rows whose next
-token is due, and ``consume`` (the ``ModelRunner``) samples them.
+``PagedBackend`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the model
+(``llama.PagedLlama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one
+forward: the scheduler's decodes and prefill chunks are flattened into one batch
+(``paged_batch``), the model writes their keys/values into the pool and returns the logits of
+the rows whose next token is due, and those rows are sampled on the device.
+
+Overlap (``PagedConfig.overlap``, on by default on CUDA): the forward and sampling of step N
+are submitted to a ``DeviceQueue`` and the host returns the results of step N-1 while step N
+runs, then schedules and builds step N+1. Sampled ids stay on the device: a sequence whose fed
+token is still there (``Sequence.pending``) gets it on the device (``paged_batch.apply_pending``).
+A sequence that step N-1 finished was already scheduled in step N: it finishes one step late
+and that extra token is discarded (it is no longer tracked when its result arrives), so the
+outputs are those of the sequential engine.
 
 Sizing, logged at start and reported in ``stats()``: on CUDA the pool takes
 ``gpu_memory_utilization`` of the device minus the weights and an activation estimate (or
 ``kv_cache_bytes`` when given); on CPU ``kv_cache_bytes`` (1 GiB by default). It never takes
 more than ``max_num_seqs`` full contexts could use. A sequence's context is capped at what the
-pool holds, so a sequence alone always fits; the capacity (sequences running at once) is
-``max_num_seqs`` when given, else what the pool holds at ``TOKENS_PER_SEQUENCE`` tokens each
-(at most ``DEFAULT_MAX_NUM_SEQS``).
+pool holds, so a sequence alone always fits; ``max_num_seqs`` (sequences running at once) is
+the configured one when given, else what the pool holds at ``TOKENS_PER_SEQUENCE`` tokens
+each (at most ``DEFAULT_MAX_NUM_SEQS``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from dpserve.block_hash import BlockHash
-from dpserve.engine.backend import Consume
+from dpserve.engine import sampler
+from dpserve.engine.backend import Sampled
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -34,6 +45,7 @@ from dpserve.engine.defaults import (
     DEFAULT_MAX_NUM_SEQS,
     TOKENS_PER_SEQUENCE,
 )
+from dpserve.engine.device_queue import DeviceQueue, Launched
 from dpserve.engine.kv_cache import (
     RESERVED_BLOCKS,
     KVCacheShape,
@@ -42,11 +54,12 @@ from dpserve.engine.kv_cache import (
     num_blocks_for_budget,
 )
 from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.llama import ForwardBatch, PagedLlama
 from dpserve.engine.paged_attention import decode_attention_backend
-from dpserve.engine.paged_batch import build_forward_batch
+from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequences import Sequence
+from dpserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +68,34 @@ log = logging.getLogger(__name__)
 class PagedConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int | None = None  # None: derived from the pool
-    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]  # the device's default
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
+    overlap: bool | None = None  # None: on CUDA only (a CPU forward cannot run beside the host)
     prefix_caching: bool = True  # share full blocks of equal prefixes (``kv_cache.BlockPool``)
 
 
-class PagedRunner:
+@dataclass(slots=True)
+class _InFlight:
+    sequences: list[Sequence]  # the rows of its sampled tokens
+    launched: Launched
+
+
+class PagedBackend:
     """Implements ``backend.Backend`` for Llama-family models."""
 
     def __init__(self, model: Any, config: PagedConfig) -> None:
         self.config = config
         self.device: torch.device = model.device
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
-                self.device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
-            )
-        )
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self._sequences: dict[int, Sequence] = {}
         self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
+        overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._queue = DeviceQueue(self.device, overlap)
+        self._in_flight: deque[_InFlight] = deque()
+        self._ready: list[Sampled] = []  # collected by release(), returned by the next step
         # KV events of pools already released (their hashes are gone), not yet taken.
         self._released_events: list[KVEvent] = []
         self._build(model)
@@ -84,16 +104,16 @@ class PagedRunner:
 
     def _build(self, model: Any) -> None:
         with torch.inference_mode():
-            self.executor: LlamaExecutor | None = LlamaExecutor(model)
-            shape = self.executor.kv_cache_shape(self.config.block_size)
+            self.model: PagedLlama | None = PagedLlama(model)
+            shape = self.model.kv_cache_shape(self.config.block_size)
             self.cache: PagedKVCache | None = PagedKVCache(
                 shape,
                 self._pool_blocks(shape),
                 self.device,
                 enable_prefix_caching=self.config.prefix_caching,
             )
-        self.context_size = min(self.executor.context_size, self.cache.token_capacity)
-        self.capacity = self.config.max_num_seqs or max(
+        self.context_size = min(self.model.context_size, self.cache.token_capacity)
+        self.max_num_seqs = self.config.max_num_seqs or max(
             1,
             min(
                 DEFAULT_MAX_NUM_SEQS,
@@ -105,7 +125,7 @@ class PagedRunner:
         self.scheduler = Scheduler(
             self.cache.pool,
             self.config.block_size,
-            max_num_seqs=self.capacity,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.scheduler.waiting.extend(waiting)
@@ -113,14 +133,17 @@ class PagedRunner:
             self.scheduler.preemptions = previous.preemptions
             self.scheduler.prefix_queries = previous.prefix_queries
             self.scheduler.prefix_hits = previous.prefix_hits
+        self.inputs: BatchBuilder[Sequence] | None = BatchBuilder(
+            self.max_num_seqs, shape.blocks_for(self.context_size), shape.block_size, self.device
+        )
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             try:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
-                        self.executor,
+                        self.model,
                         self.cache,
-                        self.capacity,
+                        self.max_num_seqs,
                         shape.blocks_for(self.context_size),
                     )
             except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
@@ -135,12 +158,12 @@ class PagedRunner:
         )
 
     def _pool_blocks(self, shape: KVCacheShape) -> int:
-        assert self.executor is not None
+        assert self.model is not None
         sequences = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        useful = RESERVED_BLOCKS + sequences * shape.blocks_for(self.executor.context_size)
+        useful = RESERVED_BLOCKS + sequences * shape.blocks_for(self.model.context_size)
         budget = self.config.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
-            activations = self.executor.activation_bytes(self.max_num_batched_tokens, sequences)
+            activations = self.model.activation_bytes(self.max_num_batched_tokens, sequences)
             budget = cuda_kv_budget_bytes(
                 self.device, self.config.gpu_memory_utilization, activations
             )
@@ -149,13 +172,12 @@ class PagedRunner:
         return min(num_blocks_for_budget(shape, budget), useful)
 
     def describe(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"executor": "llama (paged)"}
+        facts: dict[str, Any] = {"backend": "paged", "overlap": self._queue.overlap}
         if self.cache is not None:
             facts.update(self.cache.describe())
         facts.update(
             {
-                "capacity": self.capacity,
-                "max_concurrent_sequences": self.capacity,
+                "max_num_seqs": self.max_num_seqs,
                 "context_size": self.context_size,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "decode_attention": decode_attention_backend(self.device),
@@ -215,42 +237,120 @@ class PagedRunner:
         return sequence is not None and self._forget(sequence)
 
     def has_work(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_work()
+        return bool(self._in_flight or self._ready) or (
+            self.scheduler is not None and self.scheduler.has_work()
+        )
 
     def _forget(self, sequence: Sequence) -> bool:
         if self._sequences.get(sequence.request_id) is sequence:
             del self._sequences[sequence.request_id]
         assert self.scheduler is not None
+        if self.inputs is not None:
+            self.inputs.release(sequence)
         return self.scheduler.remove(sequence)
 
     def release(self) -> None:
         assert self.scheduler is not None
+        # What is in flight was computed: it is returned by the first step after reload.
+        while self._in_flight:
+            self._ready += self._collect(self._in_flight.popleft())
+        self._queue.drain()
         self.scheduler.preempt_all()
         if self.cache is not None:
             self.cache.pool.clear_cache()
             self._released_events += self.cache.pool.take_events()
-        self.executor = self.cache = self.graphs = None
+        self.model = self.cache = self.graphs = self.inputs = None
 
     def reload(self, model: Any) -> None:
         self._build(model)
 
     # ---------------------------------------------------------------------------- stepping
 
-    def step(self, consume: Consume) -> None:
-        assert self.scheduler is not None and self.cache is not None
+    def step(self) -> list[Sampled]:
+        if self._ready:  # drained by release(): the runner applies them before anything runs
+            ready, self._ready = self._ready, []
+            return ready
+        assert self.scheduler is not None and self.inputs is not None
         plan = self.scheduler.schedule()
-        if not plan:
-            return
-        built = build_forward_batch(plan, self.cache.block_size, self.device)
-        logits = self._forward(built.batch)
-        self.scheduler.commit(plan)
-        self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
-        if built.sampled:
-            for row in consume(built.sampled, logits):
-                self._forget(built.sampled[row])
+        for sequence in plan.preempted:
+            self.inputs.release(sequence)
+        launched = False
+        if plan:
+            previous = self._in_flight[-1] if self._in_flight else None
+            pending = None
+            if previous is not None:
+                pending = {s: row for row, s in enumerate(previous.sequences) if s.pending}
+            built, late = self.inputs.build(plan, pending)
+            sampled = built.sampled
+            job = partial(
+                self._device_step,
+                built.batch,
+                late,
+                previous.launched if previous is not None and late is not None else None,
+                [sequence.params for sequence in sampled],
+                [sequence.context_length() for sequence in sampled],
+            )
+            submitted = self._queue.submit(job)
+            self.scheduler.commit(plan)
+            self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
+            if sampled:
+                for sequence in sampled:
+                    sequence.pending += 1
+                self._in_flight.append(_InFlight(sampled, submitted))
+                launched = True
+        # With overlap the step just submitted stays in flight while the runner takes in the
+        # one before it; the next call prepares its successor.
+        keep = 1 if launched and self._queue.overlap else 0
+        results: list[Sampled] = []
+        while len(self._in_flight) > keep:
+            results += self._collect(self._in_flight.popleft())
+        return results
+
+    def _device_step(
+        self,
+        batch: ForwardBatch,
+        late: PendingTokens | None,
+        previous: Launched | None,
+        params: list[SamplingParams],
+        positions: list[int],
+    ) -> sampler.SampleOutput:
+        """The device's part of a step; reads no sequence (the host has moved on)."""
+        if late is not None and previous is not None:
+            apply_pending(batch, late, previous.device_tokens())
+        logits = self._forward(batch)
+        if not params:
+            return sampler.SampleOutput(logits.new_zeros(0, dtype=torch.long))
+        return sampler.sample(logits, params, positions)
+
+    def _collect(self, in_flight: _InFlight) -> list[Sampled]:
+        """The sampled tokens of a step, for the sequences still tracked (one that finished
+        or was cancelled since has its extra token dropped)."""
+        tokens, logprobs = in_flight.launched.wait()
+        for sequence in in_flight.sequences:
+            sequence.pending -= 1
+        rows = [
+            row
+            for row, sequence in enumerate(in_flight.sequences)
+            if self._sequences.get(sequence.request_id) is sequence
+        ]
+        if not rows:
+            return []
+        if len(rows) == len(tokens):
+            return [Sampled(in_flight.sequences, tokens, logprobs)]
+        return [
+            Sampled(
+                [in_flight.sequences[row] for row in rows],
+                [tokens[row] for row in rows],
+                None if logprobs is None else [logprobs[row] for row in rows],
+            )
+        ]
+
+    def finish(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            self._forget(sequence)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        assert self.executor is not None and self.cache is not None
+        assert self.model is not None and self.cache is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        return self.executor.forward(batch, self.cache)
+        return self.model.forward(batch, self.cache)
