@@ -21,7 +21,7 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
@@ -117,7 +117,7 @@ def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    request: EngineRequest
+    request: RunnerRequest
     params: SamplingParams
     max_generated: int  # num_tokens_to_generate clamped to the context size
     stop_ids: frozenset[int]  # empty with ignore_eos

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (
     CONTROL_SIGNALS,
@@ -39,6 +39,8 @@ from dpserve.protocol import (
     EngineUpdate,
     Error,
     ErrorCode,
+    HandOff,
+    HandOffAck,
     Header,
     Heartbeat,
     HeartbeatAck,
@@ -81,7 +83,7 @@ class _Held:
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -106,13 +108,15 @@ class EngineServer:
         self.drain_requested = False
         self.drain_started: float | None = None
         self.drain_acked = False
+        # HAND_OFF sent, answer awaited: no steps (the coordinator has every token so far).
+        self.handing_off = False
+        self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
         self._outbox: list[EngineUpdate] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
-        self._last_register = 0.0
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
@@ -123,6 +127,7 @@ class EngineServer:
             Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
             Header.REGISTER_ACK: self._on_register_ack,
             Header.DRAIN_ACK: self._on_drain_ack,
+            Header.HAND_OFF_ACK: self._on_hand_off_ack,
             Header.ERROR: self._on_error,
             **{signal: self._on_control for signal in CONTROL_SIGNALS},
         }
@@ -140,7 +145,8 @@ class EngineServer:
         self._registered = value
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
+        """SIGTERM and SIGINT leave: hand what is held to the other engines and exit 0, or,
+        with no other engine, drain (no new work, finish what is held, deregister, exit 0)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.request_drain())
 
@@ -160,7 +166,8 @@ class EngineServer:
                 if self.stopped:
                     break
                 self._keep_registered(looked_at)
-                if self.registered and not self.paused and self.runner.has_work():
+                stepping = self.registered and not self.paused and not self.handing_off
+                if stepping and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._flush(time.monotonic())
                 if self._drain_step(time.monotonic()):
@@ -174,6 +181,8 @@ class EngineServer:
     def _keep_registered(self, looked_at: float) -> None:
         """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
         found with nothing more to read."""
+        if self.handed_off:
+            return
         unanswered = self._unanswered_since
         if (
             self.registered
@@ -185,11 +194,10 @@ class EngineServer:
                 looked_at - unanswered,
             )
             self.registered = False
+            self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            if now - self._last_register >= self.heartbeat_interval:
-                self.connection.register()
-                self._last_register = now
+            self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
             self.connection.send(Heartbeat(len(self._held), self._numeric_stats()))
@@ -225,10 +233,14 @@ class EngineServer:
         instance, state = ack.instance, ack.state
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
+        newly = not self.registered or self.coordinator_instance != instance
         self.coordinator_instance = instance
         self.registered = True
         self._unanswered_since = None
-        log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
+        if newly:  # a repeated REGISTER is acknowledged again: nothing new to say
+            log.info(
+                "engine rank %d registered with coordinator %s", self.connection.rank, instance
+            )
         if state == _STOPPED:
             self.stopped = True
             return
@@ -272,21 +284,24 @@ class EngineServer:
     def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
         if self.coordinator_instance not in (None, ack.instance):
             self.registered = False  # restarted: register with the new one
+            self.connection.register_again()
 
     def _on_drain_ack(self, _ack: DrainAck) -> None:
         self.drain_acked = True
+        self.handing_off = False  # nobody else takes our requests: finish them here
 
     def _on_error(self, error: Error) -> None:
         if error.code == ErrorCode.UNKNOWN_PEER:
             self._forget_all("the coordinator does not know this engine")
             self.registered = False
+            self.connection.register_again()
         else:
             log.warning("coordinator error: %s: %s", error.code, error.message)
 
     def _on_request(self, message: protocol.EngineRequest) -> None:
         request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
                 protocol.unpack_tokens(message.prompt_tokens),
                 SamplingParams.deserialize(message.sampling_params),
@@ -396,16 +411,25 @@ class EngineServer:
     # ----------------------------------------------------------------- draining
 
     def _drain_step(self, now: float) -> bool:
-        """Advance a requested drain; True when the engine may exit."""
+        """Advance a requested leave (hand-off, else drain); True when the engine may exit."""
         if not self.drain_requested:
             return False
         if self.drain_started is None:
             self.drain_started = now
-            log.info("engine rank %d draining %d request(s)", self.connection.rank, len(self._held))
+            log.info(
+                "engine rank %d leaving with %d request(s)", self.connection.rank, len(self._held)
+            )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
-            self.connection.send(Drain())
+            self._hand_off()
             return False
+        if self.handed_off:
+            return True
+        if self.handing_off and now - self.drain_started > self.coordinator_timeout:
+            # No answer (a coordinator that predates HAND_OFF ignores it): drain instead.
+            log.warning("no answer to HAND_OFF within %.1f s: draining", self.coordinator_timeout)
+            self.handing_off = False
+            self.connection.send(Drain())
         if now - self.drain_started > self.drain_timeout:
             log.warning("drain timed out with %d request(s) unfinished", len(self._held))
             return True
@@ -421,3 +445,30 @@ class EngineServer:
             log.info("engine rank %d drained; leaving", self.connection.rank)
             return True
         return False
+
+    def _hand_off(self) -> None:
+        """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
+        re-dispatches the requests after exactly those tokens, so no step may run until it
+        answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        self._outbox += self._entries(
+            [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
+        )
+        self._stream_dirty.clear()
+        if self._outbox:
+            self.connection.send(EngineReply(self._outbox))
+            self._outbox = []
+        self.connection.send(HandOff())
+        self.handing_off = True
+
+    def _on_hand_off_ack(self, ack: HandOffAck) -> None:
+        log.info(
+            "engine rank %d handed %d request(s) to other engines; leaving",
+            self.connection.rank,
+            ack.requests,
+        )
+        for request_id in self._held:
+            self.runner.cancel(request_id)
+        self._held.clear()
+        self._outbox.clear()
+        self.handed_off = True
+        self.registered = False  # and never again: _keep_registered stands down

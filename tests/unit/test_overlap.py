@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 from tests.unit.test_model_runner import Outcome, random_prompts, run, tiny_pool_runner
 
 
-def mixed_requests() -> list[EngineRequest]:
+def mixed_requests() -> list[RunnerRequest]:
     prompts = random_prompts(9, seed=5, low=10, high=40)
     kinds: list[dict[str, Any]] = [
         {"temperature": 0.0, "num_tokens_to_generate": 30},
@@ -29,7 +29,7 @@ def mixed_requests() -> list[EngineRequest]:
         {"temperature": 1.0, "seed": 5, "num_tokens_to_generate": 12},
     ]
     return [
-        EngineRequest(i, prompt, SamplingParams(**kind))
+        RunnerRequest(i, prompt, SamplingParams(**kind))
         for i, (prompt, kind) in enumerate(zip(prompts, kinds, strict=True))
     ]
 
@@ -88,7 +88,7 @@ def test_overlap_through_suspend_and_cancel(tiny_model_path: Path) -> None:
         requests = mixed_requests()[1:]
         requests.insert(
             0,
-            EngineRequest(
+            RunnerRequest(
                 0, [9, 8, 7], SamplingParams(temperature=0.0, num_tokens_to_generate=100)
             ),
         )
@@ -106,6 +106,6 @@ def test_the_next_step_is_submitted_before_the_last_one_is_read(tiny_model_path:
     """With overlap a step returns the tokens of the step before it: the first returns none."""
     for overlap, first_tokens in ((False, 1), (True, 0)):
         runner = ModelRunner(str(tiny_model_path), overlap=overlap)
-        runner.add(EngineRequest(0, [5, 6, 7], SamplingParams(temperature=0.0)))
+        runner.add(RunnerRequest(0, [5, 6, 7], SamplingParams(temperature=0.0)))
         first = runner.step()
         assert sum(len(update.tokens) for update in first) == first_tokens
