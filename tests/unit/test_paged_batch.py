@@ -11,7 +11,7 @@ import random
 import torch
 
 from dpserve.engine.paged_batch import BatchBuilder, apply_pending
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.engine.scheduler import PrefillChunk, StepPlan
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
@@ -22,7 +22,7 @@ BLOCK = 4
 def sequence(request_id: int, prompt_length: int, rng: random.Random) -> Sequence:
     prompt = [rng.randrange(5, 300) for _ in range(prompt_length)]
     return Sequence(
-        EngineRequest(request_id, prompt, SamplingParams()), SamplingParams(), 99, frozenset()
+        RunnerRequest(request_id, prompt, SamplingParams()), SamplingParams(), 99, frozenset()
     )
 
 
