@@ -293,11 +293,11 @@ class PagedBackend:
             submitted = self._queue.submit(job)
             self.scheduler.commit(plan)
             self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
-            if sampled:
-                for sequence in sampled:
-                    sequence.pending += 1
-                self._in_flight.append(_InFlight(sampled, submitted))
-                launched = True
+            for sequence in sampled:
+                sequence.pending += 1
+            # Tracked even without sampled rows, so that its errors surface here.
+            self._in_flight.append(_InFlight(sampled, submitted))
+            launched = True
         # With overlap the step just submitted stays in flight while the runner takes in the
         # one before it; the next call prepares its successor.
         keep = 1 if launched and self._queue.overlap else 0
