@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,9 +49,19 @@ def status_report(
         "clients": clients,
         "inflight": len(requests),
         "queued": sum(1 for rid in requests.queue if rid in requests.by_id),
+        "oldest_queued_seconds": _oldest_wait(requests),
         "routing": routing.value,
         "pid": os.getpid(),
         "security": "curve" if transport.secured else "none",
         "limits": config.status_limits(),
         "counters": counters,
     }
+
+
+def _oldest_wait(requests: RequestTable) -> float:
+    """Seconds the oldest request still in the wait queue has waited (0.0: none waits)."""
+    for request_id in requests.queue:
+        request = requests.by_id.get(request_id)
+        if request is not None and request.engine is None:
+            return round(time.monotonic() - request.received_at, 3)
+    return 0.0
