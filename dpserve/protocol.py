@@ -60,6 +60,8 @@ class Header(IntEnum):
     DRAIN = 7
     DRAIN_ACK = 8
     DEREGISTER = 9
+    HAND_OFF = 10
+    HAND_OFF_ACK = 11
 
     # Requests and results (20-39).
     SUBMIT_REQUEST = 20
@@ -171,6 +173,18 @@ class DrainAck(NamedTuple):
 
 class Deregister(NamedTuple):
     pass
+
+
+class HandOff(NamedTuple):
+    """An engine leaving (SIGTERM): it sent every token it produced, and asks the coordinator
+    to re-dispatch what it holds to the other engines, continuing after those tokens."""
+
+
+class HandOffAck(NamedTuple):
+    """The engine's requests went to other engines: it drops them and exits. (With no other
+    engine to take them the coordinator answers DRAIN_ACK instead: the engine finishes them.)"""
+
+    requests: int  # how many requests were handed to other engines
 
 
 class SubmitRequest(NamedTuple):
@@ -288,6 +302,8 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.DRAIN: Drain,
     Header.DRAIN_ACK: DrainAck,
     Header.DEREGISTER: Deregister,
+    Header.HAND_OFF: HandOff,
+    Header.HAND_OFF_ACK: HandOffAck,
     Header.SUBMIT_REQUEST: SubmitRequest,
     Header.ENGINE_REQUEST: EngineRequest,
     Header.ENGINE_REPLY: EngineReply,

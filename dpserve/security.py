@@ -69,6 +69,7 @@ PERMITTED: Final[Mapping[str, frozenset[Header]]] = {
             Header.HEARTBEAT,
             Header.DRAIN,
             Header.DEREGISTER,
+            Header.HAND_OFF,
             Header.ENGINE_REPLY,
             Header.CONTROL_ACK,
         }

@@ -134,6 +134,7 @@ class DataParallelInferenceCoordinator:
             Header.HEARTBEAT: self.membership.on_heartbeat,
             Header.DRAIN: self.membership.on_drain,
             Header.DEREGISTER: self.membership.on_deregister,
+            Header.HAND_OFF: self.membership.on_hand_off,
             Header.SUBMIT_REQUEST: self.intake.on_submit,
             Header.CANCEL: self.intake.on_cancel,
             Header.ENGINE_REPLY: self._from_engine(self.results.on_engine_reply),

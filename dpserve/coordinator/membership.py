@@ -21,6 +21,8 @@ from dpserve.protocol import (
     Drain,
     DrainAck,
     ErrorCode,
+    HandOff,
+    HandOffAck,
     Heartbeat,
     HeartbeatAck,
     ProtocolError,
@@ -155,6 +157,25 @@ class Membership:
         engine = self.engine_or_reject(identity)
         log.info("engine rank %d left", engine.rank)
         self.dispatcher.remove_engine(engine, died=False)
+
+    def on_hand_off(self, identity: bytes, hand_off: HandOff) -> None:
+        """An engine leaving gives its requests back. With another engine to take them, they
+        are re-dispatched at once (continuing after the tokens received, as when an engine
+        dies, but no death is counted) and the engine may exit; with none, it drains."""
+        engine = self.engine_or_reject(identity)
+        if not any(other != identity for other in self.registry.routable):
+            log.info(
+                "engine rank %d leaving, no other engine to take its %d request(s): it drains",
+                engine.rank,
+                len(engine.outstanding),
+            )
+            self.on_drain(identity, Drain())
+            return
+        handed = len(engine.outstanding)
+        self.counters["handed_off"] += handed
+        log.info("engine rank %d left, handing %d request(s) to the others", engine.rank, handed)
+        self.dispatcher.remove_engine(engine, died=False)
+        self.transport.send(identity, protocol.encode(HandOffAck(handed)))
 
     def check_engines(self, now: float) -> None:
         """Remove engines silent past ``engine_hung_timeout``; probe those quiet past their

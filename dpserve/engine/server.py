@@ -89,13 +89,15 @@ class EngineServer:
         self.drain_requested = False
         self.drain_started: float | None = None
         self.drain_acked = False
+        # HAND_OFF sent, answer awaited: no steps (the coordinator has every token so far).
+        self.handing_off = False
+        self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
         self._outbox: list[list[object]] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
-        self._last_register = 0.0
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
@@ -113,7 +115,8 @@ class EngineServer:
         self._registered = value
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
+        """SIGTERM and SIGINT leave: hand what is held to the other engines and exit 0, or,
+        with no other engine, drain (no new work, finish what is held, deregister, exit 0)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.request_drain())
 
@@ -133,7 +136,8 @@ class EngineServer:
                 if self.stopped:
                     break
                 self._keep_registered(looked_at)
-                if self.registered and not self.paused and self.runner.has_work():
+                stepping = self.registered and not self.paused and not self.handing_off
+                if stepping and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._flush(time.monotonic())
                 if self._drain_step(time.monotonic()):
@@ -147,6 +151,8 @@ class EngineServer:
     def _keep_registered(self, looked_at: float) -> None:
         """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
         found with nothing more to read."""
+        if self.handed_off:
+            return
         unanswered = self._unanswered_since
         if (
             self.registered
@@ -158,11 +164,10 @@ class EngineServer:
                 looked_at - unanswered,
             )
             self.registered = False
+            self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            if now - self._last_register >= self.heartbeat_interval:
-                self.connection.register()
-                self._last_register = now
+            self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
             self.connection.send(Header.HEARTBEAT, len(self._held), self._numeric_stats())
@@ -199,10 +204,14 @@ class EngineServer:
     def _on_register_ack(self, instance: str, state: int) -> None:
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
+        newly = not self.registered or self.coordinator_instance != instance
         self.coordinator_instance = instance
         self.registered = True
         self._unanswered_since = None
-        log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
+        if newly:  # a repeated REGISTER is acknowledged again: nothing new to say
+            log.info(
+                "engine rank %d registered with coordinator %s", self.connection.rank, instance
+            )
         if state == _STOPPED:
             self.stopped = True
             return
@@ -242,15 +251,20 @@ class EngineServer:
         elif header is Header.HEARTBEAT_ACK:
             if self.coordinator_instance not in (None, fields[0]):
                 self.registered = False  # restarted: register with the new one
+                self.connection.register_again()
         elif header is Header.REGISTER_ACK:
             self._on_register_ack(*fields)
         elif header is Header.DRAIN_ACK:
             self.drain_acked = True
+            self.handing_off = False  # nobody else takes our requests: finish them here
+        elif header is Header.HAND_OFF_ACK:
+            self._on_hand_off_ack(*fields)
         elif header is Header.ERROR:
             _ref, code, message = fields
             if code == ErrorCode.UNKNOWN_PEER:
                 self._forget_all("the coordinator does not know this engine")
                 self.registered = False
+                self.connection.register_again()
             else:
                 log.warning("coordinator error: %s: %s", code, message)
         else:
@@ -347,16 +361,25 @@ class EngineServer:
     # ----------------------------------------------------------------- draining
 
     def _drain_step(self, now: float) -> bool:
-        """Advance a requested drain; True when the engine may exit."""
+        """Advance a requested leave (hand-off, else drain); True when the engine may exit."""
         if not self.drain_requested:
             return False
         if self.drain_started is None:
             self.drain_started = now
-            log.info("engine rank %d draining %d request(s)", self.connection.rank, len(self._held))
+            log.info(
+                "engine rank %d leaving with %d request(s)", self.connection.rank, len(self._held)
+            )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
-            self.connection.send(Header.DRAIN)
+            self._hand_off()
             return False
+        if self.handed_off:
+            return True
+        if self.handing_off and now - self.drain_started > self.coordinator_timeout:
+            # No answer (a coordinator that predates HAND_OFF ignores it): drain instead.
+            log.warning("no answer to HAND_OFF within %.1f s: draining", self.coordinator_timeout)
+            self.handing_off = False
+            self.connection.send(Header.DRAIN)
         if now - self.drain_started > self.drain_timeout:
             log.warning("drain timed out with %d request(s) unfinished", len(self._held))
             return True
@@ -372,3 +395,30 @@ class EngineServer:
             log.info("engine rank %d drained; leaving", self.connection.rank)
             return True
         return False
+
+    def _hand_off(self) -> None:
+        """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
+        re-dispatches the requests after exactly those tokens, so no step may run until it
+        answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        for request_id, held in self._held.items():
+            if held.tokens:
+                self._outbox.append(self._entry(request_id, held, None))
+        self._stream_dirty.clear()
+        if self._outbox:
+            self.connection.send(Header.ENGINE_REPLY, self._outbox)
+            self._outbox = []
+        self.connection.send(Header.HAND_OFF)
+        self.handing_off = True
+
+    def _on_hand_off_ack(self, handed: int) -> None:
+        log.info(
+            "engine rank %d handed %d request(s) to other engines; leaving",
+            self.connection.rank,
+            handed,
+        )
+        for request_id in self._held:
+            self.runner.cancel(request_id)
+        self._held.clear()
+        self._outbox.clear()
+        self.handed_off = True
+        self.registered = False  # and never again: _keep_registered stands down
