@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dpserve.cli import build_parser
 from dpserve.client import RequestRecord
 from dpserve.openai.metrics import FrontMetrics
 from dpserve.openai.responses import COMPLETIONS_ENDPOINT
@@ -32,6 +33,7 @@ from dpserve_operator.load import (
     histogram_quantile,
     read_metrics,
 )
+from dpserve_operator.manifests import coordinator_command
 from dpserve_operator.spec import AutoscalingSpec, InvalidSpec, parse_spec
 
 CAPACITY = 4
@@ -345,3 +347,21 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert histogram_quantile(0.9, histogram) == pytest.approx(0.9)
     assert histogram_quantile(0.9, ((1.0, 0.0), (float("inf"), 5.0))) == 1.0
     assert histogram_quantile(0.9, ((1.0, 0.0),)) is None
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "holds"),
+    [
+        (None, False),
+        ({"minReplicas": 1, "maxReplicas": 3}, False),
+        ({"minReplicas": 0, "maxReplicas": 3}, True),
+        ({"mode": "External"}, True),
+    ],
+)
+def test_the_coordinator_is_ready_without_engines_only_when_they_may_reach_zero(
+    autoscaling: dict[str, Any] | None, holds: bool
+) -> None:
+    raw = {**BASE, **({"autoscaling": autoscaling} if autoscaling else {})}
+    command = coordinator_command(parse_spec(raw, name="demo"))
+    assert ("--ready-without-engines" in command) == holds
+    assert build_parser().parse_args(command[1:]).ready_without_engines == holds
