@@ -154,8 +154,13 @@ def scaling(
     local_node: LocalNode, node_kubectl: Kubectl, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Scaling]:
     flow = Scaling(node_kubectl, local_node, tmp_path_factory.mktemp("autoscale"))
-    helm = helm_python.Config(kubeconfig_path=str(node_kubectl.kubeconfig), namespace=OPERATOR_NS)
-    with helm as config:
+
+    def helm() -> helm_python.Config:  # one per `with`: a closed Config cannot be reused
+        return helm_python.Config(
+            kubeconfig_path=str(node_kubectl.kubeconfig), namespace=OPERATOR_NS
+        )
+
+    with helm() as config:
         config.install(
             str(CHART), RELEASE, namespace=OPERATOR_NS, create_namespace=True, timeout=300
         )
@@ -165,7 +170,7 @@ def scaling(
         if flow.forward is not None:
             flow.forward.__exit__(None, None, None)
         node_kubectl("delete", "namespace", NAMESPACE, "--timeout=180s", check=False)
-        with helm as config:
+        with helm() as config:
             config.uninstall(RELEASE, timeout=120)
         node_kubectl("delete", "crd", CRD_NAME, "--timeout=60s", check=False)
 
@@ -226,8 +231,12 @@ def test_idle_at_zero_no_engine_pod_and_the_coordinator_ready_to_hold(scaling: S
     scaling.kubectl("apply", "-f", str(manifest), "-n", NAMESPACE)
 
     def coordinator_ready() -> bool:
-        deployment = scaling.get("get", "deployment", f"{NAME}-coordinator")
-        return bool(deployment.get("status", {}).get("readyReplicas"))
+        found = scaling.kubectl(
+            "get", "deployment", f"{NAME}-coordinator", "-n", NAMESPACE, "-o", "json", check=False
+        )  # absent until the operator created it
+        return found.returncode == 0 and bool(
+            json.loads(found.stdout).get("status", {}).get("readyReplicas")
+        )
 
     # /ready is 200 ("holding") with no engine at all: the pod is ready to take requests.
     scaling.wait(coordinator_ready, START_TIMEOUT, "the coordinator pod Ready with no engine")
