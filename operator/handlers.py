@@ -482,7 +482,8 @@ def _write_autoscaling_status(
     new = {
         "metric": metric,
         "desiredReplicas": decision.desired,
-        "reason": decision.reason,
+        # The last change's reason stays (kubectl get infd shows it) until the next change.
+        "reason": decision.reason if changed else previous.get("reason", decision.reason),
         "signal": decision.signal,
         "currentValue": None if decision.value is None else f"{decision.value:.3g}",
         "heldRequests": None if load is None else load.queued,
