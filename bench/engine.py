@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "model; small: ~10M parameters, where compute rather than Python overhead dominates)",
     )
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=32, help="ModelRunner capacity")
+    parser.add_argument("--batch-size", type=int, default=32, help="ModelRunner max_num_seqs")
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs of the fast methods; the best one counts"
     )
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warm = [(workload[0][0], 4)]
         results: dict[str, tuple[float, int] | str] = {}
-        runner = ModelRunner(model_path, max_batch_size=args.batch_size)
+        runner = ModelRunner(model_path, max_num_seqs=args.batch_size)
         with torch.inference_mode():
             if "sequential" not in args.skip:
                 run_sequential(model, warm)

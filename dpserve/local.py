@@ -43,7 +43,7 @@ class LocalDeployment:
     port: int
     http_port: int | None
     host: str = "127.0.0.1"
-    max_batch_size: int | None = None
+    max_num_seqs: int | None = None
     torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
@@ -90,8 +90,8 @@ class LocalDeployment:
             if not self.fake:
                 engine += ["--torch-threads", str(self.threads_per_engine())]
                 engine += self.kv_cache_args
-            if self.max_batch_size:
-                engine += ["--max-batch-size", str(self.max_batch_size)]
+            if self.max_num_seqs:
+                engine += ["--max-num-seqs", str(self.max_num_seqs)]
             self._spawn(
                 f"engine {rank}",
                 "engine",

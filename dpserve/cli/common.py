@@ -27,9 +27,9 @@ def setup_logging(verbose: bool) -> None:
 def tokenizer_spec(tokenizer: str | None) -> str | None:
     if tokenizer is None or tokenizer == "bytes":
         return None
-    from dpserve.models import resolve_model
+    from dpserve.models import resolve_tokenizer  # never the weights: only the tokenizer
 
-    return resolve_model(tokenizer)
+    return resolve_tokenizer(tokenizer)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[bytes, ...] | None:

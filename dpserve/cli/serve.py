@@ -27,7 +27,14 @@ def add_parser(subparsers: Subcommands) -> None:
     serve.add_argument(
         "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
     )
-    serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument(
+        "--max-num-seqs",
+        "--max-batch-size",  # its older name
+        dest="max_num_seqs",
+        type=int,
+        default=None,
+        help="each engine's sequences running at once (default: derived from its KV pool)",
+    )
     add_kv_cache_flags(serve)
     serve.add_argument(
         "--torch-threads",
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         port=args.port,
         http_port=None if args.http_port == 0 else args.http_port,
-        max_batch_size=args.max_batch_size,
+        max_num_seqs=args.max_num_seqs,
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
         fake=args.fake,

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from dpserve import protocol, security
@@ -30,7 +31,17 @@ from dpserve.client.records import (
 )
 from dpserve.client.session import CoordinatorSession
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
-from dpserve.protocol import ErrorCode, Header, ProtocolError
+from dpserve.protocol import (
+    ConnectAck,
+    ControlAck,
+    Error,
+    ErrorCode,
+    Header,
+    HeartbeatAck,
+    ProtocolError,
+    Status,
+    StatusReply,
+)
 from dpserve.sampling import SamplingParams
 
 log = logging.getLogger("dpserve.client")
@@ -72,6 +83,16 @@ class InferenceClient:
         self.listener_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stopped = False
+        # One handler per message header, called with the message's record.
+        self._handlers: dict[Header, Callable[[Any], None]] = {
+            Header.RESULTS: self._table.on_results,
+            Header.STREAM: self._table.on_stream,
+            Header.ERROR: self._on_error,
+            Header.CONTROL_ACK: self._on_control_ack,
+            Header.STATUS_REPLY: self._on_status_reply,
+            Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
+            Header.CONNECT_ACK: self._on_connect_ack,
+        }
 
     @property
     def max_message_bytes(self) -> int:
@@ -164,13 +185,14 @@ class InferenceClient:
 
     def _send_signal_to_engines(self, signal: Header) -> asyncio.Future[None]:
         """Send a control signal; the future resolves when every engine acknowledged it."""
-        return self._control_call(signal)
+        return self._control_call(protocol.RECORDS[signal])
 
-    def _control_call(self, header: Header) -> asyncio.Future[Any]:
-        """Send ``header`` with a new control id; the future resolves with its answer."""
+    def _control_call(self, record: Callable[[int], Any]) -> asyncio.Future[Any]:
+        """Send ``record(control_id)`` with a new control id; the future resolves with its
+        answer."""
         if self._stopped:
             raise ClientStopped("the client was stopped")
-        return self._table.add_control(lambda control_id: protocol.encode(header, control_id))
+        return self._table.add_control(lambda control_id: protocol.encode(record(control_id)))
 
     def pause_engines(self) -> asyncio.Future[None]:
         return self._send_signal_to_engines(Header.PAUSE)
@@ -191,30 +213,29 @@ class InferenceClient:
 
     def get_status(self) -> asyncio.Future[dict[str, Any]]:
         """The coordinator's status: engines, their load, queue, state, counters."""
-        return self._control_call(Header.STATUS)
+        return self._control_call(Status)
 
     # ------------------------------------------------------------------- listener
 
     def _handle(self, payload: bytes) -> None:
-        header, fields = protocol.decode(payload)
-        if header is Header.RESULTS:
-            self._table.on_results(fields[0])
-        elif header is Header.STREAM:
-            self._table.on_stream(fields[0])
-        elif header is Header.ERROR:
-            self._on_error(*fields)
-        elif header is Header.CONTROL_ACK:
-            _signal, control_id = fields
-            self._table.resolve_control(control_id, None)
-        elif header is Header.STATUS_REPLY:
-            query_id, status = fields
-            self._table.resolve_control(query_id, status)
-        elif header is Header.HEARTBEAT_ACK:
-            self._session.on_heartbeat_ack(fields[0])
-        elif header is Header.CONNECT_ACK:
-            self._session.on_connect_ack(fields[0])
-        else:
-            raise ProtocolError(f"unexpected {header.name} for a client")
+        """Run the handler of a message's header with its record."""
+        record = protocol.decode(payload)
+        handler = self._handlers.get(protocol.header_of(record))
+        if handler is None:
+            raise ProtocolError(f"unexpected {protocol.header_of(record).name} for a client")
+        handler(record)
+
+    def _on_control_ack(self, ack: ControlAck) -> None:
+        self._table.resolve_control(ack.control_id, None)
+
+    def _on_status_reply(self, reply: StatusReply) -> None:
+        self._table.resolve_control(reply.query_id, reply.status)
+
+    def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
+        self._session.on_heartbeat_ack(ack.instance)
+
+    def _on_connect_ack(self, ack: ConnectAck) -> None:
+        self._session.on_connect_ack(ack.instance)
 
     def _on_restarted(self, instance: str) -> None:
         # The new coordinator knows nothing of signals or queries sent to the old one.
@@ -228,7 +249,8 @@ class InferenceClient:
         )
         self._table.resubmit_all()
 
-    def _on_error(self, ref: int | None, code: str, message: str) -> None:
+    def _on_error(self, error: Error) -> None:
+        ref, code, message = error.ref, error.code, error.message
         if code == ErrorCode.UNKNOWN_PEER:
             # The coordinator does not know us: it restarted. Our requests are resubmitted
             # once the new handshake completes, so nothing fails here.

@@ -31,7 +31,7 @@ from dpserve.client.records import (
     WirePrompt,
     cached_wire_params,
 )
-from dpserve.protocol import Header
+from dpserve.protocol import Cancel, Results, Stream, SubmitRequest
 from dpserve.sampling import SamplingParams
 
 
@@ -89,7 +89,7 @@ class PendingTable:
             else:  # text or chat messages: a TypeGuard does not narrow its negative case
                 wire_prompt = cast("str | list[dict[str, str]]", prompt)
             wire_params = cached_wire_params(params)
-            payload = protocol.encode(Header.SUBMIT_REQUEST, request_id, wire_prompt, wire_params)
+            payload = protocol.encode(SubmitRequest(request_id, wire_prompt, wire_params))
         except UnicodeEncodeError as exc:
             raise InvalidRequest(
                 f"the request holds text that is not valid Unicode ({exc.reason}: "
@@ -112,10 +112,8 @@ class PendingTable:
     def _resubmit(self, request_id: int, pending: PendingRequest) -> None:
         """Send a pending request again, with the tokens its stream already delivered as
         resume tokens."""
-        fields: list[Any] = [request_id, pending.prompt, pending.params]
-        if pending.received:
-            fields.append(bytes(pending.received))
-        payload = protocol.encode(Header.SUBMIT_REQUEST, *fields)
+        resume = bytes(pending.received or b"")
+        payload = protocol.encode(SubmitRequest(request_id, pending.prompt, pending.params, resume))
         if len(payload) > self.max_message_bytes:
             self._forget(request_id)
             fail_pending(
@@ -137,42 +135,43 @@ class PendingTable:
     def _on_future_done(self, request_id: int, future: asyncio.Future[RequestRecord]) -> None:
         # A caller that cancels its future no longer wants the work done.
         if future.cancelled() and self._forget(request_id) is not None and not self.closed:
-            self._send(protocol.encode(Header.CANCEL, request_id))
+            self._send(protocol.encode(Cancel(request_id)))
 
-    def on_results(self, results: list[list[Any]]) -> None:
-        protocol.check_records("RESULTS record", results, protocol.CLIENT_RESULT_FIELDS)
+    def on_results(self, message: Results) -> None:
         now = time.monotonic()
-        for request_id, prompt, tokens, text, reason, logprobs, ttft, rank in results:
-            pending = self._forget(request_id)
+        for result in message.results:
+            pending = self._forget(result.client_request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
             record = RequestRecord(
-                request_id=request_id,
-                prompt_tokens=protocol.unpack_tokens(prompt),
-                generated_tokens=protocol.unpack_tokens(tokens),
-                generated_text=text,
-                finish_reason=reason,
-                log_probs=None if logprobs is None else protocol.unpack_floats(logprobs),
-                ttft=ttft
+                request_id=result.client_request_id,
+                prompt_tokens=protocol.unpack_tokens(result.prompt_tokens),
+                generated_tokens=protocol.unpack_tokens(result.generated_tokens),
+                generated_text=result.text,
+                finish_reason=result.finish_reason,
+                log_probs=None
+                if result.logprobs is None
+                else protocol.unpack_floats(result.logprobs),
+                ttft=result.ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
                 latency=now - pending.submitted_at,
-                engine_rank=rank,
+                engine_rank=result.engine_rank,
             )
             if not pending.future.done():
                 pending.future.set_result(record)
 
-    def on_stream(self, chunks: list[list[Any]]) -> None:
-        protocol.check_records("STREAM chunk", chunks, protocol.STREAM_CHUNK_FIELDS)
-        for request_id, tokens, text in chunks:
-            pending = self.requests.get(request_id)
+    def on_stream(self, message: Stream) -> None:
+        for chunk in message.chunks:
+            pending = self.requests.get(chunk.client_request_id)
             if pending is None or pending.chunks is None:
                 continue
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
             if pending.received is not None:
-                pending.received += tokens
-            pending.chunks.put_nowait(StreamChunk(protocol.unpack_tokens(tokens), text))
+                pending.received += chunk.tokens
+            tokens = protocol.unpack_tokens(chunk.tokens)
+            pending.chunks.put_nowait(StreamChunk(tokens, chunk.text))
 
     def fail(self, ref: int, error: RequestFailed) -> None:
         """Fail the request or control call ``ref``, if there is one."""

@@ -279,7 +279,7 @@ class DataParallelInferenceCoordinator:
         socket every message carries its connection's role, and one that role may not send is
         refused before any handler sees it; on a plain socket the role is None."""
         decode, header_of, limit = (
-            protocol.decode_record,
+            protocol.decode,
             protocol.HEADER_OF,
             self.config.max_message_bytes,
         )

@@ -18,7 +18,6 @@ from dpserve.coordinator.transport import Transport
 from dpserve.protocol import (
     ClientResult,
     EngineReply,
-    EngineUpdate,
     ErrorCode,
     ProtocolError,
     Results,
@@ -26,8 +25,6 @@ from dpserve.protocol import (
     StreamChunk,
 )
 from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
-
-_UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
 
 
 class ResultRouter:
@@ -49,39 +46,36 @@ class ResultRouter:
         self._finish_info: dict[int, tuple[str, float | None, int]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
-        updates = protocol.check_records(
-            "ENGINE_REPLY update", reply.updates, protocol.ENGINE_UPDATE_FIELDS, _UPDATE_REQUIRED
-        )
         by_id, identity = self.requests.by_id, engine.identity
-        for update in updates:
-            if len(update) == _UPDATE_REQUIRED:
-                update.append(None)  # an engine that sends no text
-            request_id, tokens, logprobs, finish_reason, error, ttft, text = update
-            request = by_id.get(request_id)
+        for update in reply.updates:
+            request = by_id.get(update.request_id)
             if request is None or request.engine != identity:
                 self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
                 continue
-            if error is not None:
-                engine.outstanding.discard(request_id)
-                self.dispatcher.fail(request, finish_reason or ErrorCode.ENGINE_ERROR, error)
+            if update.error is not None:
+                engine.outstanding.discard(update.request_id)
+                reason = update.finish_reason or ErrorCode.ENGINE_ERROR
+                self.dispatcher.fail(request, reason, update.error)
                 continue
+            tokens, finish_reason = update.tokens, update.finish_reason
             if len(tokens) % 4:
                 raise ProtocolError("packed tokens must be a multiple of 4 bytes")
-            if text is None:
+            text = update.text
+            if text is None:  # an engine that sends no text
                 text = self._text_here(request, tokens, finish_reason is not None)
             request.text.append(text)
             request.generated += tokens
             request.progressed = request.progressed or bool(tokens)
-            if logprobs is not None:
+            if update.logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
-                request.logprobs += logprobs
+                request.logprobs += update.logprobs
             if finish_reason is not None:
-                engine.outstanding.discard(request_id)
+                engine.outstanding.discard(update.request_id)
                 queued_for = (request.dispatched_at or request.received_at) - request.received_at
-                self._finish_info[request_id] = (
+                self._finish_info[update.request_id] = (
                     finish_reason,
-                    None if ttft is None else queued_for + ttft,
+                    None if update.ttft is None else queued_for + update.ttft,
                     engine.rank,
                 )
                 self._finished.append(request)

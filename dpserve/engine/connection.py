@@ -13,7 +13,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dpserve import protocol, security
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
-from dpserve.protocol import Header, ProtocolError
+from dpserve.protocol import ProtocolError, Register
 
 log = logging.getLogger("dpserve.engine")
 
@@ -67,8 +67,9 @@ class CoordinatorConnection:
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
-    def receive_all(self) -> list[tuple[Header, list[Any]]]:
-        """Every message already waiting; malformed ones are logged and skipped."""
+    def receive_all(self) -> list[Any]:
+        """Every message already waiting, as its ``dpserve.protocol`` record; malformed ones
+        are logged and skipped."""
         messages = []
         try:
             while True:
@@ -81,8 +82,9 @@ class CoordinatorConnection:
             pass
         return messages
 
-    def send(self, header: Header, *fields: object) -> None:
-        self.socket.send(protocol.encode(header, *fields), zmq.NOBLOCK)
+    def send(self, record: Any) -> None:
+        """Send one ``dpserve.protocol`` record."""
+        self.socket.send(protocol.encode(record), zmq.NOBLOCK)
 
     def register(self) -> bool:
         """Send REGISTER if one is due; True when one went out. Call it as often as you like
@@ -103,7 +105,7 @@ class CoordinatorConnection:
             return False
         self._registered_on = self._connections
         self._register_sent = now
-        self.send(Header.REGISTER, self.rank, self.capacity, self.instance)
+        self.send(Register(self.rank, self.capacity, self.instance))
         return True
 
     def register_again(self) -> None:

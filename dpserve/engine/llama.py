@@ -31,7 +31,8 @@ _LENGTH_DEPENDENT_ROPE: Final = frozenset({"dynamic", "longrope"})
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why our executor cannot run ``model`` (then the transformers path serves it), or None."""
+    """Why ``PagedLlama`` cannot run ``model`` (then the transformers backend serves it), or
+    None."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -142,7 +143,7 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return states * cos + rotated * sin
 
 
-class LlamaExecutor:
+class PagedLlama:
     """The weights of a Llama-family model and its forward pass over a ``PagedKVCache``."""
 
     def __init__(self, model: Any) -> None:

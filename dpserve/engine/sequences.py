@@ -103,10 +103,15 @@ class Sequence:
         head = decode(tokens[anchor : self.emitted])
         text = decode(tokens[anchor:])
         base = _common_prefix_length(head, text)
-        # Start a little inside the returned text in case a stop string straddles it.
-        search_from = max(0, base - max(len(stop) for stop in stops) + 1)
+        # Only a stop string that ends in the text not returned yet counts (one that ended
+        # earlier did so before min_tokens); it may start inside the returned text.
         match_at = min(
-            (i for i in (text.find(stop, search_from) for stop in stops) if i >= 0), default=-1
+            (
+                i
+                for i in (text.find(stop, max(0, base - len(stop) + 1)) for stop in stops)
+                if i >= 0
+            ),
+            default=-1,
         )
         if match_at >= 0:
             return self._tokens_within(anchor, match_at, decode), True

@@ -67,7 +67,7 @@ ENGINE_STATS_METRICS: Final = (
     ("dpserve_engine_kv_cache_bytes", "kv_bytes", "Bytes of the engine's KV-cache pool", False),
     (
         "dpserve_engine_max_concurrent_sequences",
-        "max_concurrent_sequences",
+        "max_num_seqs",
         "Sequences the engine runs at once at most (sized from its KV pool)",
         False,
     ),

@@ -27,7 +27,7 @@ from dpserve.openai.values import (
     read_positive_int,
     same_json,
 )
-from dpserve.protocol import Header
+from dpserve.protocol import SubmitRequest
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -338,7 +338,7 @@ def check_message_size(job: GenerationRequest, max_message_bytes: int) -> None:
     small ids is smaller than its message.)"""
     prompt = job.prompt if isinstance(job.prompt, str) else protocol.pack_tokens(job.prompt)
     # The largest request id the client can send, so the estimate never falls short.
-    message = protocol.encode(Header.SUBMIT_REQUEST, 2**63 - 1, prompt, job.params.serialize())
+    message = protocol.encode(SubmitRequest(2**63 - 1, prompt, job.params.serialize()))
     if len(message) > max_message_bytes:
         raise InvalidRequest(
             f"the request encodes to {len(message)} bytes, more than the coordinator's message "

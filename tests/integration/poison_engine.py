@@ -35,7 +35,7 @@ class PoisonedRunner(FakeRunner):
 
 def main(address: str, rank: str, step_delay: str) -> int:
     runner = PoisonedRunner(float(step_delay))
-    connection = CoordinatorConnection(address, int(rank), runner.capacity)
+    connection = CoordinatorConnection(address, int(rank), runner.max_num_seqs)
     return EngineServer(connection, runner).run()
 
 

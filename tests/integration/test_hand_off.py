@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve import protocol
-from dpserve.protocol import ControlState, Header
+from dpserve.protocol import ControlState
 from dpserve.sampling import SamplingParams
 from tests.integration.runtime import eventually, free_port, wait_for_engines
 from tests.integration.test_runtime import expected_tokens, start
@@ -100,20 +100,20 @@ async def test_an_engine_waiting_for_its_coordinator_registers_once(processes):
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{port}")
-    registers: list[list[object]] = []
+    registers: list[protocol.Register] = []
     try:
         deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline:
             if not await router.poll(100):
                 continue
             identity, payload = await router.recv_multipart()
-            header, fields = protocol.decode(payload)
-            if header is Header.REGISTER:
-                registers.append(fields)
-                ack = protocol.encode(Header.REGISTER_ACK, "coordinator-x", ControlState.RUNNING)
+            record = protocol.decode(payload)
+            if isinstance(record, protocol.Register):
+                registers.append(record)
+                ack = protocol.encode(protocol.RegisterAck("coordinator-x", ControlState.RUNNING))
                 await router.send_multipart([identity, ack])
-            elif header is Header.HEARTBEAT:
-                ack = protocol.encode(Header.HEARTBEAT_ACK, "coordinator-x")
+            elif isinstance(record, protocol.Heartbeat):
+                ack = protocol.encode(protocol.HeartbeatAck("coordinator-x"))
                 await router.send_multipart([identity, ack])
     finally:
         router.close(0)

@@ -18,6 +18,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -88,18 +89,19 @@ class RawPeer:
         self.socket.connect(f"tcp://127.0.0.1:{port}")
 
     async def send(self, header: Header, *fields: object) -> None:
-        await self.socket.send(protocol.encode(header, *fields))
+        await self.socket.send(protocol.encode(protocol.RECORDS[header](*fields)))
 
-    async def receive(self, timeout: float = 10.0) -> tuple[Header, list]:
+    async def receive(self, timeout: float = 10.0) -> Any:
         return protocol.decode(await asyncio.wait_for(self.socket.recv(), timeout))
 
-    async def receive_until(self, header: Header, timeout: float = 10.0) -> list:
-        """Skip other messages (heartbeat acks, errors for earlier sends) until ``header``."""
+    async def receive_until(self, header: Header, timeout: float = 10.0) -> Any:
+        """Skip other messages (heartbeat acks, errors for earlier sends) until ``header``;
+        returns its record."""
         deadline = time.monotonic() + timeout
         while True:
-            got, fields = await self.receive(max(0.1, deadline - time.monotonic()))
-            if got is header:
-                return fields
+            record = await self.receive(max(0.1, deadline - time.monotonic()))
+            if protocol.header_of(record) is header:
+                return record
 
     def close(self) -> None:
         self.socket.close(0)

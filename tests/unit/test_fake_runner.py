@@ -1,4 +1,4 @@
-"""The fake engine finishes requests by the model runner's rules, without allocating per token."""
+"""The fake engine finishes requests by the model runner's rules (``Sequence.accept``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def run_to_end(runner: FakeRunner, request: EngineRequest) -> tuple[list[int], s
 
 def reference(request: EngineRequest, context_size: int) -> tuple[list[int], str]:
     """Token-by-token generation as the model runner does it: sample, check the termination
-    token, append, check stop strings (the first to complete wins), check the length."""
+    token, append, check stop strings once past min_tokens (the first to complete wins; one
+    that straddles the resume tokens ends the output where they end), check the length."""
     params = request.params
     prompt = request.prompt_tokens
     start = len(request.resume_tokens)
@@ -41,15 +42,13 @@ def reference(request: EngineRequest, context_size: int) -> tuple[list[int], str
         ):
             return tokens[start:], "stop"
         tokens.append(token)
-        if len(tokens) >= params.min_tokens:
+        if len(tokens) > params.min_tokens:
             text = bytes(tokens).decode("latin-1")
             ends_here = [
-                len(text) - len(stop)
-                for stop in params.stop_strings
-                if text.endswith(stop) and len(text) - len(stop) >= start
+                len(text) - len(stop) for stop in params.stop_strings if text.endswith(stop)
             ]
             if ends_here:
-                return tokens[start : min(ends_here)], "stop"
+                return tokens[start : max(start, min(ends_here))], "stop"
     return tokens[start:], "length"
 
 
@@ -93,7 +92,7 @@ def test_context_size_ends_a_request_with_length():
     assert (len(tokens), reason) == (32 - 3, "length")
 
 
-def test_huge_max_tokens_allocates_nothing_per_token():
+def test_huge_max_tokens_allocates_nothing_up_front():
     runner = FakeRunner(max_context=10**13)
     tracemalloc.start()
     try:
@@ -103,7 +102,7 @@ def test_huge_max_tokens_allocates_nothing_per_token():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 1_000_000, f"{peak} bytes traced for a 10**12-token request"
+    assert peak < 1_000_000, f"{peak} bytes traced for 100 tokens of a 10**12-token request"
     assert runner.stats() == {"waiting": 0, "running": 1}
 
 

@@ -145,6 +145,6 @@ def test_pool_is_sized_from_free_gpu_memory(tiny_model_path: Path) -> None:
     assert 0 < stats["kv_bytes"] <= 0.2 * total
     # Plenty of memory for a tiny model: the pool stops at what 256 full contexts can use.
     assert stats["kv_tokens"] == 256 * small.context_size
-    assert stats["capacity"] == 256
+    assert stats["max_num_seqs"] == 256
     outcomes = drive(small, workload(8, rng_seed=4))  # bf16 by default on CUDA
     assert all(tokens for tokens, _ in outcomes.values())
