@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         ops = decode_ops_per_layer(runner)
     for name, value in figures.items():
         print(f"{name}: {value:.3f}")
-    print(f"ops/layer decode: {ops}")
+    print(f"ops/layer decode: {ops:g}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 from collections import deque
 
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import ByteTokenizer
@@ -65,7 +65,7 @@ class FakeRunner:
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._bases: dict[int, int] = {}  # request id -> _base() of its prompt and seed
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         length = len(request.prompt_tokens) + len(request.resume_tokens)
         if not request.prompt_tokens:
             raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")

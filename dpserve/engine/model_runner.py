@@ -36,7 +36,7 @@ from dpserve.engine.defaults import (
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_backend import PagedBackend, PagedConfig
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
@@ -196,7 +196,7 @@ class ModelRunner:
 
     # ---------------------------------------------------------------------------- requests
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         self._validate(request)
         params = request.params
         prompt_length = len(request.prompt_tokens)
@@ -219,7 +219,7 @@ class ModelRunner:
         else:
             self.backend.add(sequence)
 
-    def _validate(self, request: EngineRequest) -> None:
+    def _validate(self, request: RunnerRequest) -> None:
         prompt_length = len(request.prompt_tokens)
         context_length = prompt_length + len(request.resume_tokens)
         if prompt_length == 0:

@@ -26,7 +26,7 @@ class RequestRejected(Exception):
 
 
 @dataclass(slots=True)
-class EngineRequest:
+class RunnerRequest:
     request_id: int
     prompt_tokens: list[int]
     params: SamplingParams
@@ -51,7 +51,7 @@ class Runner(Protocol):
     # (the fake runner's tokens are ASCII letters).
     tokenizer: Any
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         """Queue a request; raise ``RequestRejected`` if it can never be served."""
 
     def cancel(self, request_id: int) -> None:

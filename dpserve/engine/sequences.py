@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 # Tokens before the first undecided one that are decoded with it when checking stop strings:
@@ -27,7 +27,7 @@ Decode = Callable[[list[int]], str]
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    request: EngineRequest
+    request: RunnerRequest
     params: SamplingParams
     max_generated: int  # num_tokens_to_generate clamped to the context size
     stop_ids: frozenset[int]  # empty with ignore_eos

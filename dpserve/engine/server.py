@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (
     CONTROL_SIGNALS,
@@ -80,7 +80,7 @@ class _Held:
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -298,7 +298,7 @@ class EngineServer:
     def _on_request(self, message: protocol.EngineRequest) -> None:
         request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
                 protocol.unpack_tokens(message.prompt_tokens),
                 SamplingParams.deserialize(message.sampling_params),

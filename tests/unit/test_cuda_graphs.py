@@ -14,7 +14,7 @@ from dpserve.engine.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged_backend import PagedBackend
 from dpserve.engine.paged_batch import build_forward_batch
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 
@@ -34,7 +34,7 @@ def decoding_runner(tiny_model_path: Path, count: int) -> ModelRunner:
     for i in range(count):
         prompt = [rng.randrange(5, 380) for _ in range(rng.randint(1, 40))]
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=50)
-        runner.add(EngineRequest(i, prompt, params))
+        runner.add(RunnerRequest(i, prompt, params))
     while runner.stats()["running"] < count or any(
         s.context_length() - s.num_cached != 1 for s in backend(runner).scheduler.running
     ):
