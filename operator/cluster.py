@@ -266,6 +266,29 @@ class Cluster:
         detail = payload.get("message") if isinstance(payload, Mapping) else payload
         return None, f"/ready answered {status}: {str(detail)[:200]}"
 
+    # ------------------------------------------------------------------ autoscaling
+
+    def coordinator_metrics(self, namespace: str, service: str, port_name: str) -> str:
+        """The coordinator's ``/metrics`` page (Prometheus text) via the service proxy; raises
+        ``ApiError`` when it cannot be had."""
+        rbac.require("", "services/proxy", "get")
+        path = resource_path("v1", "services", namespace, f"{service}:{port_name}", "proxy/metrics")
+        _, payload = self.request("GET", path, timeout=HEALTH_TIMEOUT)
+        if not isinstance(payload, str):
+            raise ApiError(200, "NotMetrics", f"/metrics answered {str(payload)[:200]}")
+        return payload
+
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Set an InferenceDeployment's engine count through its scale subresource (what an
+        HPA or ``kubectl scale`` does): ``spec.dataParallelSize``."""
+        rbac.require(rbac.CRD_GROUP, f"{rbac.CRD_PLURAL}/scale", "patch")
+        self.request(
+            "PATCH",
+            resource_path(f"{rbac.CRD_GROUP}/v1alpha1", rbac.CRD_PLURAL, namespace, name, "scale"),
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+
     # ------------------------------------------------------------------ discovery
 
     def pdb_api_version(self) -> str:

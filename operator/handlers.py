@@ -13,7 +13,13 @@
   see ``credentials``). It writes only when something changed, so idle deployments cost
   four GETs and no writes;
 - every 60 s → ``correct_drift``: re-apply the children (recreates a deleted child, and
-  retries after a reconcile gave up), writing nothing when all match.
+  retries after a reconcile gave up), writing nothing when all match;
+- every second, with ``spec.autoscaling`` in mode Builtin → ``autoscale``: read the
+  coordinator's ``/metrics`` (service proxy), decide (``autoscaling.decide``), set
+  ``spec.dataParallelSize`` through the scale subresource when the count changes (an event
+  says why, with the figures), and keep ``status.autoscaling`` up to date. In mode External
+  (or without ``spec.autoscaling``) it does nothing: whoever writes the scale subresource
+  decides.
 
 An invalid spec never raises: it becomes phase Degraded with a Degraded/InvalidSpec condition
 and a warning event (not repeated while the status already reports that very problem).
@@ -33,7 +39,9 @@ from typing import Any
 import kopf
 
 from . import credentials, manifests
+from .autoscaling import Decision, Memory, decide
 from .cluster import ApiError, Cluster, bearer_token, load_configuration, replacement_for
+from .load import LoadSignal, MalformedMetrics, TtftWindow, read_metrics
 from .spec import DeploymentSpec, InvalidSpec, parse_spec
 from .status import (
     DEGRADED,
@@ -56,6 +64,9 @@ STATUS_TICK_SECONDS = 0.5
 DRIFT_CHECK_SECONDS = 60.0
 RETRY_DELAY_SECONDS = 10.0
 MAX_RETRIES = 12
+AUTOSCALE_TICK_SECONDS = 1.0
+# status.autoscaling is rewritten at once when the decision changes, else at most this often.
+AUTOSCALING_STATUS_SECONDS = 5.0
 
 # Routine messages go to this logger, not to kopf's per-object `logger`, which also posts
 # every INFO+ line as a Kubernetes event.
@@ -405,3 +416,103 @@ def _already_reported(
 
 def _generation(body: Mapping[str, Any]) -> int:
     return int((body.get("metadata") or {}).get("generation") or 0)
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+
+@kopf.timer(*RESOURCE, id="autoscale", interval=AUTOSCALE_TICK_SECONDS)
+def autoscale(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpec:
+        return  # reconcile reports it
+    if spec.autoscaling is None or not spec.autoscaling.builtin:
+        if status.get("autoscaling"):
+            patch.status["autoscaling"] = None  # turned off: no stale decision on show
+        memo.autoscaler = None
+        return
+    now = time.monotonic()
+    if getattr(memo, "autoscaler", None) is None:
+        memo.autoscaler = (Memory(), TtftWindow())
+    memory, ttft = memo.autoscaler
+    load = _read_load(_cluster(memo), namespace, name, now, ttft)
+    current = spec.data_parallel_size
+    decision, next_memory = decide(
+        spec.autoscaling,
+        current,
+        load,
+        memory,
+        now,
+        default_capacity=spec.engine.max_batch_size,
+    )
+    if decision.changes(current):
+        try:
+            _cluster(memo).scale(namespace, name, decision.desired)
+        except ApiError as error:
+            log.warning("autoscaling %s to %d failed: %s", name, decision.desired, error)
+            return  # the next tick decides again, from the same memory
+        kopf.info(body, reason=decision.reason, message=decision.message(current))
+    memo.autoscaler = (next_memory, ttft)
+    _write_autoscaling_status(
+        status,
+        patch,
+        memo,
+        decision,
+        load,
+        metric=spec.autoscaling.metric,
+        changed=decision.changes(current),
+    )
+
+
+def _read_load(
+    cluster: Cluster, namespace: str, name: str, now: float, ttft: TtftWindow
+) -> LoadSignal | None:
+    try:
+        page = cluster.coordinator_metrics(
+            namespace, manifests.coordinator_name(name), manifests.HTTP_PORT_NAME
+        )
+        return read_metrics(page, now, ttft)
+    except (ApiError, MalformedMetrics) as error:
+        log.info("autoscaler of %s has no reading: %s", name, error)
+        return None
+
+
+def _write_autoscaling_status(
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    decision: Decision,
+    load: LoadSignal | None,
+    *,
+    metric: str,
+    changed: bool,
+) -> None:
+    previous = status.get("autoscaling") or {}
+    now = time.monotonic()
+    new = {
+        "metric": metric,
+        "desiredReplicas": decision.desired,
+        # The last change's reason stays (kubectl get infd shows it) until the next change.
+        "reason": decision.reason if changed else previous.get("reason", decision.reason),
+        "signal": decision.signal,
+        "currentValue": None if decision.value is None else f"{decision.value:.3g}",
+        "heldRequests": None if load is None else load.queued,
+        "lastScaleTime": (
+            datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            if changed
+            else previous.get("lastScaleTime")
+        ),
+    }
+    if all(previous.get(key) == value for key, value in new.items()):
+        return
+    decided_differently = any(
+        previous.get(key) != new[key] for key in ("desiredReplicas", "reason", "heldRequests")
+    )
+    last = getattr(memo, "last_autoscaling_status", float("-inf"))
+    if decided_differently or now - last >= AUTOSCALING_STATUS_SECONDS:
+        memo.last_autoscaling_status = now
+        patch.status["autoscaling"] = new

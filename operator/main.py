@@ -11,7 +11,8 @@ LIVENESS_PATH = "/healthz"
 
 
 class QuietStatusRefresh(logging.Filter):
-    """Drops kopf's INFO line for each successful 2-second status refresh of each resource.
+    """Drops kopf's INFO line for each successful 2-second status refresh of each resource
+    (and each 1-second autoscaler tick).
 
     kopf logs every timer run; at one line per resource every 2 s the operator's log would
     hold little else. Failures and every other handler's lines still get through.
@@ -20,7 +21,8 @@ class QuietStatusRefresh(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (
             record.levelno == logging.INFO
-            and record.getMessage() == "Timer 'refresh-status' succeeded."
+            and record.getMessage()
+            in ("Timer 'refresh-status' succeeded.", "Timer 'autoscale' succeeded.")
         )
 
 

@@ -100,7 +100,9 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
     # --data-parallel-size 0: do not wait for engines at start; they come and go with scaling.
     # --credentials: CURVE, keys from the mounted <name>-credentials Secret (its coordinator
     # part); --api-key-file: HTTP /v1/* need the Secret's bearer token. The NetworkPolicy
-    # stays as a second fence.
+    # stays as a second fence. --ready-without-engines: with autoscaling that may reach zero
+    # engines, the coordinator is ready to take (and hold) requests with none.
+    from_zero = spec.autoscaling is not None and spec.autoscaling.from_zero
     return [
         "dpserve", "coordinator",
         "--host", "0.0.0.0",
@@ -112,6 +114,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         "--tokenizer", spec.model,
         "--routing", spec.coordinator.routing,
         *limit_args(spec.coordinator.limits),
+        *(["--ready-without-engines"] if from_zero else []),
     ]  # fmt: skip
 
 

@@ -42,6 +42,8 @@ REQUIRED_RULES: tuple[Rule, ...] = (
     _rule(CRD_GROUP, f"{CRD_PLURAL}/finalizers", ["update"],
           "children carry blockOwnerDeletion owner references, which the "
           "OwnerReferencesPermissionEnforcement admission plugin checks against this"),
+    _rule(CRD_GROUP, f"{CRD_PLURAL}/scale", ["patch"],
+          "the built-in autoscaler sets spec.dataParallelSize through the scale subresource"),
     _rule("apps", "deployments", ["get", "create", "update"],
           "coordinator Deployment: read-then-create-or-replace"),
     _rule("apps", "statefulsets", ["get", "create", "update", "patch"],
@@ -52,7 +54,8 @@ REQUIRED_RULES: tuple[Rule, ...] = (
           "the status names a child pod that is OOM-killed, crash-looping, unschedulable or "
           "cannot pull its image, with the pod's own message"),
     _rule("", "services/proxy", ["get"],
-          "GET the coordinator's /health through the API server's service proxy"),
+          "GET the coordinator's /ready (status) and /metrics (autoscaler) through the API "
+          "server's service proxy"),
     _rule("policy", "poddisruptionbudgets", ["get", "create", "update"],
           "engine PodDisruptionBudget (policy/v1 or policy/v1beta1)"),
     _rule("networking.k8s.io", "networkpolicies", ["get", "create", "update"],

@@ -32,6 +32,15 @@ DEFAULT_ZMQ_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_ROUTING = "prefix-aware"
 DEFAULT_MODEL_MOUNT_PATH = "/models"
+# spec.autoscaling (operator/autoscaling.py decides with these).
+DEFAULT_AUTOSCALING_MODE = "Builtin"
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_SCALE_UP_WINDOW_SECONDS = 0
+DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 120
+DEFAULT_IDLE_BEFORE_ZERO_SECONDS = 300
+# The target each metric gets when spec.autoscaling.target is left out (TTFT has none: its
+# target is the service level objective, which only the user knows).
+DEFAULT_TARGETS = {"QueuedRequestsPerEngine": 0.0, "KVCacheUsage": 0.8}
 
 # Writable scratch directories (emptyDirs, the root filesystem is read-only): the model must
 # not be mounted over them.
@@ -42,6 +51,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ROUTINGS = ("prefix-aware", "least-outstanding", "round-robin")
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# Builtin: the operator sizes the engines; External: an HPA or KEDA does, through the scale
+# subresource, and the operator only keeps the coordinator holding requests at zero engines.
+AUTOSCALING_MODES = ("Builtin", "External")
+QUEUED_REQUESTS_PER_ENGINE, KV_CACHE_USAGE, TTFT_P90 = (
+    "QueuedRequestsPerEngine",
+    "KVCacheUsage",
+    "TTFTP90",
+)
+AUTOSCALING_METRICS = (QUEUED_REQUESTS_PER_ENGINE, KV_CACHE_USAGE, TTFT_P90)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -127,6 +145,31 @@ class CoordinatorSpec:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: its presence turns autoscaling on (``dataParallelSize`` is then
+    the current engine count, written through the scale subresource)."""
+
+    mode: str
+    min_replicas: int
+    # None only in External mode (the HPA or ScaledObject has its own bounds).
+    max_replicas: int | None
+    metric: str
+    target: float
+    scale_up_window_seconds: int
+    scale_down_window_seconds: int
+    idle_before_zero_seconds: int
+
+    @property
+    def builtin(self) -> bool:
+        return self.mode == "Builtin"
+
+    @property
+    def from_zero(self) -> bool:
+        """Engines may be scaled to zero: the coordinator holds requests meanwhile."""
+        return self.min_replicas == 0 or not self.builtin
+
+
+@dataclass(frozen=True)
 class PodTemplateOverrides:
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
@@ -148,6 +191,7 @@ class DeploymentSpec:
     service_account_name: str | None
     allowed_clients: tuple[Mapping[str, Any], ...]
     pod_template: PodTemplateOverrides
+    autoscaling: AutoscalingSpec | None = None
 
 
 def freeze(value: Any) -> Any:
@@ -234,6 +278,18 @@ class _Reader:
             self.fail(self.at(key), f"must be true or false, got {_describe(value)}")
             return default
         return value
+
+    def number(self, key: str, *, default: float | None, minimum: float = 0.0) -> float | None:
+        value = self.get(key)
+        if value is _MISSING:
+            return default
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            self.fail(self.at(key), f"must be a number, got {_describe(value)}")
+            return default
+        if value < minimum:
+            self.fail(self.at(key), f"must be >= {minimum:g}, got {value}")
+            return default
+        return float(value)
 
     def choice(self, key: str, choices: tuple[str, ...], *, default: str | None) -> str | None:
         value = self.get(key)
@@ -412,6 +468,9 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
             )
 
     pod_template = _parse_pod_template(spec.child("podTemplate"))
+    autoscaling = None
+    if spec.get("autoscaling") is not _MISSING:
+        autoscaling = _parse_autoscaling(spec.child("autoscaling"))
     image_pull_policy = spec.choice("imagePullPolicy", IMAGE_PULL_POLICIES, default=None)
     data_parallel_size = spec.integer(
         "dataParallelSize", default=DEFAULT_DATA_PARALLEL_SIZE, minimum=0
@@ -444,6 +503,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
         service_account_name=service_account_name,
         allowed_clients=freeze(allowed_clients),
         pod_template=pod_template,
+        autoscaling=autoscaling,
     )
 
 
@@ -480,9 +540,7 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
 
 def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
     zmq_port = coordinator.integer("zmqPort", default=DEFAULT_ZMQ_PORT, minimum=1, maximum=65535)
-    http_port = coordinator.integer(
-        "httpPort", default=DEFAULT_HTTP_PORT, minimum=1, maximum=65535
-    )
+    http_port = coordinator.integer("httpPort", default=DEFAULT_HTTP_PORT, minimum=1, maximum=65535)
     if zmq_port == http_port:
         coordinator.fail(
             coordinator.at("httpPort"), f"must differ from zmqPort (both are {zmq_port})"
@@ -490,11 +548,56 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
     return CoordinatorSpec(
         zmq_port=zmq_port,
         http_port=http_port,
-        routing=coordinator.choice("routing", ROUTINGS, default=DEFAULT_ROUTING)
-        or DEFAULT_ROUTING,
+        routing=coordinator.choice("routing", ROUTINGS, default=DEFAULT_ROUTING) or DEFAULT_ROUTING,
         resources=coordinator.resources("resources"),
         limits=parse_limits(
             coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
+        ),
+    )
+
+
+def _parse_autoscaling(autoscaling: _Reader) -> AutoscalingSpec:
+    mode = autoscaling.choice("mode", AUTOSCALING_MODES, default=DEFAULT_AUTOSCALING_MODE)
+    min_replicas = autoscaling.integer("minReplicas", default=DEFAULT_MIN_REPLICAS, minimum=0)
+    max_replicas: int | None = autoscaling.integer("maxReplicas", default=0, minimum=1) or None
+    metric = (
+        autoscaling.choice("metric", AUTOSCALING_METRICS, default=QUEUED_REQUESTS_PER_ENGINE)
+        or QUEUED_REQUESTS_PER_ENGINE
+    )
+    target = autoscaling.number("target", default=DEFAULT_TARGETS.get(metric))
+    if mode == "Builtin":
+        if max_replicas is None and autoscaling.get("maxReplicas") is _MISSING:
+            autoscaling.fail(autoscaling.at("maxReplicas"), "is required with mode Builtin")
+        elif max_replicas is not None and max_replicas < min_replicas:
+            autoscaling.fail(
+                autoscaling.at("maxReplicas"),
+                f"must be >= minReplicas ({max_replicas} < {min_replicas})",
+            )
+        if target is None and autoscaling.get("target") is _MISSING:
+            autoscaling.fail(
+                autoscaling.at("target"),
+                f"is required with metric {metric}: the TTFT p90 objective in seconds",
+            )
+    if metric == KV_CACHE_USAGE and target is not None and not 0 < target <= 1:
+        autoscaling.fail(
+            autoscaling.at("target"), f"must be a fraction in (0, 1] for {metric}, got {target:g}"
+        )
+    if metric == TTFT_P90 and target is not None and target <= 0:
+        autoscaling.fail(autoscaling.at("target"), f"must be > 0 seconds for {metric}")
+    return AutoscalingSpec(
+        mode=mode or DEFAULT_AUTOSCALING_MODE,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        metric=metric,
+        target=target or 0.0,
+        scale_up_window_seconds=autoscaling.integer(
+            "scaleUpWindowSeconds", default=DEFAULT_SCALE_UP_WINDOW_SECONDS, minimum=0
+        ),
+        scale_down_window_seconds=autoscaling.integer(
+            "scaleDownWindowSeconds", default=DEFAULT_SCALE_DOWN_WINDOW_SECONDS, minimum=0
+        ),
+        idle_before_zero_seconds=autoscaling.integer(
+            "idleBeforeZeroSeconds", default=DEFAULT_IDLE_BEFORE_ZERO_SECONDS, minimum=0
         ),
     )
 

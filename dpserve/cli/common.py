@@ -79,6 +79,15 @@ def add_api_key_file(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_ready_without_engines(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ready-without-engines",
+        action="store_true",
+        help="/ready answers 200 (status holding) while no engine can take requests: they are "
+        "held until one registers (engines autoscaled from zero)",
+    )
+
+
 def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     """The KV-cache flags of ``engine``, which ``serve`` passes on to each engine."""
     from dpserve.engine.defaults import (

@@ -12,6 +12,7 @@ from dpserve.cli.common import (
     Subcommands,
     add_api_key_file,
     add_credentials,
+    add_ready_without_engines,
     api_keys,
     tokenizer_spec,
 )
@@ -59,6 +60,7 @@ def add_parser(subparsers: Subcommands) -> None:
     flags.add_request_limits(coordinator)
     flags.add_http_limits(coordinator)
     add_api_key_file(coordinator)
+    add_ready_without_engines(coordinator)
     coordinator.set_defaults(func=run)
 
 
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=http_api_keys,
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
+        hold_without_engines=args.ready_without_engines,
     )
     return run_http_with_coordinator(args.port, args.deterministic, options, front)
 

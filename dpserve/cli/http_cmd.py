@@ -11,6 +11,7 @@ from dpserve.cli.common import (
     Subcommands,
     add_api_key_file,
     add_credentials,
+    add_ready_without_engines,
     api_keys,
     client_keys,
     log,
@@ -31,6 +32,7 @@ def add_parser(subparsers: Subcommands) -> None:
     http.add_argument("--model-name", default=None, help="name reported by /v1/models")
     add_credentials(http, roles=True)
     add_api_key_file(http)
+    add_ready_without_engines(http)
     flags.add_request_limits(http)
     flags.add_http_limits(http)
     http.set_defaults(func=run)
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=http_api_keys,
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
+        hold_without_engines=args.ready_without_engines,
     )
     asyncio.run(run_http_front(front))
     return 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from dpserve.coordinator.requests import RequestTable
 from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import ControlState
 
@@ -37,6 +39,7 @@ def status_report(
         "clients": len(shared.clients),
         "inflight": len(requests),
         "queued": sum(1 for rid in requests.queue if rid in requests.by_id),
+        "oldest_queued_seconds": _oldest_wait(requests),
         "routing": shared.routing.value,
         "pid": os.getpid(),
         "security": "curve" if transport.secured else "none",
@@ -45,3 +48,12 @@ def status_report(
         # Routing decisions by reason, and the prefix index's predicted vs actual cached tokens.
         "prefix_routing": dict(prefix_routing or {}),
     }
+
+
+def _oldest_wait(requests: RequestTable) -> float:
+    """Seconds the oldest request still in the wait queue has waited (0.0: none waits)."""
+    for request_id in requests.queue:
+        request = requests.by_id.get(request_id)
+        if request is not None and request.engine is None:
+            return round(time.monotonic() - request.received_at, 3)
+    return 0.0

@@ -59,8 +59,10 @@ class HttpFront:
         model_name: str,
         limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
         http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
+        hold_without_engines: bool = False,
     ) -> None:
         self.client = client
+        self.hold_without_engines = hold_without_engines
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
@@ -125,7 +127,9 @@ class HttpFront:
         return web.json_response(LIVE_BODY)
 
     async def ready(self, request: web.Request) -> web.Response:
-        status_code, body = readiness(await self.coordinator_status())
+        status_code, body = readiness(
+            await self.coordinator_status(), hold_without_engines=self.hold_without_engines
+        )
         return web.json_response(body, status=status_code)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
@@ -249,11 +253,14 @@ def create_app(
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
     guard: ConnectionGuard | None = None,
+    hold_without_engines: bool = False,
 ) -> web.Application:
     """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
     ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``;
-    ``guard`` is told when each request's handler starts and ends (``serve_http``)."""
-    front = HttpFront(client, tokenizer, model_name, limits, http_limits)
+    ``guard`` is told when each request's handler starts and ends (``serve_http``);
+    ``hold_without_engines``: /ready is 200 while the coordinator holds requests for want of
+    an engine (``health.readiness``)."""
+    front = HttpFront(client, tokenizer, model_name, limits, http_limits, hold_without_engines)
     middlewares = [
         *([guard.middleware] if guard is not None else []),
         _json_errors,

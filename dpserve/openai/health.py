@@ -6,7 +6,10 @@
   ``STATUS_TIMEOUT``, its engines are running (not paused, suspended or stopped) and at least
   one registered engine is not draining; otherwise 503 with ``status`` naming the reason:
   ``coordinator_unavailable``, ``paused``, ``suspended``, ``stopped``, ``no_engines`` or
-  ``draining``.
+  ``draining``. With ``hold_without_engines`` (``--ready-without-engines``: engines are
+  autoscaled and may be at zero), no engine, or only draining ones, is 200 with status
+  ``holding``: the coordinator takes requests and holds them until an engine registers, and
+  those held requests are what brings an engine back.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ _REASONS: Final = {
     "stopped": "engines were stopped",
     "no_engines": "no engine is registered",
     "draining": "every registered engine is draining",
+    "holding": "no engine can take requests now: they are held until one registers",
 }
 
 
-def readiness(status: Mapping[str, Any] | None) -> tuple[int, dict[str, Any]]:
+def readiness(
+    status: Mapping[str, Any] | None, *, hold_without_engines: bool = False
+) -> tuple[int, dict[str, Any]]:
     """``/ready``'s status code and body for a coordinator status (None: no answer)."""
     if status is None:
         return 503, _body("coordinator_unavailable", {})
@@ -41,6 +47,8 @@ def readiness(status: Mapping[str, Any] | None) -> tuple[int, dict[str, Any]]:
     }
     if state in ("paused", "suspended", "stopped"):
         return 503, _body(state, details)
+    if hold_without_engines and engines <= draining:
+        return 200, _body("holding", details)
     if engines < 1:
         return 503, _body("no_engines", details)
     if engines <= draining:

@@ -186,7 +186,17 @@ class _ScrapeCollector:
         for name, key, help_text in (
             ("dpserve_registered_engines", "engines", "Engines registered with the coordinator"),
             ("dpserve_draining_engines", "draining", "Registered engines that are draining"),
-            ("dpserve_queued_requests", "queued", "Requests waiting for an engine"),
+            (
+                "dpserve_queued_requests",
+                "queued",
+                "Requests held because no engine could take them (at zero engines: the "
+                "demand that scales from zero)",
+            ),
+            (
+                "dpserve_oldest_queued_request_seconds",
+                "oldest_queued_seconds",
+                "Seconds the oldest held request has waited for an engine (0: none held)",
+            ),
             ("dpserve_coordinator_inflight_requests", "inflight", "Requests the coordinator holds"),
         ):
             yield GaugeMetricFamily(name, help_text, value=status.get(key, 0))

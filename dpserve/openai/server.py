@@ -35,6 +35,8 @@ class FrontConfig:
     api_keys: tuple[bytes, ...] | None = dataclasses.field(default=None, repr=False)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
+    # /ready is 200 while requests are held for want of an engine (autoscaled from zero).
+    hold_without_engines: bool = False
 
 
 async def serve_http(
@@ -58,6 +60,7 @@ async def serve_http(
         limits=config.limits,
         http_limits=limits,
         guard=guard,
+        hold_without_engines=config.hold_without_engines,
     )
     await app[FRONT_KEY].coordinator_status()  # learn the coordinator's limits before serving
     runner = web.AppRunner(

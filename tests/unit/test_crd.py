@@ -91,6 +91,7 @@ def test_printer_columns(version: dict[str, Any]) -> None:
         "Desired": ".spec.dataParallelSize",
         "Ready": ".status.readyReplicas",
         "Registered": ".status.registeredEngines",
+        "Autoscaler": ".status.autoscaling.reason",
         "Phase": ".status.phase",
         "Model": ".spec.model",
         "Age": ".metadata.creationTimestamp",
@@ -149,6 +150,22 @@ def test_schema_defaults_match_the_operator(schema: dict[str, Any]) -> None:
     assert coordinator["routing"]["default"] == spec_module.DEFAULT_ROUTING
     mount_path = spec["modelVolume"]["properties"]["mountPath"]
     assert mount_path["default"] == spec_module.DEFAULT_MODEL_MOUNT_PATH
+    autoscaling = spec["autoscaling"]["properties"]
+    assert autoscaling["mode"]["default"] == spec_module.DEFAULT_AUTOSCALING_MODE
+    assert autoscaling["minReplicas"]["default"] == spec_module.DEFAULT_MIN_REPLICAS
+    assert autoscaling["metric"]["default"] == spec_module.QUEUED_REQUESTS_PER_ENGINE
+    assert (
+        autoscaling["scaleUpWindowSeconds"]["default"]
+        == spec_module.DEFAULT_SCALE_UP_WINDOW_SECONDS
+    )
+    assert (
+        autoscaling["scaleDownWindowSeconds"]["default"]
+        == spec_module.DEFAULT_SCALE_DOWN_WINDOW_SECONDS
+    )
+    assert (
+        autoscaling["idleBeforeZeroSeconds"]["default"]
+        == spec_module.DEFAULT_IDLE_BEFORE_ZERO_SECONDS
+    )
 
 
 def test_schema_enums_match_the_operator(schema: dict[str, Any]) -> None:
@@ -157,6 +174,9 @@ def test_schema_enums_match_the_operator(schema: dict[str, Any]) -> None:
     assert tuple(spec["engine"]["properties"]["device"]["enum"]) == spec_module.DEVICES
     assert tuple(spec["coordinator"]["properties"]["routing"]["enum"]) == spec_module.ROUTINGS
     assert tuple(spec["imagePullPolicy"]["enum"]) == spec_module.IMAGE_PULL_POLICIES
+    autoscaling = spec["autoscaling"]["properties"]
+    assert tuple(autoscaling["mode"]["enum"]) == spec_module.AUTOSCALING_MODES
+    assert tuple(autoscaling["metric"]["enum"]) == spec_module.AUTOSCALING_METRICS
 
 
 # --------------------------------------------------------------------------- valid resources
@@ -165,6 +185,20 @@ MINIMAL = {"model": "smollm2-135m-instruct", "image": "ghcr.io/dpserve/runtime-c
 VALID_SPECS = {
     "minimal": MINIMAL,
     "scaled-to-zero": {**MINIMAL, "dataParallelSize": 0},
+    "autoscaled-from-zero": {
+        **MINIMAL,
+        "dataParallelSize": 0,
+        "autoscaling": {
+            "minReplicas": 0,
+            "maxReplicas": 4,
+            "metric": "TTFTP90",
+            "target": 0.5,
+            "scaleUpWindowSeconds": 0,
+            "scaleDownWindowSeconds": 60,
+            "idleBeforeZeroSeconds": 120,
+        },
+    },
+    "external-autoscaler": {**MINIMAL, "autoscaling": {"mode": "External"}},
     "gpu": {
         **MINIMAL,
         "image": "ghcr.io/dpserve/runtime-cuda:0.1.0",
@@ -253,6 +287,16 @@ INVALID = [
     pytest.param(changed("modelVolume", {"mountPath": "/m"}), "modelVolume", id="no-claim"),
     pytest.param(changed("modelVolume", {"claimName": "w", "mountPath": "m"}), "mountPath",
                  id="relative-mount"),
+    pytest.param(changed("autoscaling", {"maxReplicas": 0}), "maxReplicas", id="max-zero"),
+    pytest.param(changed("autoscaling", {"maxReplicas": 2, "minReplicas": -1}), "minReplicas",
+                 id="negative-min"),
+    pytest.param(changed("autoscaling", {"maxReplicas": 2, "metric": "GPUUtilization"}),
+                 "metric", id="bad-metric"),
+    pytest.param(changed("autoscaling", {"maxReplicas": 2, "target": -1}), "target",
+                 id="negative-target"),
+    pytest.param(changed("autoscaling", {"mode": "Keda"}), "mode", id="bad-mode"),
+    pytest.param(changed("autoscaling", {"maxReplicas": 2, "scaleDownWindowSeconds": 1.5}),
+                 "scaleDownWindowSeconds", id="fractional-window"),
 ]  # fmt: skip
 
 
