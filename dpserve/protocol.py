@@ -237,7 +237,7 @@ class Results(NamedTuple):
     results: list[ClientResult]
 
 
-class StreamChunk(NamedTuple):
+class ClientChunk(NamedTuple):
     """One entry of STREAM: a streaming request's new tokens and their text."""
 
     client_request_id: int
@@ -246,7 +246,7 @@ class StreamChunk(NamedTuple):
 
 
 class Stream(NamedTuple):
-    chunks: list[StreamChunk]
+    chunks: list[ClientChunk]
 
 
 class Cancel(NamedTuple):
@@ -357,7 +357,7 @@ _REQUIRED_FIELDS: Final = {header: required_fields(record) for header, record in
 ENTRIES: Final[dict[Header, Any]] = {
     Header.ENGINE_REPLY: EngineUpdate,
     Header.RESULTS: ClientResult,
-    Header.STREAM: StreamChunk,
+    Header.STREAM: ClientChunk,
 }
 _ENTRY_SHAPES: Final = {
     header: (f"{header.name} entry", entry, field_types(entry), required_fields(entry))

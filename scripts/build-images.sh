@@ -79,12 +79,14 @@ base_key="$(hash_of bookworm minbase "$BASE_PACKAGES" venv-1)"
 if [[ ! -f "$(archive_for base "$base_key")" ]]; then
   rootfs_tar="$IMG_CACHE/rootfs-$base_key.tar"
   if [[ ! -f "$rootfs_tar" ]]; then
-    mirror="$(awk '/^deb /{print $3; exit}' "$CACHE/k8s/apt/sources.list" 2>/dev/null || true)"
+    # shellcheck source=scripts/apt-mirror.sh
+    source "$ROOT/scripts/apt-mirror.sh"
+    mirror="$(debian_mirror)"  # this machine's apt mirror; fails with a message when none
     rootfs="$IMG_CACHE/rootfs"
     rm -rf "$rootfs"
-    log "debootstrap bookworm minbase from ${mirror:-http://deb.debian.org/debian}"
+    log "debootstrap bookworm minbase from $mirror"
     debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" \
-      "${mirror:-http://deb.debian.org/debian}" >"$IMG_CACHE/debootstrap.log" 2>&1 \
+      "$mirror" >"$IMG_CACHE/debootstrap.log" 2>&1 \
       || { tail -n 20 "$IMG_CACHE/debootstrap.log" >&2; exit 1; }
     chroot "$rootfs" python3 -m venv /opt/venv
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*

@@ -11,9 +11,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.protocol import ProtocolError, Register
+from dpserve.security import key_files, roles
 
 log = logging.getLogger("dpserve.engine")
 
@@ -22,26 +23,28 @@ log = logging.getLogger("dpserve.engine")
 REGISTER_RESEND_AFTER = 10.0
 
 
-class CoordinatorRefused(RuntimeError):
+class EngineRefused(RuntimeError):
     """The coordinator refused this engine's handshake (no keys, or a key it does not
     allow): the engine could only wait forever."""
 
 
-class CoordinatorConnection:
+class EngineConnection:
     def __init__(
         self,
         address: str,
         rank: int,
         capacity: int,
         *,
-        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        credentials: key_files.PeerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
         """``credentials``: the engine's keys, or a credentials directory (its engine key),
         for a coordinator that requires CURVE."""
         self.address = address
         self.rank = rank
         self.capacity = capacity
-        keys = None if credentials is None else security.as_peer_keys(credentials, security.ENGINE)
+        keys = (
+            None if credentials is None else key_files.as_peer_keys(credentials, key_files.ENGINE)
+        )
         # A new instance id per process: the coordinator tells a restarted engine from a
         # repeated REGISTER of the same one.
         self.instance = uuid.uuid4().hex
@@ -52,7 +55,7 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
-            security.secure_peer(self.socket, keys)
+            roles.secure_peer(self.socket, keys)
         # A refused CURVE handshake shows only as a monitor event (see dpserve.handshake).
         self.handshake = HandshakeWatch(address, "engine", keys is not None, "allowed/engine/")
         self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)
@@ -91,7 +94,7 @@ class CoordinatorConnection:
         until registered: it sends once per connection to the coordinator, and never while
         nothing is connected (a DEALER queues what it cannot send, and the coordinator would
         get, and answer, every REGISTER queued while it was down). ``register_again`` makes
-        the next call send on the same connection. Raises ``CoordinatorRefused`` once the
+        the next call send on the same connection. Raises ``EngineRefused`` once the
         coordinator refused the handshake: the engine could only wait forever, so it had
         better exit and show why."""
         self.check_handshake()
@@ -114,7 +117,7 @@ class CoordinatorConnection:
         self._registered_on = 0
 
     def check_handshake(self) -> None:
-        """Read the socket's connection events; raise ``CoordinatorRefused`` for a refusal."""
+        """Read the socket's connection events; raise ``EngineRefused`` for a refusal."""
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
@@ -127,7 +130,7 @@ class CoordinatorConnection:
                 self._live = False
             refusal = self.handshake.observe(event["event"], event["value"])
             if refusal is not None:
-                raise CoordinatorRefused(refusal)
+                raise EngineRefused(refusal)
 
     def close(self) -> None:
         self.socket.disable_monitor()

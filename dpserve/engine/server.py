@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (
     CONTROL_SIGNALS,
@@ -47,7 +47,7 @@ from dpserve.protocol import (
     RegisterAck,
 )
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer
+from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
 log = logging.getLogger("dpserve.engine")
 
@@ -75,12 +75,15 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
+    # ``text`` is not used.
+    decoded: list[str] | None = None
 
 
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -298,7 +301,7 @@ class EngineServer:
     def _on_request(self, message: protocol.EngineRequest) -> None:
         request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
                 protocol.unpack_tokens(message.prompt_tokens),
                 SamplingParams.deserialize(message.sampling_params),
@@ -341,6 +344,7 @@ class EngineServer:
 
     def _absorb(self, updates: list[TokenUpdate]) -> None:
         now = time.monotonic()
+        finished: list[tuple[int, _Held, str | None]] = []
         for update in updates:
             held = self._held.get(update.request_id)
             if held is None:
@@ -348,6 +352,10 @@ class EngineServer:
             if held.ttft is None and update.tokens:
                 held.ttft = now - held.received_at
             held.tokens.extend(update.tokens)
+            if update.text is not None:
+                if held.decoded is None:
+                    held.decoded = []
+                held.decoded.append(update.text)
             if update.logprobs is not None:
                 if held.logprobs is None:
                     held.logprobs = []
@@ -355,29 +363,45 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                self._outbox.append(self._entry(update.request_id, held, update.finish_reason))
+                finished.append((update.request_id, held, update.finish_reason))
             elif held.stream:
                 self._stream_dirty.add(update.request_id)
+        if finished:
+            self._outbox += self._entries(finished)
 
-    @staticmethod
-    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> EngineUpdate:
-        entry = EngineUpdate(
-            request_id,
-            protocol.pack_tokens(held.tokens),
-            None if held.logprobs is None else protocol.pack_floats(held.logprobs),
-            finish_reason,
-            None,
-            held.ttft,
-            held.text.push(held.tokens, final=finish_reason is not None),
-        )
-        held.tokens = []
-        held.logprobs = None if held.logprobs is None else []
-        return entry
+    def _entries(self, items: list[tuple[int, _Held, str | None]]) -> list[EngineUpdate]:
+        """The ENGINE_REPLY entries of these requests (what they produced since their last
+        entry); the text the runner did not decode comes from one ``decode_batch`` for all."""
+        undecoded = [
+            (held.text, held.tokens, finish is not None)
+            for _, held, finish in items
+            if held.decoded is None
+        ]
+        pushed = iter(push_batch(self._text.tokenizer, undecoded) if undecoded else [])
+        entries: list[EngineUpdate] = []
+        for request_id, held, finish_reason in items:
+            text = next(pushed) if held.decoded is None else "".join(held.decoded)
+            entries.append(
+                EngineUpdate(
+                    request_id,
+                    protocol.pack_tokens(held.tokens),
+                    None if held.logprobs is None else protocol.pack_floats(held.logprobs),
+                    finish_reason,
+                    None,
+                    held.ttft,
+                    text,
+                )
+            )
+            held.tokens = []
+            held.logprobs = None if held.logprobs is None else []
+            if held.decoded is not None:
+                held.decoded = []
+        return entries
 
     def _flush(self, now: float) -> None:
         if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
-            for request_id in self._stream_dirty:
-                self._outbox.append(self._entry(request_id, self._held[request_id], None))
+            held = self._held
+            self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now
         if self._outbox and self.registered:
@@ -426,9 +450,9 @@ class EngineServer:
         """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
         re-dispatches the requests after exactly those tokens, so no step may run until it
         answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
-        for request_id, held in self._held.items():
-            if held.tokens:
-                self._outbox.append(self._entry(request_id, held, None))
+        self._outbox += self._entries(
+            [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
+        )
         self._stream_dirty.clear()
         if self._outbox:
             self.connection.send(EngineReply(self._outbox))

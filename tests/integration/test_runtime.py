@@ -17,7 +17,8 @@ from dpserve.client import InferenceClient, RequestFailed
 from dpserve.engine.fake import fake_token
 from dpserve.protocol import Connect, ConnectAck, Error, Header, SubmitRequest
 from dpserve.sampling import SamplingParams
-from tests.integration.runtime import Processes, eventually, wait_for_engines
+from tests.integration.runtime import Processes, wait_for_engines
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
