@@ -121,6 +121,18 @@ def install_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def install_notes(chart: Path, values: dict[str, Any], release: str, namespace: str) -> str:
+    """The chart's NOTES.txt as ``helm install`` prints it (the SDK's install result does not
+    carry it): rendered with the same values, release name and namespace."""
+    import helm_python
+
+    rendered = helm_python.Chart.load(str(chart)).render(
+        values or None, name=release, namespace=namespace, is_install=True
+    )
+    notes = [text for path, text in rendered.items() if path.endswith("/templates/NOTES.txt")]
+    return notes[0].strip() if notes else ""
+
+
 def kubeconfig(args: argparse.Namespace) -> str:
     chosen = args.command_kubeconfig or args.kubeconfig or os.environ.get("KUBECONFIG")
     path = Path(chosen.split(os.pathsep)[0]) if chosen else Path.home() / ".kube" / "config"
@@ -155,6 +167,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                 print(f"NAME: {args.release}\nNAMESPACE: {args.namespace}\nSTATUS: deployed")
                 info = release.get("info") if isinstance(release, dict) else None
                 notes = info.get("notes") if isinstance(info, dict) else None
+                notes = notes or install_notes(args.chart, values, args.release, args.namespace)
                 if notes:
                     print(f"\nNOTES:\n{notes}")
             else:

@@ -69,3 +69,15 @@ def test_bad_arguments_are_refused_naming_them(bad: str, tmp_path: Path) -> None
 def test_a_missing_kubeconfig_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "nope"))
     assert helm_sdk.run(["uninstall", "r", "-n", "x"]) == 2
+
+
+def test_install_prints_the_charts_notes_with_the_token_command() -> None:
+    notes = helm_sdk.install_notes(
+        ROOT / "charts" / "dpserve-operator", {}, "dpserve-operator", "dpserve-system"
+    )
+    assert "kubectl apply -f examples/inference.yaml" in notes
+    assert "in namespace dpserve-system" in notes
+    # The HTTP front wants the bearer token: the NOTES fetch it and send it.
+    assert '{{index .data "http-api-token" | base64decode}}' in notes
+    assert 'Authorization: Bearer $TOKEN' in notes
+    assert "kubectl delete namespace dpserve-system" in notes
