@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.models import load_model_and_tokenizer, resolve_model
 from dpserve.sampling import SamplingParams
 
@@ -135,7 +135,7 @@ def run_model_runner(runner: ModelRunner, workload: Workload) -> int:
         params = SamplingParams(
             temperature=0.0, num_tokens_to_generate=wanted, termination_id=never
         )
-        runner.add(EngineRequest(request_id, prompt, params))
+        runner.add(RunnerRequest(request_id, prompt, params))
     produced = 0
     while runner.has_work():
         for update in runner.step():

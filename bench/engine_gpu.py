@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import Workload, run_static_batch, run_through_coordinator
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.models import load_model_and_tokenizer
 from dpserve.sampling import SamplingParams
 
@@ -188,7 +188,7 @@ def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str)
     """All requests submitted at once, then ``step()`` until no work; latencies per token."""
     start = time.perf_counter()
     for request_id, (prompt, wanted) in enumerate(workload):
-        runner.add(EngineRequest(request_id, prompt, engine_params(wanted, vocab)))
+        runner.add(RunnerRequest(request_id, prompt, engine_params(wanted, vocab)))
     run = EngineRun(0.0, 0)
     last_seen: dict[int, float] = {}
     while runner.has_work():

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.ops_per_layer import forward_ops_per_layer
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 
@@ -38,7 +38,7 @@ def decode_ops_per_layer(runner: ModelRunner) -> float:
     backend._forward = capturing
     try:
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True)
-        runner.add(EngineRequest(10**9, list(range(16, 48)), params))
+        runner.add(RunnerRequest(10**9, list(range(16, 48)), params))
         while runner.has_work():
             runner.step()
     finally:

@@ -60,6 +60,8 @@ class Header(IntEnum):
     DRAIN = 7
     DRAIN_ACK = 8
     DEREGISTER = 9
+    HAND_OFF = 10
+    HAND_OFF_ACK = 11
 
     # Requests and results (20-39).
     SUBMIT_REQUEST = 20
@@ -174,6 +176,18 @@ class Deregister(NamedTuple):
     pass
 
 
+class HandOff(NamedTuple):
+    """An engine leaving (SIGTERM): it sent every token it produced, and asks the coordinator
+    to re-dispatch what it holds to the other engines, continuing after those tokens."""
+
+
+class HandOffAck(NamedTuple):
+    """The engine's requests went to other engines: it drops them and exits. (With no other
+    engine to take them the coordinator answers DRAIN_ACK instead: the engine finishes them.)"""
+
+    requests: int  # how many requests were handed to other engines
+
+
 class SubmitRequest(NamedTuple):
     client_request_id: int
     prompt: Prompt  # text, packed tokens, token ids, or chat messages
@@ -223,7 +237,7 @@ class Results(NamedTuple):
     results: list[ClientResult]
 
 
-class StreamChunk(NamedTuple):
+class ClientChunk(NamedTuple):
     """One entry of STREAM: a streaming request's new tokens and their text."""
 
     client_request_id: int
@@ -232,7 +246,7 @@ class StreamChunk(NamedTuple):
 
 
 class Stream(NamedTuple):
-    chunks: list[StreamChunk]
+    chunks: list[ClientChunk]
 
 
 class Cancel(NamedTuple):
@@ -289,6 +303,8 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.DRAIN: Drain,
     Header.DRAIN_ACK: DrainAck,
     Header.DEREGISTER: Deregister,
+    Header.HAND_OFF: HandOff,
+    Header.HAND_OFF_ACK: HandOffAck,
     Header.SUBMIT_REQUEST: SubmitRequest,
     Header.ENGINE_REQUEST: EngineRequest,
     Header.ENGINE_REPLY: EngineReply,
@@ -341,7 +357,7 @@ _REQUIRED_FIELDS: Final = {header: required_fields(record) for header, record in
 ENTRIES: Final[dict[Header, Any]] = {
     Header.ENGINE_REPLY: EngineUpdate,
     Header.RESULTS: ClientResult,
-    Header.STREAM: StreamChunk,
+    Header.STREAM: ClientChunk,
 }
 _ENTRY_SHAPES: Final = {
     header: (f"{header.name} entry", entry, field_types(entry), required_fields(entry))

@@ -1,6 +1,6 @@
 """``InferenceClient``: an asyncio DEALER client for the coordinator (Megatron-Core's API).
 
-It holds a ``CoordinatorConnection`` (the socket, its handshake watch), a ``PendingTable``
+It holds a ``ClientConnection`` (the socket, its handshake watch), a ``PendingTable``
 (requests and control calls awaiting answers) and a ``CoordinatorSession`` (handshake,
 heartbeats, restarts), and dispatches the coordinator's messages between them. After a restart
 it fails the control calls the old coordinator had and resubmits every pending request.
@@ -15,8 +15,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from dpserve import protocol, security
-from dpserve.client.connection import CoordinatorConnection
+from dpserve import protocol
+from dpserve.client.connection import ClientConnection
 from dpserve.client.pending import PendingTable
 from dpserve.client.records import (
     ClientError,
@@ -43,6 +43,7 @@ from dpserve.protocol import (
     StatusReply,
 )
 from dpserve.sampling import SamplingParams
+from dpserve.security import key_files
 
 log = logging.getLogger("dpserve.client")
 
@@ -55,7 +56,7 @@ class InferenceClient:
         handshake_timeout: float = 10.0,
         startup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
-        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        credentials: key_files.PeerKeys | str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
     ) -> None:
         """``credentials``: a client's keys, or a credentials directory (its admin key if it
@@ -67,13 +68,11 @@ class InferenceClient:
         (the coordinator's ``--max-message-bytes``)."""
         self.address = coordinator_address(inference_coordinator_port)
         # Loaded before any socket exists: a bad directory raises without leaking a context.
-        self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
+        self.keys = None if credentials is None else key_files.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
         self.startup_timeout = startup_timeout
         self.heartbeat_interval = heartbeat_interval
-        self._connection = CoordinatorConnection(
-            self.address, self.keys, self._handle, self._on_refused
-        )
+        self._connection = ClientConnection(self.address, self.keys, self._handle, self._on_refused)
         self.context = self._connection.context
         self.socket = self._connection.socket
         self._send = self._connection.send

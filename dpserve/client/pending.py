@@ -7,7 +7,7 @@ request is resubmitted with the tokens the caller already has as resume tokens, 
 continues after them and no text arrives twice.
 
 A request is encoded when it is submitted: one that cannot be (text that is not valid Unicode,
-token ids out of range) or whose message exceeds the message limit raises ``InvalidRequest``
+token ids out of range) or whose message exceeds the message limit raises ``UnsendableRequest``
 at once and is never sent. A message over the coordinator's transport limit would make ZMQ
 drop the whole connection, with every other request on it.
 """
@@ -22,12 +22,12 @@ from typing import Any, TypeGuard, cast
 
 from dpserve import protocol
 from dpserve.client.records import (
-    InvalidRequest,
     PendingRequest,
     Prompt,
     RequestFailed,
     RequestRecord,
     StreamChunk,
+    UnsendableRequest,
     WirePrompt,
     cached_wire_params,
 )
@@ -60,7 +60,7 @@ class PendingTable:
     # ------------------------------------------------------------------- requests
 
     def submit(self, prompt: Prompt, params: SamplingParams) -> PendingRequest:
-        """Encode and send a request (``InvalidRequest`` if it cannot be) and keep it."""
+        """Encode and send a request (``UnsendableRequest`` if it cannot be) and keep it."""
         request_id = self.new_id()
         wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
         future: asyncio.Future[RequestRecord] = asyncio.get_running_loop().create_future()
@@ -82,7 +82,7 @@ class PendingTable:
         self, request_id: int, prompt: Prompt, params: SamplingParams
     ) -> tuple[WirePrompt, dict[str, Any], bytes]:
         """The request's wire prompt, parameters and SUBMIT_REQUEST message; raises
-        ``InvalidRequest`` for what could never be sent (so a resubmission cannot fail)."""
+        ``UnsendableRequest`` for what could never be sent (so a resubmission cannot fail)."""
         try:
             if _is_token_ids(prompt):
                 wire_prompt: WirePrompt = protocol.pack_tokens(prompt)
@@ -91,14 +91,14 @@ class PendingTable:
             wire_params = cached_wire_params(params)
             payload = protocol.encode(SubmitRequest(request_id, wire_prompt, wire_params))
         except UnicodeEncodeError as exc:
-            raise InvalidRequest(
+            raise UnsendableRequest(
                 f"the request holds text that is not valid Unicode ({exc.reason}: "
                 f"{exc.object[exc.start : exc.end]!r}); it cannot be encoded as UTF-8"
             ) from None
         except (OverflowError, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+            raise UnsendableRequest(f"the request cannot be encoded: {exc}") from None
         if len(payload) > self.max_message_bytes:
-            raise InvalidRequest(
+            raise UnsendableRequest(
                 f"the request encodes to {len(payload)} bytes, over the message limit of "
                 f"{self.max_message_bytes} bytes (max_message_bytes); send a shorter prompt"
             )

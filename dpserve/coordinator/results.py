@@ -13,44 +13,34 @@ from collections import defaultdict
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Engine
-from dpserve.coordinator.requests import InflightRequest, RequestTable
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import (
+    ClientChunk,
     ClientResult,
     EngineReply,
     ErrorCode,
     ProtocolError,
     Results,
     Stream,
-    StreamChunk,
 )
-from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
+from dpserve.tokenizer import IncrementalDetokenizer
 
 
 class ResultRouter:
-    def __init__(
-        self,
-        tokenizer: BatchTokenizer,
-        transport: Transport,
-        requests: RequestTable,
-        dispatcher: Dispatcher,
-        counters: defaultdict[str, int],
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.transport = transport
-        self.requests = requests
+    def __init__(self, shared: SharedState, dispatcher: Dispatcher) -> None:
+        self.shared = shared
         self.dispatcher = dispatcher
-        self.counters = counters
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes, str]] = []
         self._finish_info: dict[int, tuple[str, float | None, int]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
-        by_id, identity = self.requests.by_id, engine.identity
+        by_id, identity = self.shared.requests.by_id, engine.identity
         for update in reply.updates:
             request = by_id.get(update.request_id)
             if request is None or request.engine != identity:
-                self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
+                self.shared.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
                 continue
             if update.error is not None:
                 engine.outstanding.discard(update.request_id)
@@ -86,7 +76,7 @@ class ResultRouter:
         """The text of an update from an engine that sent none."""
         if request.detokenizer is None:
             resume = protocol.unpack_tokens(request.generated)
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, resume)
+            request.detokenizer = IncrementalDetokenizer(self.shared.tokenizer, resume)
         return request.detokenizer.push(protocol.unpack_tokens(tokens), final)
 
     def flush(self) -> None:
@@ -115,17 +105,17 @@ class ResultRouter:
                 )
             )
             self.dispatcher.forget(request)
-        self.counters["completed"] += len(finished)
+        self.shared.counters["completed"] += len(finished)
         for client, results in per_client.items():
-            self.transport.send(client, protocol.encode(Results(results)))
+            self.shared.transport.send(client, protocol.encode(Results(results)))
 
     def _flush_stream(self) -> None:
         streaming, self._streaming = self._streaming, []
-        by_id = self.requests.by_id
-        per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
+        by_id = self.shared.requests.by_id
+        per_client: dict[bytes, list[ClientChunk]] = defaultdict(list)
         for request, tokens, text in streaming:
             if request.request_id in by_id:
-                chunk = StreamChunk(request.client_request_id, tokens, text)
+                chunk = ClientChunk(request.client_request_id, tokens, text)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
-            self.transport.send(client, protocol.encode(Stream(chunks)))
+            self.shared.transport.send(client, protocol.encode(Stream(chunks)))

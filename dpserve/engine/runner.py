@@ -26,7 +26,7 @@ class RequestRejected(Exception):
 
 
 @dataclass(slots=True)
-class EngineRequest:
+class RunnerRequest:
     request_id: int
     prompt_tokens: list[int]
     params: SamplingParams
@@ -43,6 +43,9 @@ class TokenUpdate:
     tokens: list[int]
     logprobs: list[float] | None = None  # one per token, only when return_log_probs
     finish_reason: str | None = None  # "stop" (EOS / termination id / stop string) or "length"
+    # The tokens' text where the runner decoded it already (requests with stop strings, see
+    # ``sequences.StopText``); None: the engine server decodes it.
+    text: str | None = None
 
 
 class Runner(Protocol):
@@ -51,7 +54,7 @@ class Runner(Protocol):
     # (the fake runner's tokens are ASCII letters).
     tokenizer: Any
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         """Queue a request; raise ``RequestRejected`` if it can never be served."""
 
     def cancel(self, request_id: int) -> None:

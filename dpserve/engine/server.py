@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (
     CONTROL_SIGNALS,
@@ -39,13 +39,15 @@ from dpserve.protocol import (
     EngineUpdate,
     Error,
     ErrorCode,
+    HandOff,
+    HandOffAck,
     Header,
     Heartbeat,
     HeartbeatAck,
     RegisterAck,
 )
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer
+from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
 log = logging.getLogger("dpserve.engine")
 
@@ -73,12 +75,15 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
+    # ``text`` is not used.
+    decoded: list[str] | None = None
 
 
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -103,13 +108,15 @@ class EngineServer:
         self.drain_requested = False
         self.drain_started: float | None = None
         self.drain_acked = False
+        # HAND_OFF sent, answer awaited: no steps (the coordinator has every token so far).
+        self.handing_off = False
+        self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
         self._outbox: list[EngineUpdate] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
-        self._last_register = 0.0
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
@@ -120,6 +127,7 @@ class EngineServer:
             Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
             Header.REGISTER_ACK: self._on_register_ack,
             Header.DRAIN_ACK: self._on_drain_ack,
+            Header.HAND_OFF_ACK: self._on_hand_off_ack,
             Header.ERROR: self._on_error,
             **{signal: self._on_control for signal in CONTROL_SIGNALS},
         }
@@ -137,7 +145,8 @@ class EngineServer:
         self._registered = value
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
+        """SIGTERM and SIGINT leave: hand what is held to the other engines and exit 0, or,
+        with no other engine, drain (no new work, finish what is held, deregister, exit 0)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.request_drain())
 
@@ -157,7 +166,8 @@ class EngineServer:
                 if self.stopped:
                     break
                 self._keep_registered(looked_at)
-                if self.registered and not self.paused and self.runner.has_work():
+                stepping = self.registered and not self.paused and not self.handing_off
+                if stepping and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._flush(time.monotonic())
                 if self._drain_step(time.monotonic()):
@@ -171,6 +181,8 @@ class EngineServer:
     def _keep_registered(self, looked_at: float) -> None:
         """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
         found with nothing more to read."""
+        if self.handed_off:
+            return
         unanswered = self._unanswered_since
         if (
             self.registered
@@ -182,11 +194,10 @@ class EngineServer:
                 looked_at - unanswered,
             )
             self.registered = False
+            self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            if now - self._last_register >= self.heartbeat_interval:
-                self.connection.register()
-                self._last_register = now
+            self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
             self.connection.send(Heartbeat(len(self._held), self._numeric_stats()))
@@ -222,10 +233,14 @@ class EngineServer:
         instance, state = ack.instance, ack.state
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
+        newly = not self.registered or self.coordinator_instance != instance
         self.coordinator_instance = instance
         self.registered = True
         self._unanswered_since = None
-        log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
+        if newly:  # a repeated REGISTER is acknowledged again: nothing new to say
+            log.info(
+                "engine rank %d registered with coordinator %s", self.connection.rank, instance
+            )
         if state == _STOPPED:
             self.stopped = True
             return
@@ -269,21 +284,24 @@ class EngineServer:
     def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
         if self.coordinator_instance not in (None, ack.instance):
             self.registered = False  # restarted: register with the new one
+            self.connection.register_again()
 
     def _on_drain_ack(self, _ack: DrainAck) -> None:
         self.drain_acked = True
+        self.handing_off = False  # nobody else takes our requests: finish them here
 
     def _on_error(self, error: Error) -> None:
         if error.code == ErrorCode.UNKNOWN_PEER:
             self._forget_all("the coordinator does not know this engine")
             self.registered = False
+            self.connection.register_again()
         else:
             log.warning("coordinator error: %s: %s", error.code, error.message)
 
     def _on_request(self, message: protocol.EngineRequest) -> None:
         request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
                 protocol.unpack_tokens(message.prompt_tokens),
                 SamplingParams.deserialize(message.sampling_params),
@@ -326,6 +344,7 @@ class EngineServer:
 
     def _absorb(self, updates: list[TokenUpdate]) -> None:
         now = time.monotonic()
+        finished: list[tuple[int, _Held, str | None]] = []
         for update in updates:
             held = self._held.get(update.request_id)
             if held is None:
@@ -333,6 +352,10 @@ class EngineServer:
             if held.ttft is None and update.tokens:
                 held.ttft = now - held.received_at
             held.tokens.extend(update.tokens)
+            if update.text is not None:
+                if held.decoded is None:
+                    held.decoded = []
+                held.decoded.append(update.text)
             if update.logprobs is not None:
                 if held.logprobs is None:
                     held.logprobs = []
@@ -340,29 +363,45 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                self._outbox.append(self._entry(update.request_id, held, update.finish_reason))
+                finished.append((update.request_id, held, update.finish_reason))
             elif held.stream:
                 self._stream_dirty.add(update.request_id)
+        if finished:
+            self._outbox += self._entries(finished)
 
-    @staticmethod
-    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> EngineUpdate:
-        entry = EngineUpdate(
-            request_id,
-            protocol.pack_tokens(held.tokens),
-            None if held.logprobs is None else protocol.pack_floats(held.logprobs),
-            finish_reason,
-            None,
-            held.ttft,
-            held.text.push(held.tokens, final=finish_reason is not None),
-        )
-        held.tokens = []
-        held.logprobs = None if held.logprobs is None else []
-        return entry
+    def _entries(self, items: list[tuple[int, _Held, str | None]]) -> list[EngineUpdate]:
+        """The ENGINE_REPLY entries of these requests (what they produced since their last
+        entry); the text the runner did not decode comes from one ``decode_batch`` for all."""
+        undecoded = [
+            (held.text, held.tokens, finish is not None)
+            for _, held, finish in items
+            if held.decoded is None
+        ]
+        pushed = iter(push_batch(self._text.tokenizer, undecoded) if undecoded else [])
+        entries: list[EngineUpdate] = []
+        for request_id, held, finish_reason in items:
+            text = next(pushed) if held.decoded is None else "".join(held.decoded)
+            entries.append(
+                EngineUpdate(
+                    request_id,
+                    protocol.pack_tokens(held.tokens),
+                    None if held.logprobs is None else protocol.pack_floats(held.logprobs),
+                    finish_reason,
+                    None,
+                    held.ttft,
+                    text,
+                )
+            )
+            held.tokens = []
+            held.logprobs = None if held.logprobs is None else []
+            if held.decoded is not None:
+                held.decoded = []
+        return entries
 
     def _flush(self, now: float) -> None:
         if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
-            for request_id in self._stream_dirty:
-                self._outbox.append(self._entry(request_id, self._held[request_id], None))
+            held = self._held
+            self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now
         if self._outbox and self.registered:
@@ -372,16 +411,25 @@ class EngineServer:
     # ----------------------------------------------------------------- draining
 
     def _drain_step(self, now: float) -> bool:
-        """Advance a requested drain; True when the engine may exit."""
+        """Advance a requested leave (hand-off, else drain); True when the engine may exit."""
         if not self.drain_requested:
             return False
         if self.drain_started is None:
             self.drain_started = now
-            log.info("engine rank %d draining %d request(s)", self.connection.rank, len(self._held))
+            log.info(
+                "engine rank %d leaving with %d request(s)", self.connection.rank, len(self._held)
+            )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
-            self.connection.send(Drain())
+            self._hand_off()
             return False
+        if self.handed_off:
+            return True
+        if self.handing_off and now - self.drain_started > self.coordinator_timeout:
+            # No answer (a coordinator that predates HAND_OFF ignores it): drain instead.
+            log.warning("no answer to HAND_OFF within %.1f s: draining", self.coordinator_timeout)
+            self.handing_off = False
+            self.connection.send(Drain())
         if now - self.drain_started > self.drain_timeout:
             log.warning("drain timed out with %d request(s) unfinished", len(self._held))
             return True
@@ -397,3 +445,30 @@ class EngineServer:
             log.info("engine rank %d drained; leaving", self.connection.rank)
             return True
         return False
+
+    def _hand_off(self) -> None:
+        """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
+        re-dispatches the requests after exactly those tokens, so no step may run until it
+        answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        self._outbox += self._entries(
+            [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
+        )
+        self._stream_dirty.clear()
+        if self._outbox:
+            self.connection.send(EngineReply(self._outbox))
+            self._outbox = []
+        self.connection.send(HandOff())
+        self.handing_off = True
+
+    def _on_hand_off_ack(self, ack: HandOffAck) -> None:
+        log.info(
+            "engine rank %d handed %d request(s) to other engines; leaving",
+            self.connection.rank,
+            ack.requests,
+        )
+        for request_id in self._held:
+            self.runner.cancel(request_id)
+        self._held.clear()
+        self._outbox.clear()
+        self.handed_off = True
+        self.registered = False  # and never again: _keep_registered stands down

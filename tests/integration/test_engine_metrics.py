@@ -18,8 +18,9 @@ from dpserve.client import InferenceClient
 from dpserve.engine.kv_cache import RESERVED_BLOCKS
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import Header, Heartbeat, HeartbeatAck, Register, RegisterAck
-from tests.integration.http_support import metric, metric_samples, ready_is, start_front, wait_until
+from tests.integration.http_support import metric, metric_samples, ready_is, start_front
 from tests.integration.runtime import Processes, wait_for_engines
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,7 +21,7 @@ from dpserve.engine.paged_attention import (
     paged_decode_attention_reference,
     prefill_attention,
 )
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -35,7 +35,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def drive(
-    runner: ModelRunner, requests: list[EngineRequest]
+    runner: ModelRunner, requests: list[RunnerRequest]
 ) -> dict[int, tuple[list[int], list[float]]]:
     for request in requests:
         runner.add(request)
@@ -47,10 +47,10 @@ def drive(
     return out
 
 
-def workload(count: int, rng_seed: int, **params: Any) -> list[EngineRequest]:
+def workload(count: int, rng_seed: int, **params: Any) -> list[RunnerRequest]:
     rng = random.Random(rng_seed)
     return [
-        EngineRequest(
+        RunnerRequest(
             i,
             [rng.randrange(5, 380) for _ in range(rng.randint(1, 90))],
             SamplingParams(

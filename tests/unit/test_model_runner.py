@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams
 
@@ -60,7 +60,7 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[
 
 def run(
     runner: ModelRunner,
-    schedule: dict[int, list[EngineRequest]],
+    schedule: dict[int, list[RunnerRequest]],
     *,
     on_step: Callable[[int], None] | None = None,
     max_steps: int = 2000,
@@ -95,8 +95,8 @@ def random_prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[
     return [[rng.randrange(5, 380) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def request(request_id: int, prompt: list[int], **params: Any) -> EngineRequest:
-    return EngineRequest(request_id, prompt, SamplingParams(**{"temperature": 0.0, **params}))
+def request(request_id: int, prompt: list[int], **params: Any) -> RunnerRequest:
+    return RunnerRequest(request_id, prompt, SamplingParams(**{"temperature": 0.0, **params}))
 
 
 def test_continuous_batching_matches_generate_token_for_token(
@@ -107,7 +107,7 @@ def test_continuous_batching_matches_generate_token_for_token(
     # Batch of 4, ten requests arriving over several steps: requests join a running batch,
     # wait for a free row, and leave while longer ones continue.
     arrival = [0, 0, 0, 2, 3, 3, 7, 9, 9, 15]
-    schedule: dict[int, list[EngineRequest]] = {}
+    schedule: dict[int, list[RunnerRequest]] = {}
     for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
         schedule.setdefault(arrival[i], []).append(
             request(i, prompt, num_tokens_to_generate=length)
@@ -253,6 +253,10 @@ def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
     following = full[: len(outcome.tokens) + len(stop) + 1]
     assert stop in tokenizer.decode(following, skip_special_tokens=True)
     assert len(outcome.logprobs) == len(outcome.tokens)
+    # The text the stop string was looked for in is the text sent (decoded once, here).
+    sent = "".join(update.text or "" for update in outcome.updates)
+    assert sent == tokenizer.decode(outcome.tokens, skip_special_tokens=True)
+    assert all(update.text is not None for update in outcome.updates)
 
 
 def test_held_back_tokens_are_released_when_no_stop_string_follows(
@@ -305,7 +309,7 @@ def test_prompt_too_long_is_rejected(runner: ModelRunner) -> None:
     assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
     assert str(context) in rejected.value.message
     with pytest.raises(RequestRejected) as with_resume:
-        runner.add(EngineRequest(2, [5] * (context - 3), GREEDY, resume_tokens=[6, 6, 6]))
+        runner.add(RunnerRequest(2, [5] * (context - 3), GREEDY, resume_tokens=[6, 6, 6]))
     assert with_resume.value.code == ErrorCode.PROMPT_TOO_LONG
     assert not runner.has_work()
 
@@ -350,7 +354,7 @@ def test_resume_tokens_continue_the_output(runner: ModelRunner, reference: Any) 
     prompt = random_prompts(1, seed=14)[0]
     expected, _ = greedy_reference(reference, prompt, 24)
     assert len(expected) == 24
-    resumed = EngineRequest(
+    resumed = RunnerRequest(
         1,
         prompt,
         SamplingParams(temperature=0.0, num_tokens_to_generate=24),
@@ -359,7 +363,7 @@ def test_resume_tokens_continue_the_output(runner: ModelRunner, reference: Any) 
     outcome = run(runner, {0: [resumed]})[1]
     assert (outcome.tokens, outcome.finish) == (expected[9:], "length")
 
-    done = EngineRequest(
+    done = RunnerRequest(
         2,
         prompt,
         SamplingParams(temperature=0.0, num_tokens_to_generate=5),
@@ -472,7 +476,7 @@ def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> Model
 def test_preemption_and_recompute_give_the_same_tokens(
     tiny_model_path: Path, reference: Any
 ) -> None:
-    def five_requests() -> list[EngineRequest]:
+    def five_requests() -> list[RunnerRequest]:
         sampled = {"temperature": 1.2, "top_p": 0.9, "seed": 77, "num_tokens_to_generate": 40}
         greedy = [request(i, prompts[i], num_tokens_to_generate=40) for i in range(4)]
         return [*greedy, request(4, prompts[4], return_log_probs=True, **sampled)]

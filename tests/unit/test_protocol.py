@@ -56,9 +56,9 @@ def test_batched_messages_decode_into_entry_records() -> None:
     assert type(decoded) is EngineUpdate and decoded == update
     result = protocol.ClientResult(1, b"", b"", "", "stop", None, None, 0)
     assert protocol.decode(protocol.encode(protocol.Results([result]))).results == [result]
-    chunk = protocol.StreamChunk(1, b"", "x")
+    chunk = protocol.ClientChunk(1, b"", "x")
     (got,) = protocol.decode(protocol.encode(protocol.Stream([chunk]))).chunks
-    assert type(got) is protocol.StreamChunk and got == chunk
+    assert type(got) is protocol.ClientChunk and got == chunk
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_the_protocol_page_lists_every_record_with_its_fields() -> None:
     expected = {}
     for header, record in protocol.RECORDS.items():
         expected[record.__name__] = (str(int(header)), header.name, _doc_fields(record))
-    for record in (EngineUpdate, protocol.ClientResult, protocol.StreamChunk):
+    for record in (EngineUpdate, protocol.ClientResult, protocol.ClientChunk):
         expected[record.__name__] = ("", "(entry)", _doc_fields(record))
     assert documented == expected
 
