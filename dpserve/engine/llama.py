@@ -114,9 +114,6 @@ class _MLP:
             activated = functional.silu(gate).mul_(up)
         return self.down.plus(activated, residual)
 
-    def linears(self) -> list[Linear]:
-        return [lin for lin in (self.gate, self.up, self.gate_up, self.down) if lin is not None]
-
 
 @dataclass(slots=True)
 class _Layer:
