@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
 
 import torch
 from torch.nn import functional
@@ -97,9 +96,3 @@ class Linear:
         if self.bias is None and x.dim() == 2:
             return torch.addmm(residual, x, self.weight.t())
         return self(x).add_(residual)
-
-
-def describe_linears(linears: list[Linear]) -> dict[str, Any]:
-    """What ran the projections, for the engine's start-up facts."""
-    kinds = {"onednn (prepacked, fused epilogues)" if lin.onednn else "torch" for lin in linears}
-    return {"linear": ", ".join(sorted(kinds))}

@@ -23,7 +23,7 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.kv_cache import KVCacheShape, PagedKVCache
-from dpserve.engine.linear import Linear, describe_linears, uses_onednn
+from dpserve.engine.linear import Linear, uses_onednn
 from dpserve.engine.paged_attention import (
     DecodeLayout,
     PrefillLayout,
@@ -113,9 +113,6 @@ class _MLP:
             gate, up = self.gate_up(normed).chunk(2, dim=-1)
             activated = functional.silu(gate).mul_(up)
         return self.down.plus(activated, residual)
-
-    def linears(self) -> list[Linear]:
-        return [lin for lin in (self.gate, self.up, self.gate_up, self.down) if lin is not None]
 
 
 @dataclass(slots=True)
@@ -291,12 +288,6 @@ class PagedLlama:
         widths = 6 * int(config.hidden_size) + 3 * int(config.intermediate_size)
         element: int = self.embedding.element_size()
         return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
-
-    def describe(self) -> dict[str, Any]:
-        linears = [self.lm_head]
-        for layer in self.layers:
-            linears += [layer.qkv, layer.o_proj, *layer.mlp.linears()]
-        return describe_linears(linears)
 
     def warm_up_kernels(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
         """Compile the Triton decode kernel's variants a run can hit (nothing elsewhere)."""
