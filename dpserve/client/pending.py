@@ -31,7 +31,7 @@ from dpserve.client.records import (
     WirePrompt,
     cached_wire_params,
 )
-from dpserve.protocol import Header
+from dpserve.protocol import Header, unpack_logprobs
 from dpserve.sampling import SamplingParams
 
 
@@ -142,37 +142,56 @@ class PendingTable:
     def on_results(self, results: list[list[Any]]) -> None:
         protocol.check_records("RESULTS record", results, protocol.CLIENT_RESULT_FIELDS)
         now = time.monotonic()
-        for request_id, prompt, tokens, text, reason, logprobs, ttft, rank in results:
+        for result in results:
+            request_id, prompt, tokens, text, reason, logprobs, ttft, rank = result[:8]
+            prompt_logprobs = result[8] if len(result) > 8 else None
             pending = self._forget(request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
+            k = _alternatives(pending)
+            log_probs, top = (None, None) if logprobs is None else unpack_logprobs(logprobs, k)
+            prompt_log_probs, prompt_top = (
+                (None, None) if prompt_logprobs is None else unpack_logprobs(prompt_logprobs, k)
+            )
             record = RequestRecord(
                 request_id=request_id,
                 prompt_tokens=protocol.unpack_tokens(prompt),
                 generated_tokens=protocol.unpack_tokens(tokens),
                 generated_text=text,
                 finish_reason=reason,
-                log_probs=None if logprobs is None else protocol.unpack_floats(logprobs),
+                log_probs=log_probs,
                 ttft=ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
                 latency=now - pending.submitted_at,
                 engine_rank=rank,
+                top_logprobs=top,
+                prompt_logprobs=prompt_log_probs,
+                prompt_top_logprobs=prompt_top,
             )
             if not pending.future.done():
                 pending.future.set_result(record)
 
     def on_stream(self, chunks: list[list[Any]]) -> None:
         protocol.check_records("STREAM chunk", chunks, protocol.STREAM_CHUNK_FIELDS)
-        for request_id, tokens, text in chunks:
+        for chunk in chunks:
+            request_id, tokens, text = chunk[:3]
+            logprobs = chunk[3] if len(chunk) > 3 else None
             pending = self.requests.get(request_id)
             if pending is None or pending.chunks is None:
                 continue
+            log_probs, top = (
+                (None, None)
+                if logprobs is None
+                else unpack_logprobs(logprobs, _alternatives(pending))
+            )
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
             if pending.received is not None:
                 pending.received += tokens
-            pending.chunks.put_nowait(StreamChunk(protocol.unpack_tokens(tokens), text))
+            pending.chunks.put_nowait(
+                StreamChunk(protocol.unpack_tokens(tokens), text, log_probs, top)
+            )
 
     def fail(self, ref: int, error: RequestFailed) -> None:
         """Fail the request or control call ``ref``, if there is one."""
@@ -211,6 +230,12 @@ class PendingTable:
         self.requests.clear()
         self.futures.clear()
         self.fail_controls(error)
+
+
+def _alternatives(pending: PendingRequest) -> int:
+    """How many alternatives per token the request's packed log-probs carry."""
+    k = pending.params.get("top_logprobs", 0)
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
 
 
 def fail_pending(pending: PendingRequest, error: Exception) -> None:

@@ -28,6 +28,7 @@ from dpserve.protocol import (
 from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
 
 _UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
+_UPDATE_FIELDS = len(EngineUpdate._fields)
 
 
 class ResultRouter:
@@ -45,7 +46,7 @@ class ResultRouter:
         self.dispatcher = dispatcher
         self.counters = counters
         self._finished: list[InflightRequest] = []
-        self._streaming: list[tuple[InflightRequest, bytes, str]] = []
+        self._streaming: list[tuple[InflightRequest, bytes, str, bytes | None]] = []
         self._finish_info: dict[int, tuple[str, float | None, int]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
@@ -54,9 +55,8 @@ class ResultRouter:
         )
         by_id, identity = self.requests.by_id, engine.identity
         for update in updates:
-            if len(update) == _UPDATE_REQUIRED:
-                update.append(None)  # an engine that sends no text
-            request_id, tokens, logprobs, finish_reason, error, ttft, text = update
+            update.extend([None] * (_UPDATE_FIELDS - len(update)))  # optional fields left out
+            request_id, tokens, logprobs, finish_reason, error, ttft, text, prompt_logprobs = update
             request = by_id.get(request_id)
             if request is None or request.engine != identity:
                 self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
@@ -76,6 +76,8 @@ class ResultRouter:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
                 request.logprobs += logprobs
+            if prompt_logprobs is not None:
+                request.prompt_logprobs = prompt_logprobs  # a resumed request sends them again
             if finish_reason is not None:
                 engine.outstanding.discard(request_id)
                 queued_for = (request.dispatched_at or request.received_at) - request.received_at
@@ -86,7 +88,7 @@ class ResultRouter:
                 )
                 self._finished.append(request)
             elif request.stream and tokens:
-                self._streaming.append((request, tokens, text))
+                self._streaming.append((request, tokens, text, logprobs))
 
     def _text_here(self, request: InflightRequest, tokens: bytes, final: bool) -> str:
         """The text of an update from an engine that sent none."""
@@ -118,6 +120,7 @@ class ResultRouter:
                     None if request.logprobs is None else bytes(request.logprobs),
                     ttft,
                     rank,
+                    request.prompt_logprobs,
                 )
             )
             self.dispatcher.forget(request)
@@ -129,9 +132,9 @@ class ResultRouter:
         streaming, self._streaming = self._streaming, []
         by_id = self.requests.by_id
         per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
-        for request, tokens, text in streaming:
+        for request, tokens, text, logprobs in streaming:
             if request.request_id in by_id:
-                chunk = StreamChunk(request.client_request_id, tokens, text)
+                chunk = StreamChunk(request.client_request_id, tokens, text, logprobs)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
             self.transport.send(client, protocol.encode(Stream(chunks)))

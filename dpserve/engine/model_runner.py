@@ -31,6 +31,7 @@ from dpserve.engine.defaults import (
     DEFAULT_HF_BATCH_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
 )
+from dpserve.engine.grammar import GrammarError, Grammars, advance
 from dpserve.engine.hf_runner import HFBatchRunner
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_runner import PagedConfig, PagedRunner
@@ -44,13 +45,26 @@ log = logging.getLogger(__name__)
 EXECUTORS = ("auto", "llama", "transformers")
 
 
-def sample(sequences: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
-    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities,
-    with one device-to-host copy. A seeded row's noise depends on the position of the token it
-    samples, so a preempted or resumed sequence draws the same tokens again."""
+def sample(
+    sequences: list[Sequence], logits: torch.Tensor, grammars: Grammars | None = None
+) -> sampler.HostSample:
+    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities
+    (and alternatives), with one device-to-host copy. A seeded row's noise depends on the
+    position of the token it samples, so a preempted or resumed sequence draws the same tokens
+    again. Penalties count each row's prompt and generated tokens; a structured row's matcher
+    masks what its grammar does not allow."""
     params = [sequence.params for sequence in sequences]
     positions = [sequence.context_length() for sequence in sequences]
-    return sampler.sample(logits, params, positions).tolist()
+    histories = None
+    if any(p.has_penalties for p in params):
+        histories = [
+            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
+            for sequence in sequences
+        ]
+    allowed = None
+    if grammars is not None:
+        allowed = grammars.allowed([sequence.matcher for sequence in sequences], logits.device)
+    return sampler.sample(logits, params, positions, histories, allowed).to_host()
 
 
 class ModelRunner:
@@ -124,6 +138,8 @@ class ModelRunner:
         self.context_size: int = self.backend.context_size
         facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
         log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
+        # Built on the first structured request (xgrammar reads the whole vocabulary once).
+        self._grammars: Grammars | None = None
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._released = False
         self._tokens_generated = 0
@@ -217,10 +233,23 @@ class ModelRunner:
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
         )
+        if params.guided:
+            sequence.matcher = self._matcher(sequence)
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
         else:
             self.backend.add(sequence)
+
+    def _matcher(self, sequence: Sequence) -> Any:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            matcher = self._grammars.matcher(sequence.params)
+        except GrammarError as exc:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
+        for token in sequence.tokens:  # generated elsewhere before a resume
+            advance(matcher, token)
+        return matcher
 
     def _validate(self, request: EngineRequest) -> None:
         prompt_length = len(request.prompt_tokens)
@@ -242,6 +271,14 @@ class ModelRunner:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST,
                 f"token ids must be in [0, {self.vocab_size}) for this model",
+            )
+        if request.params.prompt_logprobs and not getattr(
+            self.backend, "computes_prompt_logprobs", False
+        ):
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                "prompt log-probs (echo with logprobs) need the Llama executor; this model runs "
+                "on the transformers fallback",
             )
 
     def cancel(self, request_id: int) -> None:
@@ -277,12 +314,15 @@ class ModelRunner:
         self._arrived_done = []
 
         def consume(sequences: list[Sequence], logits: torch.Tensor) -> set[int]:
-            tokens, logprobs = sample(sequences, logits)
+            host = sample(sequences, logits, self._grammars)
             finished: set[int] = set()
             for row, sequence in enumerate(sequences):
                 before = len(sequence.tokens)
-                logprob = logprobs[row] if logprobs is not None else None
-                update = sequence.accept(tokens[row], logprob, self._decode_text)
+                logprob = host.logprobs[row] if host.logprobs is not None else None
+                top = host.top[row] if host.top is not None else None
+                if sequence.matcher is not None:
+                    advance(sequence.matcher, host.tokens[row])
+                update = sequence.accept(host.tokens[row], logprob, self._decode_text, top)
                 self._tokens_generated += len(sequence.tokens) > before
                 if update is not None:
                     updates.append(update)

@@ -7,7 +7,7 @@ this step's slice of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -21,6 +21,11 @@ class TokenSequence(PagedSequence, Protocol):
 
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
+
+    def prompt_length(self) -> int: ...
+
 
 T = TypeVar("T", bound=TokenSequence)
 
@@ -28,7 +33,10 @@ T = TypeVar("T", bound=TokenSequence)
 @dataclass(slots=True)
 class BuiltBatch(Generic[T]):
     batch: ForwardBatch
-    sampled: list[T]  # the sequences the logits' rows belong to, in order
+    sampled: list[T]  # the sequences the logits' first rows belong to, in order
+    # After those, rows at prompt positions of sequences that want prompt log-probs:
+    # (sequence, first position, count); position p's row predicts prompt token p + 1.
+    prompt_rows: list[tuple[T, int, int]] = field(default_factory=list)
 
 
 def _slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -55,6 +63,8 @@ def build_forward_batch(plan: StepPlan[T], block_size: int, device: torch.device
         seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32).to(device)
 
     prefills: list[PrefillSlice] = []
+    prompt_rows: list[tuple[T, int, int]] = []
+    prompt_logit_rows: list[int] = []
     logit_rows = list(range(len(decodes)))
     sampled = list(decodes)
     for chunk in plan.prefills:
@@ -72,10 +82,15 @@ def build_forward_batch(plan: StepPlan[T], block_size: int, device: torch.device
         if chunk.completes_prefill:
             logit_rows.append(offset + chunk.length - 1)
             sampled.append(sequence)
+        if sequence.wants_prompt_logprobs:
+            count = min(end, sequence.prompt_length() - 1) - chunk.start
+            if count > 0:
+                prompt_rows.append((sequence, chunk.start, count))
+                prompt_logit_rows += range(offset, offset + count)
 
     logits_indices = None
     if prefills:
-        logits_indices = torch.tensor(logit_rows, dtype=torch.long).to(device)
+        logits_indices = torch.tensor(logit_rows + prompt_logit_rows, dtype=torch.long).to(device)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
         positions=torch.tensor(positions, dtype=torch.long).to(device),
@@ -86,4 +101,4 @@ def build_forward_batch(plan: StepPlan[T], block_size: int, device: torch.device
         prefills=prefills,
         logits_indices=logits_indices,
     )
-    return BuiltBatch(batch, sampled)
+    return BuiltBatch(batch, sampled, prompt_rows)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dpserve.engine import sampler
 from dpserve.engine.backend import Consume
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
@@ -61,6 +62,8 @@ class PagedConfig:
 
 class PagedRunner:
     """Implements ``backend.Backend`` for Llama-family models."""
+
+    computes_prompt_logprobs = True  # logits at prompt positions (build_forward_batch)
 
     def __init__(self, model: Any, config: PagedConfig) -> None:
         self.config = config
@@ -201,6 +204,9 @@ class PagedRunner:
         logits = self._forward(built.batch)
         self.scheduler.commit(plan)
         self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
+        if built.prompt_rows:
+            _record_prompt_logprobs(built.prompt_rows, logits[len(built.sampled) :])
+            logits = logits[: len(built.sampled)]
         if built.sampled:
             for row in consume(built.sampled, logits):
                 self._forget(built.sampled[row])
@@ -210,3 +216,27 @@ class PagedRunner:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.executor.forward(batch, self.cache)
+
+
+def _record_prompt_logprobs(
+    prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
+) -> None:
+    """The prompt tokens' log-probs (and alternatives) for the rows ``build_forward_batch``
+    added, for all sequences with one log-softmax, one top-k and one copy to the host."""
+    targets = [
+        token
+        for sequence, start, count in prompt_rows
+        for token in sequence.tokens_between(start + 1, start + 1 + count)
+    ]
+    k = max(sequence.params.top_logprobs for sequence, _, _ in prompt_rows)
+    target_tensor = torch.tensor(targets, dtype=torch.long).to(logits.device)
+    host = sampler.log_probs_of(logits, target_tensor, k).to_host()
+    assert host.logprobs is not None
+    row = 0
+    for sequence, start, count in prompt_rows:
+        own_k = sequence.params.top_logprobs
+        top = None
+        if own_k and host.top is not None:
+            top = [entries[:own_k] for entries in host.top[row : row + count]]
+        sequence.record_prompt_logprobs(start, host.logprobs[row : row + count], top)
+        row += count

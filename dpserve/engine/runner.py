@@ -41,6 +41,12 @@ class TokenUpdate:
     tokens: list[int]
     logprobs: list[float] | None = None  # one per token, only when return_log_probs
     finish_reason: str | None = None  # "stop" (EOS / termination id / stop string) or "length"
+    # Per token its top_logprobs alternatives (token, log-prob), when the request asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt_logprobs: the prompt's tokens after the first (log-prob, alternatives), in the
+    # request's first update.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Runner(Protocol):

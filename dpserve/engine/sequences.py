@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import EngineRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
+
+TopEntry = tuple[int, float]
 
 # Tokens before the first undecided one that are decoded with it when checking stop strings:
 # detokenizers need a little left context (leading spaces, multi-byte characters).
@@ -33,6 +39,14 @@ class Sequence:
     stop_ids: frozenset[int]  # empty with ignore_eos
     tokens: list[int] = field(default_factory=list)  # generated so far, resume tokens included
     logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
+    top_logprobs: list[list[TopEntry]] = field(default_factory=list)  # parallel to logprobs
+    # prompt_logprobs: the prompt's tokens after the first, filled as prefill chunks run;
+    # reported with the first update.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TopEntry]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
+    matcher: GrammarMatcher | None = None
     emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
     # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
     blocks: list[int] = field(default_factory=list)
@@ -45,6 +59,20 @@ class Sequence:
     def context(self) -> list[int]:
         """Everything the model must have seen before sampling the next token."""
         return self.request.prompt_tokens + self.tokens
+
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    def record_prompt_logprobs(
+        self, start: int, logprobs: list[float], top: list[list[TopEntry]] | None
+    ) -> None:
+        """Log-probs of prompt tokens ``start + 1 ...`` (computed at positions ``start ...``); a
+        prefill computed again after a preemption overwrites what it had."""
+        del self.prompt_logprobs[start:]
+        self.prompt_logprobs.extend(logprobs)
+        if top is not None:
+            del self.prompt_top_logprobs[start:]
+            self.prompt_top_logprobs.extend(top)
 
     def context_length(self) -> int:
         return len(self.request.prompt_tokens) + len(self.tokens)
@@ -59,7 +87,20 @@ class Sequence:
             return prompt[start:end]
         return self.context()[start:end]
 
-    def accept(self, token: int, logprob: float | None, decode: Decode) -> TokenUpdate | None:
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logits are needed at every prompt position, not only the last. A sequence like this
+        must compute its whole prompt: it must not take cached prefix blocks (the prefix cache
+        checks this flag before sharing blocks with it)."""
+        return self.params.prompt_logprobs and not self.prompt_logprobs_sent
+
+    def accept(
+        self,
+        token: int,
+        logprob: float | None,
+        decode: Decode,
+        top: list[TopEntry] | None = None,
+    ) -> TokenUpdate | None:
         """Apply the finishing rules to a sampled token; the update to report, if any (one
         with a ``finish_reason`` when the sequence is done)."""
         finish: str | None = None
@@ -71,6 +112,8 @@ class Sequence:
             self.tokens.append(token)
             if logprob is not None and self.params.return_log_probs:
                 self.logprobs.append(logprob)
+                if self.params.top_logprobs:
+                    self.top_logprobs.append(top or [])
             ready = len(self.tokens)
             if self.params.stop_strings and len(self.tokens) > self.params.min_tokens:
                 ready, matched = self._scan_stop_strings(decode)
@@ -87,12 +130,21 @@ class Sequence:
     def emit(self, ready: int, finish: str | None) -> TokenUpdate:
         start = self.emitted
         self.emitted = ready
-        logprobs = None
+        logprobs = top = None
         if self.params.return_log_probs:
             # logprobs has no entries for resume tokens: shift indices by their count.
             offset = len(self.request.resume_tokens)
             logprobs = self.logprobs[start - offset : ready - offset]
-        return TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish)
+            if self.params.top_logprobs:
+                top = self.top_logprobs[start - offset : ready - offset]
+        update = TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish, top)
+        if self.params.prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            update.prompt_logprobs = self.prompt_logprobs
+            update.prompt_top_logprobs = (
+                self.prompt_top_logprobs if self.params.top_logprobs else None
+            )
+        return update
 
     def _scan_stop_strings(self, decode: Decode) -> tuple[int, bool]:
         """How many tokens may be returned now, and whether a stop string appeared. Only the

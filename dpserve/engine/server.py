@@ -59,6 +59,8 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: bytes | None = None  # packed, sent with the next entry
 
 
 class EngineServer:
@@ -312,6 +314,14 @@ class EngineServer:
                 if held.logprobs is None:
                     held.logprobs = []
                 held.logprobs.extend(update.logprobs)
+                if update.top_logprobs is not None:
+                    if held.top_logprobs is None:
+                        held.top_logprobs = []
+                    held.top_logprobs.extend(update.top_logprobs)
+            if update.prompt_logprobs is not None:
+                held.prompt_logprobs = protocol.pack_logprobs(
+                    update.prompt_logprobs, update.prompt_top_logprobs
+                )
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
@@ -324,14 +334,20 @@ class EngineServer:
         entry = [
             request_id,
             protocol.pack_tokens(held.tokens),
-            None if held.logprobs is None else protocol.pack_floats(held.logprobs),
+            None
+            if held.logprobs is None
+            else protocol.pack_logprobs(held.logprobs, held.top_logprobs),
             finish_reason,
             None,
             held.ttft,
             held.text.push(held.tokens, final=finish_reason is not None),
         ]
+        if held.prompt_logprobs is not None:
+            entry.append(held.prompt_logprobs)
+            held.prompt_logprobs = None
         held.tokens = []
         held.logprobs = None if held.logprobs is None else []
+        held.top_logprobs = None if held.top_logprobs is None else []
         return entry
 
     def _flush(self, now: float) -> None:

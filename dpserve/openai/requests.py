@@ -165,7 +165,11 @@ def parse_chat_request(
     # template's own characters count.
     if len(prompt) > limits.max_prompt_chars:
         raise _over_limit(
-            "the rendered conversation", len(prompt), "characters", "max_prompt_chars", limits,
+            "the rendered conversation",
+            len(prompt),
+            "characters",
+            "max_prompt_chars",
+            limits,
             param="messages",
         )
     return dataclasses.replace(request, prompt=prompt)
