@@ -20,7 +20,7 @@ from dpserve.engine.runner import EngineRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from xgrammar import GrammarMatcher
+    from llguidance import LLMatcher as GrammarMatcher
 
 TopEntry = tuple[int, float]
 
