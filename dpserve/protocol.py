@@ -203,6 +203,9 @@ class EngineUpdate(NamedTuple):
     # pack_logprobs of the prompt's tokens after the first (sampling param prompt_logprobs),
     # in the request's first update only. Optional: added after protocol version 1.
     prompt_logprobs: bytes | None = None
+    # The stop token that ended the request (finish_reason "stop"; not in tokens). Optional:
+    # added after protocol version 1.
+    stop_token: int | None = None
 
 
 class EngineReply(NamedTuple):
@@ -221,6 +224,7 @@ class ClientResult(NamedTuple):
     ttft: float | None  # seconds from the coordinator receiving it to the first token
     engine_rank: int
     prompt_logprobs: bytes | None = None  # as EngineUpdate's; optional (after version 1)
+    stop_token: int | None = None  # as EngineUpdate's; optional (after version 1)
 
 
 class Results(NamedTuple):

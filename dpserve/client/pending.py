@@ -145,6 +145,7 @@ class PendingTable:
         for result in results:
             request_id, prompt, tokens, text, reason, logprobs, ttft, rank = result[:8]
             prompt_logprobs = result[8] if len(result) > 8 else None
+            stop_token = result[9] if len(result) > 9 else None
             pending = self._forget(request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
@@ -168,6 +169,7 @@ class PendingTable:
                 top_logprobs=top,
                 prompt_logprobs=prompt_log_probs,
                 prompt_top_logprobs=prompt_top,
+                stop_token=stop_token,
             )
             if not pending.future.done():
                 pending.future.set_result(record)

@@ -67,6 +67,9 @@ class RequestRecord:
     # with top_logprobs also their alternatives.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The EOS / termination_id token that ended it (finish_reason "stop"): generated, counted
+    # in usage, not in generated_tokens or the text. None for stop strings and "length".
+    stop_token: int | None = None
 
 
 @dataclass(slots=True)

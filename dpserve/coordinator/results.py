@@ -47,7 +47,7 @@ class ResultRouter:
         self.counters = counters
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes, str, bytes | None]] = []
-        self._finish_info: dict[int, tuple[str, float | None, int]] = {}
+        self._finish_info: dict[int, tuple[str, float | None, int, int | None]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
         updates = protocol.check_records(
@@ -56,7 +56,17 @@ class ResultRouter:
         by_id, identity = self.requests.by_id, engine.identity
         for update in updates:
             update.extend([None] * (_UPDATE_FIELDS - len(update)))  # optional fields left out
-            request_id, tokens, logprobs, finish_reason, error, ttft, text, prompt_logprobs = update
+            (
+                request_id,
+                tokens,
+                logprobs,
+                finish_reason,
+                error,
+                ttft,
+                text,
+                prompt_logprobs,
+                stop_token,
+            ) = update
             request = by_id.get(request_id)
             if request is None or request.engine != identity:
                 self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
@@ -85,6 +95,7 @@ class ResultRouter:
                     finish_reason,
                     None if ttft is None else queued_for + ttft,
                     engine.rank,
+                    stop_token,
                 )
                 self._finished.append(request)
             elif request.stream and tokens:
@@ -109,7 +120,7 @@ class ResultRouter:
         finished, self._finished = self._finished, []
         per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
         for request in finished:
-            reason, ttft, rank = self._finish_info.pop(request.request_id)
+            reason, ttft, rank, stop_token = self._finish_info.pop(request.request_id)
             per_client[request.client].append(
                 ClientResult(
                     request.client_request_id,
@@ -121,6 +132,7 @@ class ResultRouter:
                     ttft,
                     rank,
                     request.prompt_logprobs,
+                    stop_token,
                 )
             )
             self.dispatcher.forget(request)

@@ -47,6 +47,7 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
     matcher: GrammarMatcher | None = None
+    stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
     emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
     # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
     blocks: list[int] = field(default_factory=list)
@@ -108,6 +109,7 @@ class Sequence:
         if token in self.stop_ids and not early:
             finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
             ready = len(self.tokens)
+            self.stop_token = token
         else:
             self.tokens.append(token)
             if logprob is not None and self.params.return_log_probs:
@@ -138,6 +140,8 @@ class Sequence:
             if self.params.top_logprobs:
                 top = self.top_logprobs[start - offset : ready - offset]
         update = TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish, top)
+        if finish is not None:
+            update.stop_token = self.stop_token
         if self.params.prompt_logprobs and not self.prompt_logprobs_sent:
             self.prompt_logprobs_sent = True
             update.prompt_logprobs = self.prompt_logprobs

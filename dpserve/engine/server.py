@@ -325,7 +325,10 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                self._outbox.append(self._entry(update.request_id, held, update.finish_reason))
+                entry = self._entry(update.request_id, held, update.finish_reason)
+                if update.stop_token is not None:
+                    entry += [None] * (8 - len(entry)) + [update.stop_token]
+                self._outbox.append(entry)
             elif held.stream:
                 self._stream_dirty.add(update.request_id)
 
