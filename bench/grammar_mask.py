@@ -46,7 +46,9 @@ def tokenizers() -> list[tuple[str, Any]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.tiny_model import build_tiny_model
 
-    out = [("tiny (384)", AutoTokenizer.from_pretrained(build_tiny_model(Path(tempfile.mkdtemp()))))]
+    out = [
+        ("tiny (384)", AutoTokenizer.from_pretrained(build_tiny_model(Path(tempfile.mkdtemp()))))
+    ]
     smollm = Path.home() / ".cache/dpserve/models/smollm2-135m-instruct"
     if smollm.exists():
         out.append(("SmolLM2 (49k)", AutoTokenizer.from_pretrained(smollm)))

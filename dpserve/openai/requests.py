@@ -19,7 +19,7 @@ from dpserve import protocol
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.openai.errors import InvalidRequest
 from dpserve.openai.guided import parse_guided
-from dpserve.openai.prompts import parse_messages, parse_prompt, parse_prompts
+from dpserve.openai.prompts import parse_messages, parse_prompts
 from dpserve.openai.values import (
     is_int,
     read_bool,
@@ -334,7 +334,9 @@ def _generation_request(
         )
     except InvalidSamplingParams as exc:  # SamplingParams owns the value rules
         raise InvalidRequest(str(exc), param=_param_named_in(str(exc), max_tokens_key)) from None
-    return GenerationRequest(prompt, params, stream, include_usage, continuous_usage, n=n)
+    return GenerationRequest(
+        prompt, params, stream, include_usage, continuous_usage, n=n, best_of=n
+    )
 
 
 # SamplingParams' field names as the API spells them.

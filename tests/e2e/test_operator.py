@@ -999,8 +999,7 @@ def test_deleting_the_resource_garbage_collects_every_child(
 
     def leftovers() -> list[str]:
         kinds = (
-            "deployment,replicaset,statefulset,service,poddisruptionbudget,networkpolicy,pod,"
-            "secret"
+            "deployment,replicaset,statefulset,service,poddisruptionbudget,networkpolicy,pod,secret"
         )
         result = kubectl("get", kinds, "-n", ns, "-l", INSTANCE_SELECTOR, "-o", "name")
         return result.stdout.split()

@@ -29,7 +29,8 @@ from dpserve.openai.errors import InvalidRequest, failure_status
 from dpserve.openai.health import readiness
 from dpserve.openai.logprobs import token_logprob_pairs
 from dpserve.openai.metrics import TokenRate
-from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
+from dpserve.openai.prompts import parse_prompt
+from dpserve.openai.requests import parse_chat_request, parse_completion_request
 from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
 from tests.integration.http_support import (

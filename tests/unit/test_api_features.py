@@ -58,7 +58,10 @@ def reference_log_probs(model: Any, tokens: list[int]) -> torch.Tensor:
 
 def test_top_logprobs_greedy_top1_is_the_sampled_token(runner: ModelRunner) -> None:
     params = SamplingParams(
-        temperature=0.0, num_tokens_to_generate=8, return_log_probs=True, top_logprobs=5,
+        temperature=0.0,
+        num_tokens_to_generate=8,
+        return_log_probs=True,
+        top_logprobs=5,
         ignore_eos=True,
     )
     updates = run_all(runner, [EngineRequest(1, PROMPT, params)])[1]
@@ -76,8 +79,12 @@ def test_top_logprobs_greedy_top1_is_the_sampled_token(runner: ModelRunner) -> N
 
 def test_top_logprobs_match_transformers(runner: ModelRunner, reference: Any) -> None:
     params = SamplingParams(
-        temperature=1.0, seed=3, num_tokens_to_generate=6, return_log_probs=True,
-        top_logprobs=3, ignore_eos=True,
+        temperature=1.0,
+        seed=3,
+        num_tokens_to_generate=6,
+        return_log_probs=True,
+        top_logprobs=3,
+        ignore_eos=True,
     )
     updates = run_all(runner, [EngineRequest(2, PROMPT, params)])[2]
     tokens = tokens_of(updates)
@@ -95,13 +102,14 @@ def test_prompt_logprobs_equal_transformers(runner: ModelRunner, reference: Any)
     # batched with another request that wants none.
     prompt = [(7 * i + 3) % 380 for i in range(40)]
     wanted = SamplingParams(
-        temperature=0.0, num_tokens_to_generate=1, return_log_probs=True, top_logprobs=2,
+        temperature=0.0,
+        num_tokens_to_generate=1,
+        return_log_probs=True,
+        top_logprobs=2,
         prompt_logprobs=True,
     )
     other = SamplingParams(temperature=0.0, num_tokens_to_generate=4)
-    updates = run_all(
-        runner, [EngineRequest(3, prompt, wanted), EngineRequest(4, PROMPT, other)]
-    )
+    updates = run_all(runner, [EngineRequest(3, prompt, wanted), EngineRequest(4, PROMPT, other)])
     first = updates[3][0]
     assert first.prompt_logprobs is not None and first.prompt_top_logprobs is not None
     assert all(u.prompt_logprobs is None for u in updates[3][1:] + updates[4])
@@ -155,13 +163,20 @@ def text_of(runner: ModelRunner, updates: list[TokenUpdate]) -> str:
 def test_structured_output_kinds(runner: ModelRunner) -> None:
     common = dict(temperature=1.0, num_tokens_to_generate=120)
     requests = [
-        EngineRequest(20 + seed, PROMPT, SamplingParams(**common, seed=seed, guided_json=json.dumps(SCHEMA)))  # type: ignore[arg-type]
+        EngineRequest(
+            20 + seed, PROMPT, SamplingParams(**common, seed=seed, guided_json=json.dumps(SCHEMA))
+        )  # type: ignore[arg-type]
         for seed in range(4)
     ] + [
-        EngineRequest(30, PROMPT, SamplingParams(**common, seed=1, guided_regex="[0-9]{3}-[a-c]+"),  # type: ignore[arg-type]
+        EngineRequest(
+            30,
+            PROMPT,
+            SamplingParams(**common, seed=1, guided_regex="[0-9]{3}-[a-c]+"),  # type: ignore[arg-type]
         ),
         EngineRequest(31, PROMPT, SamplingParams(**common, seed=1, guided_choice=("yes", "no"))),  # type: ignore[arg-type]
-        EngineRequest(32, PROMPT, SamplingParams(temperature=1.0, seed=5, num_tokens_to_generate=8)),
+        EngineRequest(
+            32, PROMPT, SamplingParams(temperature=1.0, seed=5, num_tokens_to_generate=8)
+        ),
     ]
     updates = run_all(runner, requests)
     for seed in range(4):

@@ -200,8 +200,7 @@ def test_the_coordinator_pod_gets_its_secret_key_and_the_allowed_keys(
     server = security.load_server_keys(directory)
     assert server.public.decode() == credentials.public_key(files["coordinator.key"])
     assert {role: key.decode() for key, role in server.roles.items()} == {
-        role: credentials.public_key(files[f"{role}.key"])
-        for role in ("engine", "client", "admin")
+        role: credentials.public_key(files[f"{role}.key"]) for role in ("engine", "client", "admin")
     }
     # Its HTTP front connects with the client key (not admin: there is none).
     assert security.load_peer_keys(directory).role == "client"
