@@ -89,9 +89,9 @@ def test_records_of_batched_messages_are_checked() -> None:
     with_text = [[1, b"a\x00\x00\x00", None, None, None, 0.1, "a"]]
     assert protocol.check_records("u", without_text, fields, required) == without_text
     assert protocol.check_records("u", with_text, fields, required) == with_text
-    with pytest.raises(ProtocolError, match="takes 6-7 field"):
+    with pytest.raises(ProtocolError, match="takes 6-9 field"):
         protocol.check_records("u", [[1, b""]], fields, required)
-    with pytest.raises(ProtocolError, match="takes 7 field"):
+    with pytest.raises(ProtocolError, match="takes 9 field"):
         protocol.check_records("u", without_text, fields)
     with pytest.raises(ProtocolError, match="must be an array"):
         protocol.check_records("u", [5], fields, required)
@@ -111,7 +111,7 @@ def test_records_encode_byte_identically_to_header_and_fields() -> None:
     update = EngineUpdate(3, b"", None, "stop", None, None, "text")
     reply = protocol.encode(protocol.EngineReply([update]))
     assert reply == protocol.encode(
-        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text"]]
+        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text", None, None]]
     )
     assert protocol.decode_record(reply).updates == [list(update)]
 
