@@ -45,6 +45,7 @@ class _Sequence:
     end: int  # position (resume tokens included) where the output stops
     finish_reason: str
     position: int  # next position to emit
+    prompt_logprobs_sent: bool = False
 
 
 def _termination_position(request: EngineRequest, base: int, start: int, limit: int) -> int | None:
@@ -143,10 +144,27 @@ class FakeRunner:
                 tokens.append(_token_at(sequence.base, sequence.position))
                 sequence.position += 1
             done = sequence.position >= sequence.end
-            logprobs = [-1.0] * len(tokens) if sequence.request.params.return_log_probs else None
-            updates.append(
-                TokenUpdate(request_id, tokens, logprobs, sequence.finish_reason if done else None)
+            params = sequence.request.params
+            logprobs = [-1.0] * len(tokens) if params.return_log_probs else None
+            update = TokenUpdate(
+                request_id, tokens, logprobs, sequence.finish_reason if done else None
             )
+            if params.return_log_probs and params.top_logprobs:
+                # The sampled token is the most likely of its alternatives (as under greedy).
+                update.top_logprobs = [
+                    [(token, -1.0)]
+                    + [((token + i) % 256, -2.0) for i in range(1, params.top_logprobs)]
+                    for token in tokens
+                ]
+            if params.prompt_logprobs and not sequence.prompt_logprobs_sent:
+                sequence.prompt_logprobs_sent = True
+                prompt = sequence.request.prompt_tokens
+                update.prompt_logprobs = [-1.0] * (len(prompt) - 1)
+                if params.top_logprobs:
+                    update.prompt_top_logprobs = [
+                        [(token, -1.0)] * params.top_logprobs for token in prompt[1:]
+                    ]
+            updates.append(update)
             if done:
                 finished.append(request_id)
         for request_id in finished:
