@@ -127,12 +127,14 @@ class Generator:
             self.metrics.add_generated(len(record.generated_tokens))
         self.metrics.finished(fmt.endpoint, records[0], records[0].ttft, time.monotonic() - started)
         choices = []
+        returned = []
         for p, candidates in enumerate(per_prompt):
             if job.best_of > job.n:
                 candidates = sorted(candidates, key=_cumulative_logprob, reverse=True)
-            for i, record in enumerate(candidates[: job.n]):
+            returned.append(candidates[: job.n])
+            for i, record in enumerate(returned[-1]):
                 choices.append(self._choice(job, p * job.n + i, record))
-        used = records_usage(per_prompt)
+        used = records_usage(returned)
         if job.drop_generated:
             used = usage(used["prompt_tokens"], 0)
         return web.json_response(fmt.response(ids, choices, used))

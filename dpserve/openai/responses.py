@@ -46,8 +46,8 @@ def completion_tokens(record: RequestRecord) -> int:
 
 
 def records_usage(per_prompt: list[list[RequestRecord]]) -> dict[str, int]:
-    """One request's usage over its choices: every prompt once (its n choices share it), every
-    generated candidate's tokens (best_of candidates not returned included, as vLLM)."""
+    """One request's usage over its returned choices: every prompt once (its n choices share
+    it), every choice's generated tokens (as vLLM's serving_completion counts)."""
     prompt_tokens = sum(len(records[0].prompt_tokens) for records in per_prompt if records)
     generated = sum(completion_tokens(r) for records in per_prompt for r in records)
     return usage(prompt_tokens, generated)
