@@ -431,7 +431,7 @@ def main() -> None:
     results = {"raw relay": asyncio.run(bench_raw(args.requests))}
     results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
     if not args.skip_curve:
-        from dpserve.security import generate_credentials
+        from dpserve.security.key_files import generate_credentials
 
         with tempfile.TemporaryDirectory(prefix="dpserve-bench-keys-") as directory:
             generate_credentials(directory)

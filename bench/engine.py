@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.models import load_model_and_tokenizer, resolve_model
 from dpserve.sampling import SamplingParams
 
@@ -135,7 +135,7 @@ def run_model_runner(runner: ModelRunner, workload: Workload) -> int:
         params = SamplingParams(
             temperature=0.0, num_tokens_to_generate=wanted, termination_id=never
         )
-        runner.add(EngineRequest(request_id, prompt, params))
+        runner.add(RunnerRequest(request_id, prompt, params))
     produced = 0
     while runner.has_work():
         for update in runner.step():
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "model; small: ~10M parameters, where compute rather than Python overhead dominates)",
     )
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=32, help="ModelRunner capacity")
+    parser.add_argument("--batch-size", type=int, default=32, help="ModelRunner max_num_seqs")
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs of the fast methods; the best one counts"
     )
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warm = [(workload[0][0], 4)]
         results: dict[str, tuple[float, int] | str] = {}
-        runner = ModelRunner(model_path, max_batch_size=args.batch_size)
+        runner = ModelRunner(model_path, max_num_seqs=args.batch_size)
         with torch.inference_mode():
             if "sequential" not in args.skip:
                 run_sequential(model, warm)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine import Workload, run_static_batch, run_through_coordinator
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.models import load_model_and_tokenizer
 from dpserve.sampling import SamplingParams
 
@@ -188,7 +188,7 @@ def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str)
     """All requests submitted at once, then ``step()`` until no work; latencies per token."""
     start = time.perf_counter()
     for request_id, (prompt, wanted) in enumerate(workload):
-        runner.add(EngineRequest(request_id, prompt, engine_params(wanted, vocab)))
+        runner.add(RunnerRequest(request_id, prompt, engine_params(wanted, vocab)))
     run = EngineRun(0.0, 0)
     last_seen: dict[int, float] = {}
     while runner.has_work():
@@ -213,7 +213,7 @@ def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str)
 
 def runner_kwargs(capacity: int, device: str, dtype: str) -> dict[str, Any]:
     """The constructor arguments this ``ModelRunner`` accepts (its signature is evolving)."""
-    wanted = {"device": device, "dtype": dtype, "max_batch_size": capacity}
+    wanted = {"device": device, "dtype": dtype, "max_num_seqs": capacity}
     accepted = inspect.signature(ModelRunner).parameters
     dropped = sorted(set(wanted) - set(accepted))
     if dropped:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 requests, outputs of 32-64 tokens")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
-    parser.add_argument("--capacity", type=int, default=256, help="ModelRunner max_batch_size")
+    parser.add_argument("--capacity", type=int, default=256, help="ModelRunner max_num_seqs")
     parser.add_argument("--skip", action="append", default=[], help="static, stack (repeatable)")
     args = parser.parse_args(argv)
     if args.requests is None:

@@ -20,7 +20,7 @@ import torch
 
 from dpserve.engine import grammar
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 SCHEMA = {
@@ -40,7 +40,7 @@ SCHEMA = {
 def decode_steps(runner: ModelRunner, params: SamplingParams, batch: int, steps: int) -> float:
     prompt = runner.tokenizer.encode("Describe a person as JSON:")
     for i in range(batch):
-        runner.add(EngineRequest(i, prompt, params))
+        runner.add(RunnerRequest(i, prompt, params))
     runner.step()  # the prefill
     times = []
     for _ in range(steps):
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     model = Path.home() / ".cache/dpserve/models/smollm2-135m-instruct"
-    runner = ModelRunner(str(model), max_batch_size=args.batch, device="cpu")
+    runner = ModelRunner(str(model), max_num_seqs=args.batch, device="cpu")
     mask_time = [0.0]
     original = grammar.Grammars.allowed
 

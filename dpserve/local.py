@@ -3,7 +3,7 @@ machine, supervised by one process that leaves nothing behind when it stops.
 
 Without flags the deployment still uses CURVE: ``serve`` generates throw-away keys in a private
 directory, hands the directory to its children and removes it on exit. ``dpserve generate`` and
-``dpserve http`` find those keys by port (``security.find_local_credentials``), so the first
+``dpserve http`` find those keys by port (``throwaway.find_local_credentials``), so the first
 run needs no key handling at all.
 """
 
@@ -19,10 +19,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dpserve import security
 from dpserve.client import InferenceClient
 from dpserve.engine.cpus import usable_cores
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.security import key_files, throwaway
 
 log = logging.getLogger("dpserve.serve")
 
@@ -43,7 +43,7 @@ class LocalDeployment:
     port: int
     http_port: int | None
     host: str = "127.0.0.1"
-    max_batch_size: int | None = None
+    max_num_seqs: int | None = None
     torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
@@ -67,8 +67,8 @@ class LocalDeployment:
         process = subprocess.Popen(command, preexec_fn=_die_with_parent, start_new_session=True)
         self.processes.append((name, process))
 
-    def client_keys(self) -> security.PeerKeys | None:
-        return None if self.credentials is None else security.load_peer_keys(self.credentials)
+    def client_keys(self) -> key_files.PeerKeys | None:
+        return None if self.credentials is None else key_files.load_peer_keys(self.credentials)
 
     def start_processes(self) -> None:
         tokenizer = ["--tokenizer", self.model_path] if not self.fake else []
@@ -90,8 +90,8 @@ class LocalDeployment:
             if not self.fake:
                 engine += ["--torch-threads", str(self.threads_per_engine())]
                 engine += self.kv_cache_args
-            if self.max_batch_size:
-                engine += ["--max-batch-size", str(self.max_batch_size)]
+            if self.max_num_seqs:
+                engine += ["--max-num-seqs", str(self.max_num_seqs)]
             self._spawn(
                 f"engine {rank}",
                 "engine",
@@ -202,8 +202,8 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
     with contextlib.ExitStack() as cleanup:
         if throwaway_keys:
             try:
-                directory = cleanup.enter_context(security.throwaway_credentials(deployment.port))
-            except (security.CredentialsError, OSError) as exc:
+                directory = cleanup.enter_context(throwaway.throwaway_credentials(deployment.port))
+            except (key_files.CredentialsError, OSError) as exc:
                 print(f"dpserve: cannot create throw-away keys: {exc}", file=sys.stderr)
                 return 1
             deployment.credentials = str(directory)

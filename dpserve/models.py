@@ -5,6 +5,11 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the Py
 transformers dequantizes every tensor (~15 s for this model), so the first use converts it
 once into a safetensors directory under ``$DPSERVE_CACHE`` (``~/.cache/dpserve`` by default),
 and every later start loads that directory in well under a second.
+
+A runtime image carries that directory already (converted when the image was built, see
+``python -m dpserve.models``) under ``$DPSERVE_MODEL_DIR``, which is searched first, so no pod
+converts anything. Processes that only tokenize (the coordinator, the HTTP front) resolve the
+model with ``resolve_tokenizer``: they never load, nor convert, weights.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,9 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Written last into a converted directory: its presence means the conversion completed.
 _COMPLETE_MARKER = "dpserve-converted.txt"
+
+# A directory of models prepared ahead (read-only is fine): the runtime images set it.
+ENV_MODEL_DIR = "DPSERVE_MODEL_DIR"
 
 
 class ModelNotAvailable(RuntimeError):
@@ -57,12 +65,33 @@ def default_model_gguf() -> Path:
 def resolve_model(name_or_path: str | None) -> str:
     """Turn a model name into something ``from_pretrained`` loads.
 
-    ``None`` or ``DEFAULT_MODEL`` gives the converted default model's directory (converting it
-    on first use); any other value is returned unchanged (a local directory or a hub id).
+    ``None`` or ``DEFAULT_MODEL`` gives the converted default model's directory (the prepared
+    one under ``$DPSERVE_MODEL_DIR``, else the cache's, converting it on first use); any other
+    value is returned unchanged (a local directory or a hub id).
     """
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
-        return str(ensure_default_model())
+        return str(prepared_default_model() or ensure_default_model())
     return name_or_path
+
+
+def resolve_tokenizer(name_or_path: str | None) -> str:
+    """Like ``resolve_model``, for processes that only tokenize: for the default model, the
+    converted model's directory when one exists (its tokenizer files are read, never its
+    weights), else a directory with only the tokenizer, converted from the GGUF on first use
+    without reading any weight."""
+    if name_or_path is None or name_or_path == DEFAULT_MODEL:
+        return str(prepared_default_model() or ensure_default_tokenizer())
+    return name_or_path
+
+
+def prepared_default_model() -> Path | None:
+    """The default model's converted directory if one is complete: ``$DPSERVE_MODEL_DIR``'s
+    first, then the cache's."""
+    roots = [Path(os.environ[ENV_MODEL_DIR])] if os.environ.get(ENV_MODEL_DIR) else []
+    for root in [*roots, cache_dir() / "models"]:
+        if (root / DEFAULT_MODEL / _COMPLETE_MARKER).is_file():
+            return root / DEFAULT_MODEL
+    return None
 
 
 def ensure_default_model(cache: Path | None = None) -> Path:
@@ -72,7 +101,16 @@ def ensure_default_model(cache: Path | None = None) -> Path:
     directory beside the target and renamed into place, under an exclusive file lock, so a
     second process waits for the first one's result instead of converting again.
     """
-    target = (cache or cache_dir()) / "models" / DEFAULT_MODEL
+    return _prepare((cache or cache_dir()) / "models" / DEFAULT_MODEL, _write_converted)
+
+
+def ensure_default_tokenizer(cache: Path | None = None) -> Path:
+    """A directory with the default model's tokenizer (and chat template) only, converted
+    from the GGUF once, the same way as ``ensure_default_model``."""
+    return _prepare((cache or cache_dir()) / "tokenizers" / DEFAULT_MODEL, _write_tokenizer)
+
+
+def _prepare(target: Path, write: Callable[[Path, Path, float], None]) -> Path:
     if (target / _COMPLETE_MARKER).is_file():
         return target
     gguf_path = default_model_gguf()
@@ -80,7 +118,7 @@ def ensure_default_model(cache: Path | None = None) -> Path:
     with _exclusive_lock(target.parent / f".{DEFAULT_MODEL}.lock"):
         if (target / _COMPLETE_MARKER).is_file():  # another process converted it meanwhile
             return target
-        _convert_gguf(gguf_path, target)
+        _convert_gguf(gguf_path, target, write)
     return target
 
 
@@ -148,14 +186,29 @@ def _write_converted(gguf_path: Path, staging: Path, start: float) -> None:
     model.save_pretrained(staging)
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def _write_tokenizer(gguf_path: Path, staging: Path, start: float) -> None:
+    """Read only the GGUF's tokenizer and chat template and save them into ``staging``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(staging)
+    _log(start, "tokenizer converted (no weights read)")
+
+
+def _convert_gguf(
+    gguf_path: Path, target: Path, write: Callable[[Path, Path, float], None]
+) -> None:
     start = time.monotonic()
     _log(start, f"first use of {DEFAULT_MODEL}: converting {gguf_path.name} to {target} ...")
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
     try:
-        _write_converted(gguf_path, staging, start)
+        write(gguf_path, staging, start)
         (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path}\n")
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        # mkdtemp makes the directory private and safetensors its file 0600; the cache, or
+        # an image's model directory, may be read by another user (pods run as 10001).
+        for written in staging.iterdir():
+            written.chmod(0o755 if written.is_dir() else 0o644)
+        staging.chmod(0o755)
         if target.exists():  # a leftover without the marker: an older, interrupted layout
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -208,3 +261,20 @@ def load_model_and_tokenizer(
     model.to(resolved_device)
     model.eval()
     return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dpserve.models DIR``: convert the default model into ``DIR/<name>`` (a
+    runtime image's ``$DPSERVE_MODEL_DIR``, at image build); nothing to do if it is there."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dpserve.models", description=main.__doc__)
+    parser.add_argument("directory", type=Path, help="where the prepared models live")
+    args = parser.parse_args(argv)
+    target = _prepare(args.directory / DEFAULT_MODEL, _write_converted)
+    print(target)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

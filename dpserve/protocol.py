@@ -61,6 +61,8 @@ class Header(IntEnum):
     DRAIN = 7
     DRAIN_ACK = 8
     DEREGISTER = 9
+    HAND_OFF = 10
+    HAND_OFF_ACK = 11
 
     # Requests and results (20-39).
     SUBMIT_REQUEST = 20
@@ -123,8 +125,9 @@ class ControlState(IntEnum):
 # ------------------------------------------------------------------ wire records
 #
 # One NamedTuple per message: its fields after the header, in wire order, with the types
-# ``decode`` accepts. ``encode(record)`` writes ``[header, *record]``; a field with a default
-# may be left off the end on the wire (older senders). docs/protocol.md lists the same
+# ``decode`` accepts. ``encode(record)`` writes ``[header, *record]`` and ``decode`` returns
+# the record (the entries of ENGINE_REPLY, RESULTS and STREAM as entry records); a field with
+# a default may be left off the end on the wire (older senders). docs/protocol.md lists the same
 # records; tests/unit/test_protocol.py checks that the page and these classes agree.
 
 Prompt = str | bytes | list[int] | list[dict[str, str]]
@@ -172,6 +175,18 @@ class DrainAck(NamedTuple):
 
 class Deregister(NamedTuple):
     pass
+
+
+class HandOff(NamedTuple):
+    """An engine leaving (SIGTERM): it sent every token it produced, and asks the coordinator
+    to re-dispatch what it holds to the other engines, continuing after those tokens."""
+
+
+class HandOffAck(NamedTuple):
+    """The engine's requests went to other engines: it drops them and exits. (With no other
+    engine to take them the coordinator answers DRAIN_ACK instead: the engine finishes them.)"""
+
+    requests: int  # how many requests were handed to other engines
 
 
 class SubmitRequest(NamedTuple):
@@ -231,7 +246,7 @@ class Results(NamedTuple):
     results: list[ClientResult]
 
 
-class StreamChunk(NamedTuple):
+class ClientChunk(NamedTuple):
     """One entry of STREAM: a streaming request's new tokens and their text."""
 
     client_request_id: int
@@ -242,7 +257,7 @@ class StreamChunk(NamedTuple):
 
 
 class Stream(NamedTuple):
-    chunks: list[StreamChunk]
+    chunks: list[ClientChunk]
 
 
 class Cancel(NamedTuple):
@@ -299,6 +314,8 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.DRAIN: Drain,
     Header.DRAIN_ACK: DrainAck,
     Header.DEREGISTER: Deregister,
+    Header.HAND_OFF: HandOff,
+    Header.HAND_OFF_ACK: HandOffAck,
     Header.SUBMIT_REQUEST: SubmitRequest,
     Header.ENGINE_REQUEST: EngineRequest,
     Header.ENGINE_REPLY: EngineReply,
@@ -316,7 +333,6 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.ERROR: Error,
 }
 HEADER_OF: Final[dict[type, Header]] = {record: header for header, record in RECORDS.items()}
-CONTROL_SIGNAL_RECORDS: Final = {RECORDS[header] for header in CONTROL_SIGNALS}
 
 FieldTypes = tuple[tuple[type, ...], ...]
 
@@ -348,9 +364,22 @@ MESSAGE_FIELDS: Final[dict[Header, FieldTypes]] = {
 }
 # Fields a sender must write: those added later (with defaults in the record) may be left out.
 _REQUIRED_FIELDS: Final = {header: required_fields(record) for header, record in RECORDS.items()}
-ENGINE_UPDATE_FIELDS: Final = field_types(EngineUpdate)
-CLIENT_RESULT_FIELDS: Final = field_types(ClientResult)
-STREAM_CHUNK_FIELDS: Final = field_types(StreamChunk)
+# The batched messages: their one field is a list of these entry records.
+ENTRIES: Final[dict[Header, Any]] = {
+    Header.ENGINE_REPLY: EngineUpdate,
+    Header.RESULTS: ClientResult,
+    Header.STREAM: ClientChunk,
+}
+_ENTRY_SHAPES: Final = {
+    header: (f"{header.name} entry", entry, field_types(entry), required_fields(entry))
+    for header, entry in ENTRIES.items()
+}
+# The defaults of records that have some, in field order: ``encode`` leaves them off the end.
+_TRAILING_DEFAULTS: Final = {
+    record: tuple(record._field_defaults.values())
+    for record in RECORDS.values()
+    if record._field_defaults
+}
 
 _packer = msgpack.Packer(use_bin_type=True)
 _HEADERS: Final = {int(h): h for h in Header}  # a dict lookup is ~5x cheaper than Header(n)
@@ -358,20 +387,34 @@ _HEADER_NUMBERS: Final = {record: int(header) for header, record in RECORDS.item
 _new_tuple = tuple.__new__
 
 
-def encode(message: Any, *fields: Any) -> bytes:
-    """Serialize one message: a record (``encode(Cancel(7))``), or a header and its fields
-    (``encode(Header.CANCEL, 7)``, the older form). The bytes are the same either way.
-    Fields are not checked here: senders are our own code."""
-    packed: bytes  # msgpack is untyped; Packer.pack returns bytes
-    if type(message) is Header:
-        packed = _packer.pack([int(message), *fields])
-    else:
-        packed = _packer.pack([_HEADER_NUMBERS[type(message)], *message])
+def header_of(record: Any) -> Header:
+    """The header a record is sent under."""
+    return HEADER_OF[type(record)]
+
+
+def encode(record: Any) -> bytes:
+    """Serialize one message record as ``[header, *record]``. Trailing fields still at their
+    default are left off (they were added after protocol version 1, and a peer of that
+    version reads the message). Fields are not checked here: senders are our own code."""
+    fields: Sequence[Any] = record
+    defaults = _TRAILING_DEFAULTS.get(type(record))
+    if defaults is not None:
+        fields = _without_trailing_defaults(record, defaults)
+    packed: bytes = _packer.pack([_HEADER_NUMBERS[type(record)], *fields])  # msgpack is untyped
     return packed
 
 
-def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[Header, list[Any]]:
-    """Parse and check one message; raise ``ProtocolError`` for anything malformed."""
+def _without_trailing_defaults(record: tuple[Any, ...], defaults: tuple[Any, ...]) -> list[Any]:
+    fields = list(record)
+    required = len(fields) - len(defaults)
+    while len(fields) > required and fields[-1] == defaults[len(fields) - required - 1]:
+        fields.pop()
+    return fields
+
+
+def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+    """Parse and check one message into its record (entries of a batched message into their
+    entry records); raise ``ProtocolError`` for anything malformed."""
     if len(payload) > max_bytes:
         raise MessageTooLarge(len(payload), max_bytes, *_peek_reference(payload))
     try:
@@ -388,7 +431,29 @@ def decode(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[
         raise ProtocolError(f"unknown header {raw_header}")
     fields = message[1:]
     check_fields(header.name, fields, MESSAGE_FIELDS[header], _REQUIRED_FIELDS[header])
-    return header, fields
+    shape = _ENTRY_SHAPES.get(header)
+    if shape is not None:
+        fields = [_entries(fields[0], *shape)]
+    return _record(RECORDS[header], fields)
+
+
+def _record(record: Any, fields: list[Any]) -> Any:
+    if len(fields) == len(record._fields):
+        return _new_tuple(record, fields)  # what NamedTuple._make does, without a call
+    return record(*fields)  # a trailing field left out takes its default
+
+
+def _entries(
+    entries: list[Any], what: str, entry: Any, types: FieldTypes, required: int
+) -> list[Any]:
+    """The entries of a batched message, checked, as records."""
+    records = []
+    for fields in entries:
+        if not isinstance(fields, list):
+            raise ProtocolError(f"each {what} must be an array")
+        check_fields(what, fields, types, required)
+        records.append(_record(entry, fields))
+    return records
 
 
 def _peek_reference(payload: bytes) -> tuple[int | None, int | None]:
@@ -405,15 +470,6 @@ def _peek_reference(payload: bytes) -> tuple[int | None, int | None]:
     if type(header) is not int or type(reference) is not int:
         return None, None
     return header, reference
-
-
-def decode_record(payload: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
-    """Parse and check one message into its record (``ProtocolError`` if malformed)."""
-    header, fields = decode(payload, max_bytes)
-    record = RECORDS[header]
-    if len(fields) == len(record._fields):
-        return _new_tuple(record, fields)  # what NamedTuple._make does, without a call
-    return record(*fields)  # a trailing field left out takes its default
 
 
 def check_fields(
@@ -440,17 +496,6 @@ def check_fields(
             raise ProtocolError(
                 f"{what} field {index + 1} must be {names}, got {type(value).__name__}"
             )
-
-
-def check_records(
-    what: str, records: list[Any], types: FieldTypes, required: int | None = None
-) -> list[list[Any]]:
-    """Check every record of a batched message (ENGINE_REPLY, RESULTS, STREAM)."""
-    for record in records:
-        if not isinstance(record, list):
-            raise ProtocolError(f"each {what} record must be an array")
-        check_fields(what, record, types, required)
-    return records
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"

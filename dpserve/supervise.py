@@ -24,7 +24,7 @@ from dpserve.client import ClientError
 if TYPE_CHECKING:
     from dpserve.openai.server import FrontConfig
 
-log = logging.getLogger("dpserve.http")
+log = logging.getLogger("dpserve.openai")
 
 LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 

@@ -8,6 +8,7 @@ string prompts work with fake engines and in tests.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,7 +98,15 @@ def as_batch_tokenizer(tokenizer: Any) -> BatchTokenizer:
 
 
 def load_tokenizer(path_or_id: str) -> BatchTokenizer:
-    """Load a transformers tokenizer from a local directory or (where a network exists) a hub id."""
+    """Load a transformers tokenizer from a local directory or (where a network exists) a hub id.
+
+    A directory with a ``tokenizer.json`` is read by the fast tokenizer class itself:
+    ``AutoTokenizer`` reads the model's config first, and that imports torch (~330 MiB more
+    resident memory in the coordinator and the HTTP front, which never run a model)."""
+    if os.path.isfile(os.path.join(path_or_id, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return HuggingFaceTokenizer(PreTrainedTokenizerFast.from_pretrained(path_or_id))
     from transformers import AutoTokenizer  # heavy import, only where a real tokenizer is used
 
     return HuggingFaceTokenizer(AutoTokenizer.from_pretrained(path_or_id))

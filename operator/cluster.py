@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import quote
 
 import urllib3
 from kubernetes import config
@@ -230,6 +231,14 @@ class Cluster:
             ok_statuses=(404,),
         )
         return status != 404
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """The pods matching ``label_selector`` in ``namespace``."""
+        rbac.require("", "pods", "list")
+        path = resource_path("v1", "pods", namespace)
+        _, payload = self.request("GET", f"{path}?labelSelector={quote(label_selector)}")
+        items: list[dict[str, Any]] = (payload or {}).get("items") or []
+        return items
 
     # ------------------------------------------------------------------ coordinator health
 

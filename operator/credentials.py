@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
 import zmq
 
-from dpserve import security
+from dpserve.security import key_files
 
 MOUNT_PATH = "/etc/dpserve/credentials"
 VOLUME_NAME = "credentials"
@@ -42,7 +41,7 @@ COMPONENT = "credentials"  # the Secrets' app.kubernetes.io/component label
 # 0440: readable by the pod's fsGroup (the runtime user), by nobody else.
 SECRET_FILE_MODE = 0o440
 
-_NAMES = (security.COORDINATOR, *security.ROLES)
+_NAMES = (key_files.COORDINATOR, *key_files.ROLES)
 # The HTTP front's bearer token (``--api-key-file``), rotated with the keys.
 API_TOKEN_FILE = "http-api-token"
 KEY_FILES = (
@@ -53,9 +52,6 @@ CLIENT_KEY_FILES = (
     "coordinator.key", "client.key", "client.key_secret", "admin.key", "admin.key_secret",
     API_TOKEN_FILE,
 )  # fmt: skip
-
-_PUBLIC_KEY = re.compile(r'^\s*public-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
-_SECRET_KEY = re.compile(r'^\s*secret-key\s*=\s*"([^"]{40})"\s*$', re.MULTILINE)
 
 
 def credentials_secret_name(name: str) -> str:
@@ -75,15 +71,19 @@ def generate_key_files() -> dict[str, str]:
     files: dict[str, str] = {}
     for name in _NAMES:
         public, secret = zmq.curve_keypair()
-        files[f"{name}.key"] = security.key_file_text(public)
-        files[f"{name}.key_secret"] = security.key_file_text(public, secret)
+        files[f"{name}.key"] = key_files.key_file_text(public)
+        files[f"{name}.key_secret"] = key_files.key_file_text(public, secret)
     files[API_TOKEN_FILE] = secrets.token_urlsafe(32) + "\n"
     return files
 
 
 def public_key(text: str) -> str | None:
-    match = _PUBLIC_KEY.search(text)
-    return match.group(1) if match else None
+    """The public key of a key file's text, or None when it holds no valid one."""
+    try:
+        public, _ = key_files.parse_key_text(text, "key file", secret=False)
+    except key_files.CredentialsError:
+        return None
+    return public.decode()
 
 
 def valid_key_files(files: Mapping[str, str]) -> bool:
@@ -95,13 +95,12 @@ def valid_key_files(files: Mapping[str, str]) -> bool:
         public_text, secret_text = files.get(f"{name}.key"), files.get(f"{name}.key_secret")
         if public_text is None or secret_text is None:
             return False
-        public, secret = public_key(public_text), _SECRET_KEY.search(secret_text)
-        if public is None or secret is None or public_key(secret_text) != public:
-            return False
         try:
-            if zmq.curve_public(secret.group(1).encode()).decode() != public:
-                return False
-        except (ValueError, zmq.ZMQError):
+            public, _ = key_files.parse_key_text(public_text, f"{name}.key", secret=False)
+            pair, _ = key_files.parse_key_text(secret_text, f"{name}.key_secret", secret=True)
+        except key_files.CredentialsError:
+            return False
+        if pair != public:
             return False
     return True
 
@@ -138,9 +137,9 @@ def secret_data(files: Mapping[str, str], keys: tuple[str, ...]) -> dict[str, st
 # key in <name>-credentials → path under MOUNT_PATH, per component.
 COORDINATOR_ITEMS: tuple[tuple[str, str], ...] = (
     ("coordinator.key_secret", "coordinator.key_secret"),
-    ("engine.key", f"{security.ALLOWED_DIR}/engine/engine.key"),
-    ("client.key", f"{security.ALLOWED_DIR}/client/client.key"),
-    ("admin.key", f"{security.ALLOWED_DIR}/admin/admin.key"),
+    ("engine.key", f"{key_files.ALLOWED_DIR}/engine/engine.key"),
+    ("client.key", f"{key_files.ALLOWED_DIR}/client/client.key"),
+    ("admin.key", f"{key_files.ALLOWED_DIR}/admin/admin.key"),
     # The coordinator's HTTP front is a client of its own ZMQ socket.
     ("client.key_secret", "client.key_secret"),
     ("coordinator.key", "coordinator.key"),

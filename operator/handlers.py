@@ -334,6 +334,11 @@ def _write_status(
         health, health_error = cluster.coordinator_health(
             namespace, manifests.coordinator_name(name), manifests.HTTP_PORT_NAME
         )
+    pods: list[dict[str, Any]] | None = None
+    try:
+        pods = cluster.list_pods(namespace, manifests.instance_selector(name))
+    except ApiError as error:  # the rest of the status is still worth writing
+        log.warning("listing the pods of %s failed: %s", name, error)
     observation = Observation(
         generation=_generation(body),
         spec_error=spec_error,
@@ -343,6 +348,7 @@ def _write_status(
         coordinator=coordinator,
         health=health,
         health_error=health_error,
+        pods=pods,
     )
     new_status = compute_status(
         observation,
@@ -355,26 +361,34 @@ def _write_status(
     if not changes:
         return
     patch.status.update(changes)
-    _announce_phase(body, status.get("phase"), new_status)
+    _announce_phase(body, status, new_status)
 
 
-def _announce_phase(body: kopf.Body, old_phase: Any, new_status: Mapping[str, Any]) -> None:
-    """An event when the deployment becomes Ready or loses capacity on its own."""
+def _announce_phase(
+    body: kopf.Body, old_status: Mapping[str, Any], new_status: Mapping[str, Any]
+) -> None:
+    """An event when the deployment becomes Ready, or Degraded for a new reason (capacity
+    lost on its own, a child pod that cannot run)."""
     new_phase = new_status["phase"]
-    if new_phase == old_phase:
+    old_reason = (condition(old_status, "Degraded") or {}).get("reason")
+    degraded = condition(new_status, "Degraded") or {}
+    if new_phase == old_status.get("phase") and (
+        new_phase != DEGRADED or degraded.get("reason") == old_reason
+    ):
         return
     if new_phase == READY:
         ready = condition(new_status, "Ready") or {}
         kopf.info(body, reason="Ready", message=str(ready.get("message") or ""))
-    elif new_phase == DEGRADED:
-        degraded = condition(new_status, "Degraded") or {}
-        # InvalidSpec and ApplyFailed were announced where they were detected.
-        if degraded.get("reason") not in (REASON_INVALID_SPEC, REASON_APPLY_FAILED):
-            kopf.warn(
-                body,
-                reason=str(degraded.get("reason") or "Degraded"),
-                message=str(degraded.get("message") or ""),
-            )
+    # InvalidSpec and ApplyFailed were announced where they were detected.
+    elif new_phase == DEGRADED and degraded.get("reason") not in (
+        REASON_INVALID_SPEC,
+        REASON_APPLY_FAILED,
+    ):
+        kopf.warn(
+            body,
+            reason=str(degraded.get("reason") or "Degraded"),
+            message=str(degraded.get("message") or ""),
+        )
 
 
 def _already_reported(

@@ -78,6 +78,11 @@ def object_labels(name: str, component: str) -> dict[str, str]:
     return {**selector_labels(name, component), MANAGED_BY_LABEL: MANAGER}
 
 
+def instance_selector(name: str) -> str:
+    """A label selector for every pod of one InferenceDeployment (coordinator and engines)."""
+    return f"{NAME_LABEL}={APP_NAME},{INSTANCE_LABEL}={name}"
+
+
 def engine_selector(name: str) -> str:
     """The engine pods' label selector as a string (status.selector, for the scale subresource)."""
     labels = sorted(selector_labels(name, ENGINE).items())

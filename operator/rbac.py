@@ -48,6 +48,9 @@ REQUIRED_RULES: tuple[Rule, ...] = (
           "engine StatefulSet: read-then-create-or-replace, and patch replicas on scaling"),
     _rule("", "services", ["get", "create", "update"],
           "coordinator Service and engine headless Service"),
+    _rule("", "pods", ["list"],
+          "the status names a child pod that is OOM-killed, crash-looping, unschedulable or "
+          "cannot pull its image, with the pod's own message"),
     _rule("", "services/proxy", ["get"],
           "GET the coordinator's /health through the API server's service proxy"),
     _rule("policy", "poddisruptionbudgets", ["get", "create", "update"],

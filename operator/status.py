@@ -5,8 +5,10 @@ Phases:
 - ``Pending``: the children do not exist yet, or nothing runs yet on a first start;
 - ``Progressing``: converging on a new spec (scaling, rolling out, starting engines);
 - ``Ready``: every desired engine runs and is registered with the coordinator;
-- ``Degraded``: the spec is invalid, the children could not be applied, or a deployment that
-  was Ready lost engines without anyone asking for it.
+- ``Degraded``: the spec is invalid, the children could not be applied, a child pod cannot
+  run (OOM-killed, crash-looping, unschedulable, its image cannot be pulled: the reason and
+  the pod's own message, see ``pod_problems``), or a deployment that was Ready lost engines
+  without anyone asking for it.
 
 The three conditions (Ready, Progressing, Degraded) carry a reason and a message; a
 condition's ``lastTransitionTime`` only moves when its status flips.
@@ -14,7 +16,7 @@ condition's ``lastTransitionTime`` only moves when its status flips.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,19 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 # Condition reasons with a fixed meaning, which the handlers rely on too.
 REASON_INVALID_SPEC = "InvalidSpec"
 REASON_APPLY_FAILED = "ApplyFailed"
+REASON_OOM_KILLED = "OOMKilled"
+REASON_CRASH_LOOP = "CrashLoopBackOff"
+REASON_UNSCHEDULABLE = "Unschedulable"
+REASON_IMAGE_PULL = "ImagePullBackOff"
+
+# The kubelet alternates ErrImagePull and ImagePullBackOff while it retries: one reason for
+# both keeps the condition (and the events) from flapping. The others are reported as named.
+_IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff"})
+_IMAGE_REASONS = frozenset({"InvalidImageName", "ErrImageNeverPull", "RegistryUnavailable"})
+_START_FAILURES = frozenset(
+    {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+)
+MAX_PROBLEM_MESSAGE_CHARS = 1000  # the Degraded message naming every problem pod, cut here
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,95 @@ class Observation:
     # The coordinator's /ready JSON (also on 503) or, when unreachable, why.
     health: Mapping[str, Any] | None
     health_error: str | None = None
+    # The coordinator's and engines' pods (a pod list's items); None: not read.
+    pods: Sequence[Mapping[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """Why one child pod does not run: a condition reason and a message that names the pod
+    and quotes what Kubernetes says about it."""
+
+    reason: str
+    message: str
+
+
+def pod_problems(pods: Iterable[Mapping[str, Any]]) -> list[PodProblem]:
+    """What keeps child pods from running, one entry per pod at most (pods being deleted are
+    left out: their replacement is what counts), in the pods' order."""
+    problems = []
+    for pod in pods:
+        metadata = pod.get("metadata") or {}
+        if metadata.get("deletionTimestamp"):
+            continue
+        problem = _pod_problem(str(metadata.get("name") or "?"), pod)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _pod_problem(name: str, pod: Mapping[str, Any]) -> PodProblem | None:
+    status = pod.get("status") or {}
+    for pod_condition in status.get("conditions") or []:
+        if (
+            pod_condition.get("type") == "PodScheduled"
+            and pod_condition.get("status") == "False"
+            and pod_condition.get("reason") == REASON_UNSCHEDULABLE
+        ):
+            why = pod_condition.get("message") or "no node can run it"
+            return PodProblem(REASON_UNSCHEDULABLE, f"pod {name} cannot be scheduled: {why}")
+    limits = {
+        str(container.get("name")): ((container.get("resources") or {}).get("limits") or {})
+        for container in (pod.get("spec") or {}).get("containers") or []
+    }
+    statuses = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for container in statuses:
+        problem = _container_problem(name, container, limits.get(str(container.get("name")), {}))
+        if problem is not None:
+            return problem
+    return None
+
+
+def _container_problem(
+    pod: str, container: Mapping[str, Any], limits: Mapping[str, Any]
+) -> PodProblem | None:
+    where = f"pod {pod} container {container.get('name')}"
+    state = container.get("state") or {}
+    waiting = state.get("waiting") or {}
+    reason = str(waiting.get("reason") or "")
+    said = str(waiting.get("message") or "")
+    if reason in _IMAGE_PULL_REASONS or reason in _IMAGE_REASONS:
+        image = container.get("image") or "its image"
+        kind = REASON_IMAGE_PULL if reason in _IMAGE_PULL_REASONS else reason
+        return PodProblem(kind, f"{where} cannot pull {image}: {reason}: {said}".rstrip(": "))
+    if reason in _START_FAILURES:
+        return PodProblem(reason, f"{where} cannot start: {said or reason}")
+    terminated = state.get("terminated") or (container.get("lastState") or {}).get("terminated")
+    if container.get("ready") or not terminated:
+        return None
+    restarts = int(container.get("restartCount") or 0)
+    code = terminated.get("exitCode")
+    if terminated.get("reason") == REASON_OOM_KILLED:
+        memory = limits.get("memory")
+        limit = f"its memory limit ({memory})" if memory else "the memory available to it"
+        return PodProblem(
+            REASON_OOM_KILLED,
+            f"{where} was OOMKilled (exit code {code}): it needs more than {limit}; "
+            f"restarted {restarts} time(s)",
+        )
+    if reason == REASON_CRASH_LOOP:
+        last = terminated.get("reason") or "Error"
+        tail = str(terminated.get("message") or "").strip().splitlines()[-1:] or [""]
+        detail = f": {tail[0][:200]}" if tail[0] else ""
+        return PodProblem(
+            REASON_CRASH_LOOP,
+            f"{where} keeps exiting ({last}, exit code {code}{detail}); restarted "
+            f"{restarts} time(s); {said or 'back-off'}; see `kubectl logs {pod} --previous`",
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -179,6 +283,16 @@ def _verdict(
             DEGRADED, (False, reason, message), (False, reason, message), (True, reason, message)
         )
 
+    problems = pod_problems(observation.pods or ())
+    if problems:
+        reason = problems[0].reason
+        message = "; ".join(p.message for p in problems)
+        if len(message) > MAX_PROBLEM_MESSAGE_CHARS:
+            message = message[: MAX_PROBLEM_MESSAGE_CHARS - 1] + "…"
+        return _Verdict(
+            DEGRADED, (False, reason, message), (False, reason, message), (True, reason, message)
+        )
+
     missing = [
         kind
         for kind, obj in (("engine StatefulSet", observation.statefulset),
@@ -209,8 +323,14 @@ def _verdict(
             f"({observation.health_error or 'coordinator /ready unavailable'})"
         )
     else:
-        engines_serving = registered >= desired and ready >= desired
+        # The coordinator pod Ready too: registered engines behind a coordinator whose
+        # readiness fails are not served through its Service.
+        engines_serving = (
+            registered >= desired and ready >= desired and (desired == 0 or coordinator_ready)
+        )
         engines_text = f"{registered}/{desired} engines registered, {ready} engine pods ready"
+        if not coordinator_ready and desired > 0:
+            engines_text += "; the coordinator pod is not Ready"
 
     if reconciled and rollout_done and running == desired and engines_serving:
         reason = "ScaledToZero" if desired == 0 else "AllEnginesRegistered"

@@ -89,17 +89,9 @@ ensure_tools() {
 # --- a private apt configuration with deb + deb-src for bookworm main -------
 # Kept separate from the system's lists so we neither need deb-src enabled
 # system-wide nor disturb the machine's apt state.
-debian_mirror() {
-  local uri
-  uri="$(
-    {
-      grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | sed 's/^URIs:[[:space:]]*//' | tr ' ' '\n'
-      grep -hsE '^deb[[:space:]]' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-        | sed -E 's/^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?//' | awk '{print $1}'
-    } | grep -E '/debian/?$' | grep -v security | head -n1 || true
-  )"
-  echo "${uri:-http://deb.debian.org/debian}"
-}
+# The Debian mirror of this machine's apt configuration (fails with a message when none).
+# shellcheck source=scripts/apt-mirror.sh
+source "$(dirname "$0")/apt-mirror.sh"
 
 APT_OPTS=()
 setup_private_apt() {

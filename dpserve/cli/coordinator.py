@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 
-from dpserve import flags, security
+from dpserve import flags
 from dpserve.cli.common import (
     DEFAULT_ZMQ_PORT,
     Subcommands,
@@ -18,6 +18,7 @@ from dpserve.cli.common import (
 from dpserve.coordinator.config import CoordinatorConfig, flag_fields
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.limits import MESSAGE_HEADROOM_BYTES
+from dpserve.security import bind, key_files
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -66,13 +67,13 @@ def run(args: argparse.Namespace) -> int:
 
     front_keys = None
     try:
-        security.check_bind(args.host, secured=bool(args.credentials), insecure=args.insecure)
+        bind.check_bind(args.host, secured=bool(args.credentials), insecure=args.insecure)
         if args.credentials:
-            security.load_server_keys(args.credentials)  # refuse now, not in a child process
+            key_files.load_server_keys(args.credentials)  # refuse now, not in a child process
             if args.http_port is not None:
-                front_keys = security.load_peer_keys(args.credentials, None)
+                front_keys = key_files.load_peer_keys(args.credentials, None)
         http_api_keys = api_keys(args)
-    except (security.InsecureBind, security.CredentialsError) as exc:
+    except (bind.InsecureBind, key_files.CredentialsError) as exc:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = tokenizer_spec(args.tokenizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import socket
@@ -10,9 +11,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpserve import security
 from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
+from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
+from dpserve.security import key_files
 
 if TYPE_CHECKING:
     from dpserve.engine.runner import Runner
@@ -56,10 +58,13 @@ def add_parser(subparsers: Subcommands) -> None:
         help="the fake engine's context in tokens (a model's comes from its config)",
     )
     engine.add_argument(
-        "--max-batch-size",
+        "--max-num-seqs",
+        "--max-batch-size",  # its older name: manifests and scripts still pass it
+        dest="max_num_seqs",
         type=int,
         default=None,
-        help="sequences running at once (default: derived from the KV cache pool)",
+        help="sequences running at once, the engine's capacity (default: derived from the KV "
+        f"cache pool; {DEFAULT_MAX_NUM_SEQS} for --fake)",
     )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
@@ -91,19 +96,19 @@ def add_parser(subparsers: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dpserve.engine.connection import CoordinatorConnection, CoordinatorRefused
+    from dpserve.engine.connection import EngineConnection, EngineRefused
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
     runner = _runner(args, rank)
     address = zmq_address(args.coordinator)
     try:
-        keys = security.load_peer_keys(args.credentials, "engine") if args.credentials else None
-    except security.CredentialsError as exc:
+        keys = key_files.load_peer_keys(args.credentials, "engine") if args.credentials else None
+    except key_files.CredentialsError as exc:
         print(f"dpserve engine: {exc}", file=sys.stderr)
         return 2
     server = EngineServer(
-        CoordinatorConnection(address, rank, runner.capacity, credentials=keys),
+        EngineConnection(address, rank, runner.max_num_seqs, credentials=keys),
         runner,
         stream_interval=args.stream_interval,
         coordinator_timeout=args.coordinator_timeout,
@@ -112,10 +117,17 @@ def run(args: argparse.Namespace) -> int:
     server.install_signal_handlers()
     log.info("engine rank %d serving %s via %s", rank, "fake" if args.fake else args.model, address)
     try:
-        return server.run()
-    except CoordinatorRefused as exc:
+        code = server.run()
+    except EngineRefused as exc:
         log.error("%s", exc)
-        return 1
+        code = 1
+    # Leave now: the socket is closed and the coordinator told. The interpreter's own
+    # teardown of a model process (torch's thread pools, a GiB of tensors) took 4-9 s, and on
+    # Kubernetes sometimes the whole grace period, holding up the pod's replacement.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _runner(args: argparse.Namespace, rank: int) -> Runner:
@@ -124,7 +136,7 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         from dpserve.engine.fake import FakeRunner
 
         return FakeRunner(
-            capacity=args.max_batch_size or 256,
+            max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             step_delay=args.step_delay,
             max_context=args.context_size,
         )
@@ -139,7 +151,7 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
     log.info("engine rank %d: %d torch thread(s), from %s", rank, threads, source)
     return ModelRunner(
         resolve_model(args.model),
-        max_batch_size=args.max_batch_size,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
         device=engine_device(args.device, rank),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dpserve import security
 from dpserve.cli.common import (
     DEFAULT_ZMQ_PORT,
     Subcommands,
@@ -13,6 +12,7 @@ from dpserve.cli.common import (
     client_keys,
     zmq_address,
 )
+from dpserve.security import key_files
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
         keys = client_keys(args, zmq_address(args.address))
-    except security.CredentialsError as exc:
+    except key_files.CredentialsError as exc:
         print(f"dpserve generate: {exc}", file=sys.stderr)
         return 2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dpserve import security
 from dpserve.cli.common import Subcommands
+from dpserve.security import key_files
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -22,8 +22,8 @@ def add_parser(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        root = security.generate_credentials(args.directory, force=args.force)
-    except (security.CredentialsError, OSError) as exc:
+        root = key_files.generate_credentials(args.directory, force=args.force)
+    except (key_files.CredentialsError, OSError) as exc:
         print(f"dpserve keys generate: {exc}", file=sys.stderr)
         return 2
     print(

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from dpserve import flags, security
+from dpserve import flags
 from dpserve.cli.common import (
     DEFAULT_HTTP_PORT,
     DEFAULT_ZMQ_PORT,
@@ -15,6 +15,7 @@ from dpserve.cli.common import (
     add_kv_cache_flags,
     api_keys,
 )
+from dpserve.security import key_files
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -27,7 +28,14 @@ def add_parser(subparsers: Subcommands) -> None:
     serve.add_argument(
         "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0: no HTTP)"
     )
-    serve.add_argument("--max-batch-size", type=int, default=None)
+    serve.add_argument(
+        "--max-num-seqs",
+        "--max-batch-size",  # its older name
+        dest="max_num_seqs",
+        type=int,
+        default=None,
+        help="each engine's sequences running at once (default: derived from its KV pool)",
+    )
     add_kv_cache_flags(serve)
     serve.add_argument(
         "--torch-threads",
@@ -39,7 +47,7 @@ def add_parser(subparsers: Subcommands) -> None:
     serve.add_argument(
         "--credentials",
         metavar="DIR",
-        default=os.environ.get(security.ENV_CREDENTIALS),
+        default=os.environ.get(key_files.ENV_CREDENTIALS),
         help="CURVE keys for every process (default: throw-away keys, removed on exit)",
     )
     serve.add_argument(
@@ -56,13 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.credentials and args.insecure:
-            raise security.CredentialsError("--insecure and --credentials contradict each other")
+            raise key_files.CredentialsError("--insecure and --credentials contradict each other")
         if args.credentials:  # every process of the deployment reads its part of this one
-            security.load_server_keys(args.credentials)
-            security.load_peer_keys(args.credentials, "engine")
-            security.load_peer_keys(args.credentials, None)
+            key_files.load_server_keys(args.credentials)
+            key_files.load_peer_keys(args.credentials, "engine")
+            key_files.load_peer_keys(args.credentials, None)
         http_api_keys = api_keys(args)
-    except security.CredentialsError as exc:
+    except key_files.CredentialsError as exc:
         print(f"dpserve serve: {exc}", file=sys.stderr)
         return 2
     if args.fake:
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         port=args.port,
         http_port=None if args.http_port == 0 else args.http_port,
-        max_batch_size=args.max_batch_size,
+        max_num_seqs=args.max_num_seqs,
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
         fake=args.fake,

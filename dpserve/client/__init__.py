@@ -8,12 +8,12 @@ from dpserve.client.records import (
     ClientStopped,
     CoordinatorRefused,
     CoordinatorUnavailable,
-    InvalidRequest,
     Prompt,
     RequestFailed,
     RequestRecord,
     RequestStream,
     StreamChunk,
+    UnsendableRequest,
     coordinator_address,
 )
 
@@ -23,11 +23,11 @@ __all__ = [
     "CoordinatorRefused",
     "CoordinatorUnavailable",
     "InferenceClient",
-    "InvalidRequest",
     "Prompt",
     "RequestFailed",
     "RequestRecord",
     "RequestStream",
     "StreamChunk",
+    "UnsendableRequest",
     "coordinator_address",
 ]

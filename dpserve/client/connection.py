@@ -18,24 +18,24 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from dpserve import security
 from dpserve.client.records import CoordinatorRefused, CoordinatorUnavailable
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
 from dpserve.protocol import ProtocolError
+from dpserve.security import key_files, roles
 
 log = logging.getLogger("dpserve.client")
 
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
 
 
-class CoordinatorConnection:
+class ClientConnection:
     """One DEALER socket, its monitor and its handshake watch. ``on_message`` gets every
     payload that arrives; ``on_refused`` is called once the coordinator refuses this peer."""
 
     def __init__(
         self,
         address: str,
-        keys: security.PeerKeys | None,
+        keys: key_files.PeerKeys | None,
         on_message: Callable[[bytes], None],
         on_refused: Callable[[CoordinatorRefused], None],
     ) -> None:
@@ -50,7 +50,7 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
-            security.secure_peer(self.socket, keys)
+            roles.secure_peer(self.socket, keys)
         self._watch = HandshakeWatch(
             address,
             "client",

@@ -1,6 +1,6 @@
 """``InferenceClient``: an asyncio DEALER client for the coordinator (Megatron-Core's API).
 
-It holds a ``CoordinatorConnection`` (the socket, its handshake watch), a ``PendingTable``
+It holds a ``ClientConnection`` (the socket, its handshake watch), a ``PendingTable``
 (requests and control calls awaiting answers) and a ``CoordinatorSession`` (handshake,
 heartbeats, restarts), and dispatches the coordinator's messages between them. After a restart
 it fails the control calls the old coordinator had and resubmits every pending request.
@@ -12,10 +12,11 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
-from dpserve import protocol, security
-from dpserve.client.connection import CoordinatorConnection
+from dpserve import protocol
+from dpserve.client.connection import ClientConnection
 from dpserve.client.pending import PendingTable
 from dpserve.client.records import (
     ClientError,
@@ -30,8 +31,19 @@ from dpserve.client.records import (
 )
 from dpserve.client.session import CoordinatorSession
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
-from dpserve.protocol import ErrorCode, Header, ProtocolError
+from dpserve.protocol import (
+    ConnectAck,
+    ControlAck,
+    Error,
+    ErrorCode,
+    Header,
+    HeartbeatAck,
+    ProtocolError,
+    Status,
+    StatusReply,
+)
 from dpserve.sampling import SamplingParams
+from dpserve.security import key_files
 
 log = logging.getLogger("dpserve.client")
 
@@ -44,7 +56,7 @@ class InferenceClient:
         handshake_timeout: float = 10.0,
         startup_timeout: float = 120.0,
         heartbeat_interval: float = 0.5,
-        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        credentials: key_files.PeerKeys | str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_REQUEST_LIMITS.max_message_bytes,
     ) -> None:
         """``credentials``: a client's keys, or a credentials directory (its admin key if it
@@ -56,13 +68,11 @@ class InferenceClient:
         (the coordinator's ``--max-message-bytes``)."""
         self.address = coordinator_address(inference_coordinator_port)
         # Loaded before any socket exists: a bad directory raises without leaking a context.
-        self.keys = None if credentials is None else security.as_peer_keys(credentials, None)
+        self.keys = None if credentials is None else key_files.as_peer_keys(credentials, None)
         self.handshake_timeout = handshake_timeout
         self.startup_timeout = startup_timeout
         self.heartbeat_interval = heartbeat_interval
-        self._connection = CoordinatorConnection(
-            self.address, self.keys, self._handle, self._on_refused
-        )
+        self._connection = ClientConnection(self.address, self.keys, self._handle, self._on_refused)
         self.context = self._connection.context
         self.socket = self._connection.socket
         self._send = self._connection.send
@@ -72,6 +82,16 @@ class InferenceClient:
         self.listener_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stopped = False
+        # One handler per message header, called with the message's record.
+        self._handlers: dict[Header, Callable[[Any], None]] = {
+            Header.RESULTS: self._table.on_results,
+            Header.STREAM: self._table.on_stream,
+            Header.ERROR: self._on_error,
+            Header.CONTROL_ACK: self._on_control_ack,
+            Header.STATUS_REPLY: self._on_status_reply,
+            Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
+            Header.CONNECT_ACK: self._on_connect_ack,
+        }
 
     @property
     def max_message_bytes(self) -> int:
@@ -164,13 +184,14 @@ class InferenceClient:
 
     def _send_signal_to_engines(self, signal: Header) -> asyncio.Future[None]:
         """Send a control signal; the future resolves when every engine acknowledged it."""
-        return self._control_call(signal)
+        return self._control_call(protocol.RECORDS[signal])
 
-    def _control_call(self, header: Header) -> asyncio.Future[Any]:
-        """Send ``header`` with a new control id; the future resolves with its answer."""
+    def _control_call(self, record: Callable[[int], Any]) -> asyncio.Future[Any]:
+        """Send ``record(control_id)`` with a new control id; the future resolves with its
+        answer."""
         if self._stopped:
             raise ClientStopped("the client was stopped")
-        return self._table.add_control(lambda control_id: protocol.encode(header, control_id))
+        return self._table.add_control(lambda control_id: protocol.encode(record(control_id)))
 
     def pause_engines(self) -> asyncio.Future[None]:
         return self._send_signal_to_engines(Header.PAUSE)
@@ -191,30 +212,29 @@ class InferenceClient:
 
     def get_status(self) -> asyncio.Future[dict[str, Any]]:
         """The coordinator's status: engines, their load, queue, state, counters."""
-        return self._control_call(Header.STATUS)
+        return self._control_call(Status)
 
     # ------------------------------------------------------------------- listener
 
     def _handle(self, payload: bytes) -> None:
-        header, fields = protocol.decode(payload)
-        if header is Header.RESULTS:
-            self._table.on_results(fields[0])
-        elif header is Header.STREAM:
-            self._table.on_stream(fields[0])
-        elif header is Header.ERROR:
-            self._on_error(*fields)
-        elif header is Header.CONTROL_ACK:
-            _signal, control_id = fields
-            self._table.resolve_control(control_id, None)
-        elif header is Header.STATUS_REPLY:
-            query_id, status = fields
-            self._table.resolve_control(query_id, status)
-        elif header is Header.HEARTBEAT_ACK:
-            self._session.on_heartbeat_ack(fields[0])
-        elif header is Header.CONNECT_ACK:
-            self._session.on_connect_ack(fields[0])
-        else:
-            raise ProtocolError(f"unexpected {header.name} for a client")
+        """Run the handler of a message's header with its record."""
+        record = protocol.decode(payload)
+        handler = self._handlers.get(protocol.header_of(record))
+        if handler is None:
+            raise ProtocolError(f"unexpected {protocol.header_of(record).name} for a client")
+        handler(record)
+
+    def _on_control_ack(self, ack: ControlAck) -> None:
+        self._table.resolve_control(ack.control_id, None)
+
+    def _on_status_reply(self, reply: StatusReply) -> None:
+        self._table.resolve_control(reply.query_id, reply.status)
+
+    def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
+        self._session.on_heartbeat_ack(ack.instance)
+
+    def _on_connect_ack(self, ack: ConnectAck) -> None:
+        self._session.on_connect_ack(ack.instance)
 
     def _on_restarted(self, instance: str) -> None:
         # The new coordinator knows nothing of signals or queries sent to the old one.
@@ -228,7 +248,8 @@ class InferenceClient:
         )
         self._table.resubmit_all()
 
-    def _on_error(self, ref: int | None, code: str, message: str) -> None:
+    def _on_error(self, error: Error) -> None:
+        ref, code, message = error.ref, error.code, error.message
         if code == ErrorCode.UNKNOWN_PEER:
             # The coordinator does not know us: it restarted. Our requests are resubmitted
             # once the new handshake completes, so nothing fails here.

@@ -7,7 +7,7 @@ request is resubmitted with the tokens the caller already has as resume tokens, 
 continues after them and no text arrives twice.
 
 A request is encoded when it is submitted: one that cannot be (text that is not valid Unicode,
-token ids out of range) or whose message exceeds the message limit raises ``InvalidRequest``
+token ids out of range) or whose message exceeds the message limit raises ``UnsendableRequest``
 at once and is never sent. A message over the coordinator's transport limit would make ZMQ
 drop the whole connection, with every other request on it.
 """
@@ -22,16 +22,16 @@ from typing import Any, TypeGuard, cast
 
 from dpserve import protocol
 from dpserve.client.records import (
-    InvalidRequest,
     PendingRequest,
     Prompt,
     RequestFailed,
     RequestRecord,
     StreamChunk,
+    UnsendableRequest,
     WirePrompt,
     cached_wire_params,
 )
-from dpserve.protocol import Header, unpack_logprobs
+from dpserve.protocol import Cancel, Results, Stream, SubmitRequest, unpack_logprobs
 from dpserve.sampling import SamplingParams
 
 
@@ -60,7 +60,7 @@ class PendingTable:
     # ------------------------------------------------------------------- requests
 
     def submit(self, prompt: Prompt, params: SamplingParams) -> PendingRequest:
-        """Encode and send a request (``InvalidRequest`` if it cannot be) and keep it."""
+        """Encode and send a request (``UnsendableRequest`` if it cannot be) and keep it."""
         request_id = self.new_id()
         wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
         future: asyncio.Future[RequestRecord] = asyncio.get_running_loop().create_future()
@@ -82,23 +82,23 @@ class PendingTable:
         self, request_id: int, prompt: Prompt, params: SamplingParams
     ) -> tuple[WirePrompt, dict[str, Any], bytes]:
         """The request's wire prompt, parameters and SUBMIT_REQUEST message; raises
-        ``InvalidRequest`` for what could never be sent (so a resubmission cannot fail)."""
+        ``UnsendableRequest`` for what could never be sent (so a resubmission cannot fail)."""
         try:
             if _is_token_ids(prompt):
                 wire_prompt: WirePrompt = protocol.pack_tokens(prompt)
             else:  # text or chat messages: a TypeGuard does not narrow its negative case
                 wire_prompt = cast("str | list[dict[str, str]]", prompt)
             wire_params = cached_wire_params(params)
-            payload = protocol.encode(Header.SUBMIT_REQUEST, request_id, wire_prompt, wire_params)
+            payload = protocol.encode(SubmitRequest(request_id, wire_prompt, wire_params))
         except UnicodeEncodeError as exc:
-            raise InvalidRequest(
+            raise UnsendableRequest(
                 f"the request holds text that is not valid Unicode ({exc.reason}: "
                 f"{exc.object[exc.start : exc.end]!r}); it cannot be encoded as UTF-8"
             ) from None
         except (OverflowError, TypeError, ValueError) as exc:
-            raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+            raise UnsendableRequest(f"the request cannot be encoded: {exc}") from None
         if len(payload) > self.max_message_bytes:
-            raise InvalidRequest(
+            raise UnsendableRequest(
                 f"the request encodes to {len(payload)} bytes, over the message limit of "
                 f"{self.max_message_bytes} bytes (max_message_bytes); send a shorter prompt"
             )
@@ -112,10 +112,8 @@ class PendingTable:
     def _resubmit(self, request_id: int, pending: PendingRequest) -> None:
         """Send a pending request again, with the tokens its stream already delivered as
         resume tokens."""
-        fields: list[Any] = [request_id, pending.prompt, pending.params]
-        if pending.received:
-            fields.append(bytes(pending.received))
-        payload = protocol.encode(Header.SUBMIT_REQUEST, *fields)
+        resume = bytes(pending.received or b"")
+        payload = protocol.encode(SubmitRequest(request_id, pending.prompt, pending.params, resume))
         if len(payload) > self.max_message_bytes:
             self._forget(request_id)
             fail_pending(
@@ -137,63 +135,59 @@ class PendingTable:
     def _on_future_done(self, request_id: int, future: asyncio.Future[RequestRecord]) -> None:
         # A caller that cancels its future no longer wants the work done.
         if future.cancelled() and self._forget(request_id) is not None and not self.closed:
-            self._send(protocol.encode(Header.CANCEL, request_id))
+            self._send(protocol.encode(Cancel(request_id)))
 
-    def on_results(self, results: list[list[Any]]) -> None:
-        protocol.check_records("RESULTS record", results, protocol.CLIENT_RESULT_FIELDS)
+    def on_results(self, message: Results) -> None:
         now = time.monotonic()
-        for result in results:
-            request_id, prompt, tokens, text, reason, logprobs, ttft, rank = result[:8]
-            prompt_logprobs = result[8] if len(result) > 8 else None
-            stop_token = result[9] if len(result) > 9 else None
-            pending = self._forget(request_id)
+        for result in message.results:
+            pending = self._forget(result.client_request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
             k = _alternatives(pending)
-            log_probs, top = (None, None) if logprobs is None else unpack_logprobs(logprobs, k)
+            log_probs, top = (
+                (None, None) if result.logprobs is None else unpack_logprobs(result.logprobs, k)
+            )
             prompt_log_probs, prompt_top = (
-                (None, None) if prompt_logprobs is None else unpack_logprobs(prompt_logprobs, k)
+                (None, None)
+                if result.prompt_logprobs is None
+                else unpack_logprobs(result.prompt_logprobs, k)
             )
             record = RequestRecord(
-                request_id=request_id,
-                prompt_tokens=protocol.unpack_tokens(prompt),
-                generated_tokens=protocol.unpack_tokens(tokens),
-                generated_text=text,
-                finish_reason=reason,
+                request_id=result.client_request_id,
+                prompt_tokens=protocol.unpack_tokens(result.prompt_tokens),
+                generated_tokens=protocol.unpack_tokens(result.generated_tokens),
+                generated_text=result.text,
+                finish_reason=result.finish_reason,
                 log_probs=log_probs,
-                ttft=ttft
+                ttft=result.ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
                 latency=now - pending.submitted_at,
-                engine_rank=rank,
+                engine_rank=result.engine_rank,
                 top_logprobs=top,
                 prompt_logprobs=prompt_log_probs,
                 prompt_top_logprobs=prompt_top,
-                stop_token=stop_token,
+                stop_token=result.stop_token,
             )
             if not pending.future.done():
                 pending.future.set_result(record)
 
-    def on_stream(self, chunks: list[list[Any]]) -> None:
-        protocol.check_records("STREAM chunk", chunks, protocol.STREAM_CHUNK_FIELDS)
-        for chunk in chunks:
-            request_id, tokens, text = chunk[:3]
-            logprobs = chunk[3] if len(chunk) > 3 else None
-            pending = self.requests.get(request_id)
+    def on_stream(self, message: Stream) -> None:
+        for chunk in message.chunks:
+            pending = self.requests.get(chunk.client_request_id)
             if pending is None or pending.chunks is None:
                 continue
             log_probs, top = (
                 (None, None)
-                if logprobs is None
-                else unpack_logprobs(logprobs, _alternatives(pending))
+                if chunk.logprobs is None
+                else unpack_logprobs(chunk.logprobs, _alternatives(pending))
             )
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
             if pending.received is not None:
-                pending.received += tokens
-            pending.chunks.put_nowait(
-                StreamChunk(protocol.unpack_tokens(tokens), text, log_probs, top)
-            )
+                pending.received += chunk.tokens
+            tokens = protocol.unpack_tokens(chunk.tokens)
+            pending.chunks.put_nowait(StreamChunk(tokens, chunk.text, log_probs, top))
 
     def fail(self, ref: int, error: RequestFailed) -> None:
         """Fail the request or control call ``ref``, if there is one."""

@@ -28,7 +28,7 @@ class CoordinatorRefused(CoordinatorUnavailable):
     allow); the message says which."""
 
 
-class InvalidRequest(ClientError, ValueError):
+class UnsendableRequest(ClientError, ValueError):
     """The client refused a request before sending it; the message says why."""
 
 

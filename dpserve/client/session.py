@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from dpserve import protocol
-from dpserve.protocol import Header
+from dpserve.protocol import Connect, Heartbeat
 
 log = logging.getLogger("dpserve.client")
 
@@ -29,7 +29,7 @@ class CoordinatorSession:
     def connect(self) -> asyncio.Future[str]:
         """Send CONNECT; the returned future resolves on CONNECT_ACK."""
         self._handshake = asyncio.get_running_loop().create_future()
-        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+        self._send(protocol.encode(Connect(protocol.PROTOCOL_VERSION)))
         return self._handshake
 
     def on_connect_ack(self, instance: str) -> None:
@@ -50,14 +50,14 @@ class CoordinatorSession:
             return
         log.warning("%s: connecting again", why)
         self._reconnecting = True
-        self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+        self._send(protocol.encode(Connect(protocol.PROTOCOL_VERSION)))
 
     async def heartbeat(self, interval: float) -> None:
         # Lets the client notice a restarted coordinator even while it is only waiting.
-        payload = protocol.encode(Header.HEARTBEAT, 0)
+        payload = protocol.encode(Heartbeat(0))
         while True:
             await asyncio.sleep(interval)
             if self._reconnecting:
-                self._send(protocol.encode(Header.CONNECT, protocol.PROTOCOL_VERSION))
+                self._send(protocol.encode(Connect(protocol.PROTOCOL_VERSION)))
             else:
                 self._send(payload)

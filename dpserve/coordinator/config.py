@@ -13,9 +13,9 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dpserve import security
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.security import key_files
 
 _REQUEST = DEFAULT_REQUEST_LIMITS
 _ADMISSION = DEFAULT_ADMISSION_LIMITS
@@ -23,6 +23,19 @@ _ADMISSION = DEFAULT_ADMISSION_LIMITS
 
 def _flag(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
+
+
+# The limits STATUS reports (``CoordinatorConfig.status_limits``): fields of the config and of
+# ``dpserve.limits.RequestLimits`` / ``AdmissionLimits``, by the same names.
+STATUS_LIMITS = (
+    "max_inflight_per_client",
+    "max_inflight_requests",
+    "max_queued_requests",
+    "max_message_bytes",
+    "max_prompt_tokens",
+    "max_prompt_chars",
+    "max_dispatch_attempts",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +71,7 @@ class CoordinatorConfig:
         "(default: %(default)s)",
     )
     # CURVE keys, or the credentials directory holding them; None: plain ZMQ.
-    credentials: security.ServerKeys | str | os.PathLike[str] | None = None
+    credentials: key_files.ServerKeys | str | os.PathLike[str] | None = None
 
     def routing_policy(self, deterministic_mode: bool) -> RoutingPolicy:
         if self.routing:
@@ -66,16 +79,9 @@ class CoordinatorConfig:
         return RoutingPolicy.ROUND_ROBIN if deterministic_mode else RoutingPolicy.LEAST_OUTSTANDING
 
     def status_limits(self) -> dict[str, int]:
-        """The limits as STATUS reports them (the HTTP front exports each as a metric)."""
-        return {
-            "inflight_per_client": self.max_inflight_per_client,
-            "inflight_requests": self.max_inflight_requests,
-            "queued_requests": self.max_queued_requests,
-            "message_bytes": self.max_message_bytes,
-            "prompt_tokens": self.max_prompt_tokens,
-            "prompt_chars": self.max_prompt_chars,
-            "dispatch_attempts": self.max_dispatch_attempts,
-        }
+        """The limits as STATUS reports them, under their names in ``dpserve.limits`` (the
+        HTTP front checks requests against some and exports each as a metric)."""
+        return {name: getattr(self, name) for name in STATUS_LIMITS}
 
     def options(self) -> dict[str, Any]:
         """The settings as keyword arguments of ``DataParallelInferenceCoordinator``."""

@@ -14,8 +14,8 @@ from typing import Any, Final
 
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
-from dpserve.coordinator.registry import Client, Engine, EngineRegistry
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.registry import Engine
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import ControlAck, ControlState, ErrorCode, Header
 
 log = logging.getLogger("dpserve.coordinator")
@@ -66,16 +66,8 @@ class ControlOperation:
 class ControlRelay:
     """The engines' control state, and the one control operation in progress."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        registry: EngineRegistry,
-        clients: dict[bytes, Client],
-        dispatcher: Dispatcher,
-    ) -> None:
-        self.transport = transport
-        self.registry = registry
-        self.clients = clients
+    def __init__(self, shared: SharedState, dispatcher: Dispatcher) -> None:
+        self.shared = shared
         self.dispatcher = dispatcher
         self.state = ControlState.RUNNING
         self.operation: ControlOperation | None = None
@@ -85,18 +77,22 @@ class ControlRelay:
         header, control_id = protocol.HEADER_OF[type(record)], record.control_id
         error = self._refusal(header, identity)
         if error is not None:
-            self.transport.error(identity, control_id, *error)
+            self.shared.transport.error(identity, control_id, *error)
             return
         self.operation = ControlOperation(
-            header, control_id, identity, next_state(self.state, header), set(self.registry.engines)
+            header,
+            control_id,
+            identity,
+            next_state(self.state, header),
+            set(self.shared.registry.engines),
         )
         payload = protocol.encode(record)
         for engine_identity in list(self.operation.waiting_for):
-            self.transport.send(engine_identity, payload)
+            self.shared.transport.send(engine_identity, payload)
         self._maybe_finish()
 
     def _refusal(self, header: Header, identity: bytes) -> tuple[str, str] | None:
-        if identity not in self.clients:
+        if identity not in self.shared.clients:
             return ErrorCode.UNKNOWN_PEER, "connect before sending control signals"
         if self.operation is not None:
             return (
@@ -120,7 +116,7 @@ class ControlRelay:
         """An engine that registers mid-operation must reach the same state before we answer."""
         if self.operation is not None:
             self.operation.waiting_for.add(identity)
-            self.transport.send(
+            self.shared.transport.send(
                 identity,
                 protocol.encode(protocol.RECORDS[self.operation.signal](self.operation.control_id)),
             )
@@ -141,8 +137,8 @@ class ControlRelay:
             self.dispatcher.fail_all(
                 ErrorCode.STOPPED, "engines were stopped before this request finished"
             )
-        if operation.requester in self.clients:
-            self.transport.send(
+        if operation.requester in self.shared.clients:
+            self.shared.transport.send(
                 operation.requester,
                 protocol.encode(ControlAck(operation.signal, operation.control_id)),
             )

@@ -8,9 +8,13 @@ one RESULTS / STREAM message per client. That is what keeps a Python loop at ten
 of messages per second.
 
 The parts, one job each: ``config`` (settings and defaults), ``transport`` (socket, framing,
-CURVE), ``admission`` (limits), ``requests`` (the request table), ``registry`` (engines),
-``dispatch`` (routing, re-dispatch, quarantine), ``intake`` and ``results`` (the batch step),
-``membership`` (handshakes, liveness), ``control`` (control signals) and ``status``.
+CURVE), ``admission`` (limits), ``requests`` (the request table), ``registry`` (the engines
+and clients known), ``dispatch`` (routing, re-dispatch, quarantine), ``intake`` and
+``results`` (the batch step), ``membership`` (handshakes, liveness, peers leaving),
+``control`` (control signals) and ``status``. What they share (config, transport, the
+registry, clients, requests, counters) is one ``SharedState``; a part that calls another gets
+it at construction, in dependency order, so no callback is wired afterwards. A send that finds
+a peer gone only notes it; the loop removes such peers after the turn's handlers returned.
 
 Nothing a peer sends can stop the loop: every message is checked by ``protocol.decode`` and
 handled inside one ``try``; bad input is logged (rate limited) and answered with an ERROR when
@@ -25,12 +29,12 @@ import logging
 import secrets
 import signal
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.coordinator.admission import Admission
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlRelay
@@ -38,13 +42,15 @@ from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.intake import Intake
 from dpserve.coordinator.membership import Membership
 from dpserve.coordinator.refusals import Refusals
-from dpserve.coordinator.registry import Client, Engine, EngineRegistry
+from dpserve.coordinator.registry import Engine
 from dpserve.coordinator.requests import RequestTable
 from dpserve.coordinator.results import ResultRouter
 from dpserve.coordinator.routing import choose_engine
+from dpserve.coordinator.shared import SharedState
 from dpserve.coordinator.status import status_report
 from dpserve.coordinator.transport import Received, Transport
 from dpserve.protocol import ErrorCode, Header, MessageTooLarge, ProtocolError
+from dpserve.security import roles
 from dpserve.tokenizer import as_batch_tokenizer
 
 log = logging.getLogger("dpserve.coordinator")
@@ -74,16 +80,21 @@ class DataParallelInferenceCoordinator:
         self.tokenizer = as_batch_tokenizer(tokenizer)
         self.deterministic_mode = deterministic_mode
         self.routing = self.config.routing_policy(deterministic_mode)
-        # Engines and clients tell a restarted coordinator from the old one by this id.
         self.instance_id = secrets.token_hex(8)
-        self.registry = EngineRegistry()
-        self.clients: dict[bytes, Client] = {}
-        # Start ids at a random offset: replies an engine still sends for a previous
-        # coordinator's requests can then never match one of ours.
-        self.requests = RequestTable(first_id=secrets.randbits(40))
-        self.counters: defaultdict[str, int] = defaultdict(int)
         self._running = False
-        self.transport = Transport(self.config, inference_coordinator_port, pipe_connection)
+        self.shared = SharedState(
+            config=self.config,
+            routing=self.routing,
+            instance_id=self.instance_id,
+            tokenizer=self.tokenizer,
+            transport=Transport(self.config, inference_coordinator_port, pipe_connection),
+            # Start ids at a random offset: replies an engine still sends for a previous
+            # coordinator's requests can then never match one of ours.
+            requests=RequestTable(first_id=secrets.randbits(40)),
+        )
+        self.transport = self.shared.transport
+        self.registry = self.shared.registry
+        self.requests = self.shared.requests
         self.router_socket = self.transport.socket
         self.inference_coordinator_port = self.transport.port
         self._build_parts()
@@ -97,36 +108,14 @@ class DataParallelInferenceCoordinator:
         self._wait_for_engines(self.config.engine_wait_timeout)
 
     def _build_parts(self) -> None:
-        config, transport, registry = self.config, self.transport, self.registry
-        self.dispatcher = Dispatcher(
-            config, self.routing, transport, registry, self.requests, self.clients, self.counters
-        )
-        self.control = ControlRelay(transport, registry, self.clients, self.dispatcher)
-        self.dispatcher.on_engine_removed = self.control.engine_left
-        transport.on_unreachable = self.dispatcher.peer_gone
-        self.membership = Membership(
-            self.instance_id,
-            config,
-            transport,
-            registry,
-            self.clients,
-            self.dispatcher,
-            self.control,
-            self.counters,
-        )
-        self.refusals = Refusals(transport, self.clients, self.counters)
-        self.intake = Intake(
-            self.tokenizer,
-            Admission(config),
-            transport,
-            self.requests,
-            self.clients,
-            self.dispatcher,
-            self.control,
-        )
-        self.results = ResultRouter(
-            self.tokenizer, transport, self.requests, self.dispatcher, self.counters
-        )
+        """Each part gets the shared state and the parts it calls, built before it."""
+        shared = self.shared
+        self.dispatcher = Dispatcher(shared)
+        self.control = ControlRelay(shared, self.dispatcher)
+        self.membership = Membership(shared, self.dispatcher, self.control)
+        self.refusals = Refusals(shared)
+        self.intake = Intake(shared, Admission(self.config), self.dispatcher, self.control)
+        self.results = ResultRouter(shared, self.dispatcher)
         # The loop's table: one handler per message header, called as (identity, record).
         self._handlers: dict[Header, Handler] = {
             Header.CONNECT: self.membership.on_connect,
@@ -134,6 +123,7 @@ class DataParallelInferenceCoordinator:
             Header.HEARTBEAT: self.membership.on_heartbeat,
             Header.DRAIN: self.membership.on_drain,
             Header.DEREGISTER: self.membership.on_deregister,
+            Header.HAND_OFF: self.membership.on_hand_off,
             Header.SUBMIT_REQUEST: self.intake.on_submit,
             Header.CANCEL: self.intake.on_cancel,
             Header.ENGINE_REPLY: self._from_engine(self.results.on_engine_reply),
@@ -230,17 +220,7 @@ class DataParallelInferenceCoordinator:
         coordinator.start()
 
     def status(self) -> dict[str, Any]:
-        return status_report(
-            instance_id=self.instance_id,
-            state=self.control.state,
-            config=self.config,
-            routing=self.routing,
-            transport=self.transport,
-            registry=self.registry,
-            clients=len(self.clients),
-            requests=self.requests,
-            counters=self.counters,
-        )
+        return status_report(self.shared, self.control.state)
 
     # ------------------------------------------------------------------- the loop
 
@@ -272,17 +252,19 @@ class DataParallelInferenceCoordinator:
         now = time.monotonic()
         self.membership.check_engines(now)
         self.dispatcher.expire_queued(now)
+        # After every send of this turn: remove the peers a send found gone.
+        self.membership.remove_unreachable()
 
     def _handle_batch(self, batch: Sequence[Received]) -> None:
         """Handle ``(identity, payload, role)`` messages, then run the batch step. On a CURVE
         socket every message carries its connection's role, and one that role may not send is
         refused before any handler sees it; on a plain socket the role is None."""
         decode, header_of, limit = (
-            protocol.decode_record,
+            protocol.decode,
             protocol.HEADER_OF,
             self.config.max_message_bytes,
         )
-        handlers, permitted = self._handlers, security.PERMITTED
+        handlers, permitted = self._handlers, roles.PERMITTED
         for identity, payload, role in batch:
             try:
                 if payload is None:
@@ -303,7 +285,7 @@ class DataParallelInferenceCoordinator:
         self.results.flush()
 
     def _on_status(self, identity: bytes, query: protocol.Status) -> None:
-        if identity not in self.clients:
+        if identity not in self.shared.clients:
             self.transport.error(
                 identity, query.query_id, ErrorCode.UNKNOWN_PEER, "connect before asking for status"
             )

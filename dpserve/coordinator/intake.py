@@ -9,30 +9,22 @@ from dpserve import protocol
 from dpserve.coordinator.admission import Admission, chat_messages, is_chat, token_prompt
 from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
-from dpserve.coordinator.registry import Client
-from dpserve.coordinator.requests import InflightRequest, RequestTable
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest
 from dpserve.sampling import InvalidSamplingParams
-from dpserve.tokenizer import BatchTokenizer
 
 
 class Intake:
     def __init__(
         self,
-        tokenizer: BatchTokenizer,
+        shared: SharedState,
         admission: Admission,
-        transport: Transport,
-        requests: RequestTable,
-        clients: dict[bytes, Client],
         dispatcher: Dispatcher,
         control: ControlRelay,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.shared = shared
         self.admission = admission
-        self.transport = transport
-        self.requests = requests
-        self.clients = clients
         self.dispatcher = dispatcher
         self.control = control
         # This batch's accepted requests, and those of them whose text is still to tokenize.
@@ -41,30 +33,31 @@ class Intake:
 
     def on_submit(self, identity: bytes, submit: SubmitRequest) -> None:
         client_request_id, prompt, raw_params, resume_tokens = submit
-        client = self.clients.get(identity)
+        shared = self.shared
+        client = shared.clients.get(identity)
         if client is None:
-            self.transport.error(
+            shared.transport.error(
                 identity, client_request_id, ErrorCode.UNKNOWN_PEER, "connect before submitting"
             )
             return
-        if self.requests.find(identity, client_request_id) is not None:
+        if shared.requests.find(identity, client_request_id) is not None:
             return  # a resubmission (client reconnected) of a request we are already serving
-        refusal = self.admission.refusal(client, len(self.requests), self.control.state, prompt)
+        refusal = self.admission.refusal(client, len(shared.requests), self.control.state, prompt)
         if refusal is not None:
-            self.transport.error(identity, client_request_id, *refusal)
+            shared.transport.error(identity, client_request_id, *refusal)
             return
         try:
             params = self.admission.validated_params(raw_params)
             if is_chat(prompt):
-                prompt = self.tokenizer.apply_chat_template(chat_messages(prompt))
+                prompt = shared.tokenizer.apply_chat_template(chat_messages(prompt))
             prompt_tokens = b"" if isinstance(prompt, str) else token_prompt(prompt)
             if len(resume_tokens) % 4:
                 raise ProtocolError("resume tokens must be packed int32 tokens")
         except (InvalidSamplingParams, ProtocolError) as exc:
-            self.transport.error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
+            shared.transport.error(identity, client_request_id, ErrorCode.BAD_REQUEST, str(exc))
             return
         request = InflightRequest(
-            request_id=self.requests.new_id(),
+            request_id=shared.requests.new_id(),
             client=identity,
             client_request_id=client_request_id,
             prompt_tokens=prompt_tokens,
@@ -74,7 +67,7 @@ class Intake:
             # The tokens a resubmitting client already has: engines continue after them.
             generated=bytearray(resume_tokens),
         )
-        self.requests.add(request)
+        shared.requests.add(request)
         client.inflight += 1
         if isinstance(prompt, str):
             self._texts.append((request, prompt))  # tokenized with the rest of the batch
@@ -86,7 +79,9 @@ class Intake:
         resumed = [request for request in accepted if request.generated]
         if not resumed:
             return
-        texts = self.tokenizer.decode_batch([protocol.unpack_tokens(r.generated) for r in resumed])
+        texts = self.shared.tokenizer.decode_batch(
+            [protocol.unpack_tokens(r.generated) for r in resumed]
+        )
         for request, text in zip(resumed, texts, strict=True):
             request.text.append(text.rstrip("\ufffd"))
 
@@ -96,12 +91,14 @@ class Intake:
         the batch go on."""
         texts, self._texts = self._texts, []
         try:
-            batch: list[list[int]] | None = self.tokenizer.encode_batch([t for _, t in texts])
+            batch: list[list[int]] | None = self.shared.tokenizer.encode_batch(
+                [t for _, t in texts]
+            )
         except Exception:
             batch = None
         for index, (request, text) in enumerate(texts):
             try:
-                tokens = batch[index] if batch else self.tokenizer.encode_batch([text])[0]
+                tokens = batch[index] if batch else self.shared.tokenizer.encode_batch([text])[0]
             except Exception as exc:
                 why = f"{type(exc).__name__}: {exc}"[:500]
                 self.dispatcher.fail(
@@ -111,7 +108,7 @@ class Intake:
             request.prompt_tokens = protocol.pack_tokens(tokens)
 
     def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
-        request = self.requests.find(identity, cancel.ref)
+        request = self.shared.requests.find(identity, cancel.ref)
         if request is not None:
             self.dispatcher.cancel(request)
 
@@ -121,7 +118,7 @@ class Intake:
             return
         if self._texts:
             self._tokenize_texts()
-        by_id = self.requests.by_id
+        by_id = self.shared.requests.by_id
         accepted = [request for request in self._accepted if request.request_id in by_id]
         self._accepted.clear()
         self._start_with_the_text_the_client_has(accepted)
@@ -129,5 +126,5 @@ class Intake:
             refusal = self.admission.prompt_tokens_refusal(request.prompt_tokens)
             if refusal is not None:
                 self.dispatcher.fail(request, *refusal)
-            elif request.request_id in self.requests.by_id:
+            elif request.request_id in self.shared.requests.by_id:
                 self.dispatcher.dispatch(request)

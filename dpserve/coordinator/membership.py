@@ -1,19 +1,19 @@
 """``Membership``: clients connecting, engines registering, heartbeating, draining and leaving,
-and the liveness check that tells a dead engine from a busy one."""
+the liveness check that tells a dead engine from a busy one, and removing the peers a send
+found gone. (The ``registry`` holds the records of who is known; this decides who joins and
+who leaves.)"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 
 from dpserve import protocol
-from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.engine_stats import MalformedEngineStats, check_engine_stats
-from dpserve.coordinator.registry import Client, Engine, EngineRegistry
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.registry import Client, Engine
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import (
     Connect,
     ConnectAck,
@@ -21,6 +21,8 @@ from dpserve.protocol import (
     Drain,
     DrainAck,
     ErrorCode,
+    HandOff,
+    HandOffAck,
     Heartbeat,
     HeartbeatAck,
     ProtocolError,
@@ -34,32 +36,17 @@ PROBE_INTERVAL = 1.0  # seconds between probes of an engine that is quiet past i
 
 
 class Membership:
-    def __init__(
-        self,
-        instance_id: str,
-        config: CoordinatorConfig,
-        transport: Transport,
-        registry: EngineRegistry,
-        clients: dict[bytes, Client],
-        dispatcher: Dispatcher,
-        control: ControlRelay,
-        counters: defaultdict[str, int],
-    ) -> None:
-        self.instance_id = instance_id
-        self.config = config
-        self.transport = transport
-        self.registry = registry
-        self.clients = clients
+    def __init__(self, shared: SharedState, dispatcher: Dispatcher, control: ControlRelay) -> None:
+        self.shared = shared
         self.dispatcher = dispatcher
         self.control = control
-        self.counters = counters
 
     def engine_or_reject(self, identity: bytes) -> Engine:
         """The registered engine that sent a message only engines may send; anyone else is
         told to register and the message dropped."""
-        engine = self.registry.get(identity)
+        engine = self.shared.registry.get(identity)
         if engine is None:
-            self.transport.error(
+            self.shared.transport.error(
                 identity, None, ErrorCode.UNKNOWN_PEER, "unknown engine: register first"
             )
             raise ProtocolError("message for registered engines from an unknown peer")
@@ -68,10 +55,10 @@ class Membership:
 
     def on_connect(self, identity: bytes, connect: Connect) -> None:
         version = connect.protocol_version
-        if identity in self.registry:
+        if identity in self.shared.registry:
             raise ProtocolError("an engine cannot connect as a client")
         if version != protocol.PROTOCOL_VERSION:
-            self.transport.error(
+            self.shared.transport.error(
                 identity,
                 None,
                 ErrorCode.BAD_MESSAGE,
@@ -79,54 +66,54 @@ class Membership:
                 f"(this coordinator speaks {protocol.PROTOCOL_VERSION})",
             )
             return
-        self.clients.setdefault(identity, Client(identity))
-        self.transport.send(
+        self.shared.clients.setdefault(identity, Client(identity))
+        self.shared.transport.send(
             identity,
-            protocol.encode(ConnectAck(self.instance_id, protocol.PROTOCOL_VERSION)),
+            protocol.encode(ConnectAck(self.shared.instance_id, protocol.PROTOCOL_VERSION)),
         )
 
     def on_register(self, identity: bytes, register: Register) -> None:
         rank, capacity, instance = register
-        if identity in self.clients:
+        if identity in self.shared.clients:
             raise ProtocolError("a client cannot register as an engine")
         if capacity < 1:
             raise ProtocolError(f"engine capacity must be >= 1, got {capacity}")
-        existing = self.registry.get(identity)
+        existing = self.shared.registry.get(identity)
         if existing is not None:
             if existing.instance == instance:
                 existing.last_seen = time.monotonic()  # a repeated REGISTER: just re-ack
                 self._ack_register(identity)
                 return
             # Same identity, new process: the old one died.
-            self.dispatcher.remove_engine(existing, died=True)
-        self.registry.add(Engine(identity, rank, capacity, instance, time.monotonic()))
+            self.remove_engine(existing, died=True)
+        self.shared.registry.add(Engine(identity, rank, capacity, instance, time.monotonic()))
         log.info(
             "engine rank %d registered (capacity %d); %d engine(s)",
             rank,
             capacity,
-            len(self.registry),
+            len(self.shared.registry),
         )
         self._ack_register(identity)
         self.control.engine_joined(identity)
         self.dispatcher.dispatch_queued()
 
     def _ack_register(self, identity: bytes) -> None:
-        self.transport.send(
-            identity, protocol.encode(RegisterAck(self.instance_id, self.control.state))
+        self.shared.transport.send(
+            identity, protocol.encode(RegisterAck(self.shared.instance_id, self.control.state))
         )
 
     def on_heartbeat(self, identity: bytes, heartbeat: Heartbeat) -> None:
-        engine = self.registry.get(identity)
+        engine = self.shared.registry.get(identity)
         if engine is not None:
             engine.last_seen = time.monotonic()
             if heartbeat.stats is not None:
                 self._keep_stats(engine, heartbeat.stats)
-        elif identity not in self.clients:
-            self.transport.error(
+        elif identity not in self.shared.clients:
+            self.shared.transport.error(
                 identity, None, ErrorCode.UNKNOWN_PEER, "unknown peer: connect or register first"
             )
             return
-        self.transport.send(identity, protocol.encode(HeartbeatAck(self.instance_id)))
+        self.shared.transport.send(identity, protocol.encode(HeartbeatAck(self.shared.instance_id)))
 
     def _keep_stats(self, engine: Engine, raw: object) -> None:
         """Keep an engine's reported numbers; a malformed report is dropped (absent beats
@@ -135,7 +122,9 @@ class Membership:
             engine.stats = check_engine_stats(raw)
         except MalformedEngineStats as exc:
             engine.stats = {}
-            count = self.counters["bad_engine_stats"] = self.counters["bad_engine_stats"] + 1
+            counters = self.shared.counters
+            counters["bad_engine_stats"] += 1
+            count = counters["bad_engine_stats"]
             if count <= 10 or count % 1000 == 0:  # an engine repeats itself every heartbeat
                 log.warning(
                     "engine rank %d: stats dropped (%d so far): %s", engine.rank, count, exc
@@ -143,26 +132,46 @@ class Membership:
 
     def on_drain(self, identity: bytes, drain: Drain) -> None:
         engine = self.engine_or_reject(identity)
-        self.registry.start_draining(engine)
+        self.shared.registry.start_draining(engine)
         log.info(
             "engine rank %d draining: no new work; %d request(s) left",
             engine.rank,
             len(engine.outstanding),
         )
-        self.transport.send(identity, protocol.encode(DrainAck()))
+        self.shared.transport.send(identity, protocol.encode(DrainAck()))
 
     def on_deregister(self, identity: bytes, deregister: Deregister) -> None:
         engine = self.engine_or_reject(identity)
         log.info("engine rank %d left", engine.rank)
-        self.dispatcher.remove_engine(engine, died=False)
+        self.remove_engine(engine, died=False)
+
+    def on_hand_off(self, identity: bytes, hand_off: HandOff) -> None:
+        """An engine leaving gives its requests back. With another engine to take them, they
+        are re-dispatched at once (continuing after the tokens received, as when an engine
+        dies, but no death is counted) and the engine may exit; with none, it drains."""
+        engine = self.engine_or_reject(identity)
+        if not any(other != identity for other in self.shared.registry.routable):
+            log.info(
+                "engine rank %d leaving, no other engine to take its %d request(s): it drains",
+                engine.rank,
+                len(engine.outstanding),
+            )
+            self.on_drain(identity, Drain())
+            return
+        handed = len(engine.outstanding)
+        self.shared.counters["handed_off"] += handed
+        log.info("engine rank %d left, handing %d request(s) to the others", engine.rank, handed)
+        self.remove_engine(engine, died=False)
+        self.shared.transport.send(identity, protocol.encode(HandOffAck(handed)))
 
     def check_engines(self, now: float) -> None:
         """Remove engines silent past ``engine_hung_timeout``; probe those quiet past their
         heartbeats. A send to a peer whose connection libzmq dropped fails, and the transport
-        reports it (the engine is removed and its requests re-dispatched); a busy engine just
-        ignores the probe."""
-        for engine in self.registry.silent_since(now - self.config.heartbeat_timeout):
-            if now - engine.last_seen > self.config.engine_hung_timeout:
+        notes it (``remove_unreachable`` then removes the engine and re-dispatches its
+        requests); a busy engine just ignores the probe."""
+        config, transport = self.shared.config, self.shared.transport
+        for engine in self.shared.registry.silent_since(now - config.heartbeat_timeout):
+            if now - engine.last_seen > config.engine_hung_timeout:
                 log.warning(
                     "engine rank %d connected but silent for %.0f s: removing it as hung, "
                     "re-dispatching %d request(s)",
@@ -170,9 +179,37 @@ class Membership:
                     now - engine.last_seen,
                     len(engine.outstanding),
                 )
-                self.dispatcher.remove_engine(engine, died=True)
+                self.remove_engine(engine, died=True)
             elif now - engine.last_probe >= PROBE_INTERVAL:
                 engine.last_probe = now
-                self.transport.send(
-                    engine.identity, protocol.encode(HeartbeatAck(self.instance_id))
-                )
+                probe = protocol.encode(HeartbeatAck(self.shared.instance_id))
+                transport.send(engine.identity, probe)
+
+    # ---------------------------------------------------------------- leaving
+
+    def remove_engine(self, engine: Engine, died: bool) -> None:
+        """Forget an engine: a control operation stops waiting for it, and every request it
+        held goes to the others (``Dispatcher.reassign``)."""
+        self.shared.registry.remove(engine.identity)
+        self.control.engine_left(engine)
+        self.dispatcher.reassign(engine, died)
+
+    def remove_unreachable(self) -> None:
+        """Remove the peers sends found gone (``Transport.unreachable``), after the sends
+        returned. Removing one may send again (re-dispatch, CANCEL), and find more."""
+        unreachable = self.shared.transport.unreachable
+        while unreachable:
+            self._peer_gone(unreachable.popleft())
+
+    def _peer_gone(self, identity: bytes) -> None:
+        shared = self.shared
+        engine = shared.registry.get(identity)
+        if engine is not None:
+            log.warning("engine rank %d unreachable: removing it", engine.rank)
+            self.remove_engine(engine, died=True)
+        elif shared.clients.pop(identity, None) is not None:
+            shared.counters["clients_vanished"] += 1
+            dropped = shared.requests.of_client(identity)
+            log.info("client %r vanished; cancelling its %d request(s)", identity, len(dropped))
+            for request in dropped:
+                self.dispatcher.cancel(request)

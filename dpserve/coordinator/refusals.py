@@ -5,13 +5,11 @@ the first few and then one in ``LOG_EVERY``, so that a flood cannot fill the log
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from typing import Any
 
-from dpserve import security
-from dpserve.coordinator.registry import Client
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import HEADER_OF, ErrorCode, Header, MessageTooLarge
+from dpserve.security import roles
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -20,35 +18,31 @@ LOG_EVERY = 1000
 
 
 class Refusals:
-    def __init__(
-        self, transport: Transport, clients: dict[bytes, Client], counters: defaultdict[str, int]
-    ) -> None:
-        self.transport = transport
-        self.clients = clients
-        self.counters = counters
+    def __init__(self, shared: SharedState) -> None:
+        self.shared = shared
 
     def _count_and_log(self, counter: str, what: str, identity: bytes, reason: str) -> None:
-        count = self.counters[counter] = self.counters[counter] + 1
+        count = self.shared.counters[counter] = self.shared.counters[counter] + 1
         if count <= LOG_FIRST or count % LOG_EVERY == 0:
             log.warning("%s #%d from %r: %s", what, count, identity, reason)
 
     def forbidden(self, identity: bytes, role: str, record: Any) -> None:
-        ref, reason = security.forbidden(role, HEADER_OF[type(record)], record)
+        ref, reason = roles.forbidden(role, HEADER_OF[type(record)], record)
         self._count_and_log("forbidden", "refused message", identity, reason)
-        self.transport.error(identity, ref, ErrorCode.FORBIDDEN, reason)
+        self.shared.transport.error(identity, ref, ErrorCode.FORBIDDEN, reason)
 
     def bad_input(self, identity: bytes, reason: str) -> None:
         self._count_and_log("bad_messages", "bad message", identity, reason)
-        if identity in self.clients:
-            self.transport.error(identity, None, ErrorCode.BAD_MESSAGE, reason)
+        if identity in self.shared.clients:
+            self.shared.transport.error(identity, None, ErrorCode.BAD_MESSAGE, reason)
 
     def too_large(self, identity: bytes, exc: MessageTooLarge) -> None:
         """Refuse an oversized request by its id, so that its sender fails it at once."""
-        if exc.header != Header.SUBMIT_REQUEST or identity not in self.clients:
+        if exc.header != Header.SUBMIT_REQUEST or identity not in self.shared.clients:
             self.bad_input(identity, str(exc))
             return
-        self.counters["too_large"] += 1
-        self.transport.error(
+        self.shared.counters["too_large"] += 1
+        self.shared.transport.error(
             identity,
             exc.reference,
             ErrorCode.MESSAGE_TOO_LARGE,

@@ -1,4 +1,6 @@
-"""Membership: which engines and clients the coordinator knows, and whether engines are alive."""
+"""The registry: the engines and clients the coordinator knows, as records (``Engine``,
+``Client``), and which engines get new work (``EngineRegistry.routable``). Who joins and who
+leaves is decided in ``membership``."""
 
 from __future__ import annotations
 
@@ -47,14 +49,19 @@ class EngineRegistry:
 
     def remove(self, identity: bytes) -> Engine | None:
         engine = self.engines.pop(identity, None)
-        if engine is not None and not engine.draining:
-            self.routable.remove(identity)
+        if engine is not None:
+            self.stop_routing(identity)
         return engine
 
     def start_draining(self, engine: Engine) -> None:
         if not engine.draining:
             engine.draining = True
-            self.routable.remove(engine.identity)
+            self.stop_routing(engine.identity)
+
+    def stop_routing(self, identity: bytes) -> None:
+        """No new work for this engine (draining, or unreachable until it is removed)."""
+        if identity in self.routable:
+            self.routable.remove(identity)
 
     def silent_since(self, deadline: float) -> list[Engine]:
         return [e for e in self.engines.values() if e.last_seen < deadline]

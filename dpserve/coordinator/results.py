@@ -13,99 +13,74 @@ from collections import defaultdict
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.registry import Engine
-from dpserve.coordinator.requests import InflightRequest, RequestTable
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import (
+    ClientChunk,
     ClientResult,
     EngineReply,
-    EngineUpdate,
     ErrorCode,
     ProtocolError,
     Results,
     Stream,
-    StreamChunk,
 )
-from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer
-
-_UPDATE_REQUIRED = protocol.required_fields(EngineUpdate)
-_UPDATE_FIELDS = len(EngineUpdate._fields)
+from dpserve.tokenizer import IncrementalDetokenizer
 
 
 class ResultRouter:
-    def __init__(
-        self,
-        tokenizer: BatchTokenizer,
-        transport: Transport,
-        requests: RequestTable,
-        dispatcher: Dispatcher,
-        counters: defaultdict[str, int],
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.transport = transport
-        self.requests = requests
+    def __init__(self, shared: SharedState, dispatcher: Dispatcher) -> None:
+        self.shared = shared
         self.dispatcher = dispatcher
-        self.counters = counters
         self._finished: list[InflightRequest] = []
         self._streaming: list[tuple[InflightRequest, bytes, str, bytes | None]] = []
         self._finish_info: dict[int, tuple[str, float | None, int, int | None]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
-        updates = protocol.check_records(
-            "ENGINE_REPLY update", reply.updates, protocol.ENGINE_UPDATE_FIELDS, _UPDATE_REQUIRED
-        )
-        by_id, identity = self.requests.by_id, engine.identity
-        for update in updates:
-            update.extend([None] * (_UPDATE_FIELDS - len(update)))  # optional fields left out
-            (
-                request_id,
-                tokens,
-                logprobs,
-                finish_reason,
-                error,
-                ttft,
-                text,
-                prompt_logprobs,
-                stop_token,
-            ) = update
-            request = by_id.get(request_id)
+        by_id, identity = self.shared.requests.by_id, engine.identity
+        for update in reply.updates:
+            request = by_id.get(update.request_id)
             if request is None or request.engine != identity:
-                self.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
+                self.shared.counters["stale_replies"] += 1  # cancelled, or re-dispatched elsewhere
                 continue
-            if error is not None:
-                engine.outstanding.discard(request_id)
-                self.dispatcher.fail(request, finish_reason or ErrorCode.ENGINE_ERROR, error)
+            if update.error is not None:
+                engine.outstanding.discard(update.request_id)
+                reason = update.finish_reason or ErrorCode.ENGINE_ERROR
+                self.dispatcher.fail(request, reason, update.error)
                 continue
+            tokens, finish_reason = update.tokens, update.finish_reason
             if len(tokens) % 4:
                 raise ProtocolError("packed tokens must be a multiple of 4 bytes")
-            if text is None:
+            text = update.text
+            if text is None:  # an engine that sends no text
                 text = self._text_here(request, tokens, finish_reason is not None)
             request.text.append(text)
             request.generated += tokens
             request.progressed = request.progressed or bool(tokens)
-            if logprobs is not None:
+            if update.logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
-                request.logprobs += logprobs
-            if prompt_logprobs is not None:
-                request.prompt_logprobs = prompt_logprobs  # a resumed request sends them again
+                request.logprobs += update.logprobs
+            if update.prompt_logprobs is not None:
+                # A resumed request sends them again: the last engine's are kept.
+                request.prompt_logprobs = update.prompt_logprobs
             if finish_reason is not None:
-                engine.outstanding.discard(request_id)
+                engine.outstanding.discard(update.request_id)
                 queued_for = (request.dispatched_at or request.received_at) - request.received_at
-                self._finish_info[request_id] = (
+                self._finish_info[update.request_id] = (
                     finish_reason,
-                    None if ttft is None else queued_for + ttft,
+                    None if update.ttft is None else queued_for + update.ttft,
                     engine.rank,
-                    stop_token,
+                    update.stop_token,
                 )
                 self._finished.append(request)
             elif request.stream and tokens:
-                self._streaming.append((request, tokens, text, logprobs))
+                self._streaming.append((request, tokens, text, update.logprobs))
 
     def _text_here(self, request: InflightRequest, tokens: bytes, final: bool) -> str:
         """The text of an update from an engine that sent none."""
         if request.detokenizer is None:
             resume = protocol.unpack_tokens(request.generated)
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, resume)
+            request.detokenizer = IncrementalDetokenizer(self.shared.tokenizer, resume)
         return request.detokenizer.push(protocol.unpack_tokens(tokens), final)
 
     def flush(self) -> None:
@@ -136,17 +111,17 @@ class ResultRouter:
                 )
             )
             self.dispatcher.forget(request)
-        self.counters["completed"] += len(finished)
+        self.shared.counters["completed"] += len(finished)
         for client, results in per_client.items():
-            self.transport.send(client, protocol.encode(Results(results)))
+            self.shared.transport.send(client, protocol.encode(Results(results)))
 
     def _flush_stream(self) -> None:
         streaming, self._streaming = self._streaming, []
-        by_id = self.requests.by_id
-        per_client: dict[bytes, list[StreamChunk]] = defaultdict(list)
+        by_id = self.shared.requests.by_id
+        per_client: dict[bytes, list[ClientChunk]] = defaultdict(list)
         for request, tokens, text, logprobs in streaming:
             if request.request_id in by_id:
-                chunk = StreamChunk(request.client_request_id, tokens, text, logprobs)
+                chunk = ClientChunk(request.client_request_id, tokens, text, logprobs)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
-            self.transport.send(client, protocol.encode(Stream(chunks)))
+            self.shared.transport.send(client, protocol.encode(Stream(chunks)))

@@ -3,35 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
-from dpserve.coordinator.config import CoordinatorConfig
-from dpserve.coordinator.registry import EngineRegistry
-from dpserve.coordinator.requests import RequestTable
-from dpserve.coordinator.routing import RoutingPolicy
-from dpserve.coordinator.transport import Transport
+from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import ControlState
 
 
-def status_report(
-    *,
-    instance_id: str,
-    state: ControlState,
-    config: CoordinatorConfig,
-    routing: RoutingPolicy,
-    transport: Transport,
-    registry: EngineRegistry,
-    clients: int,
-    requests: RequestTable,
-    counters: Mapping[str, int],
-) -> dict[str, Any]:
+def status_report(shared: SharedState, state: ControlState) -> dict[str, Any]:
+    """The STATUS reply's report, from the shared state and the engines' control state."""
+    registry, requests, transport = shared.registry, shared.requests, shared.transport
     engines = registry.engines.values()
-    counters = dict(counters)
+    counters = dict(shared.counters)
     if transport.authenticator is not None:
         counters["auth_denied"] = transport.authenticator.denied
     return {
-        "instance": instance_id,
+        "instance": shared.instance_id,
         "state": state.name.lower(),
         "engines": len(registry),
         "draining": sum(1 for e in engines if e.draining),
@@ -45,12 +31,12 @@ def status_report(
             }
             for e in sorted(engines, key=lambda e: e.rank)
         ],
-        "clients": clients,
+        "clients": len(shared.clients),
         "inflight": len(requests),
         "queued": sum(1 for rid in requests.queue if rid in requests.by_id),
-        "routing": routing.value,
+        "routing": shared.routing.value,
         "pid": os.getpid(),
         "security": "curve" if transport.secured else "none",
-        "limits": config.status_limits(),
+        "limits": shared.config.status_limits(),
         "counters": counters,
     }

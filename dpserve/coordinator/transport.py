@@ -2,7 +2,9 @@
 
 A message is ``[identity, payload]`` on the ROUTER. ``receive`` drains every message already
 waiting as ``(identity, payload or None, role or None)``; ``send`` never blocks and never
-raises for a peer that vanished: it reports it to ``on_unreachable`` and returns False.
+raises for a peer that vanished: it notes the peer in ``unreachable`` and returns False. The
+coordinator's loop removes those peers after the turn's handlers returned
+(``Membership.remove_unreachable``), never in the middle of a send.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import zmq
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.protocol import Error
+from dpserve.security import bind, key_files, roles
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -47,8 +51,9 @@ class Transport:
         # (ROUTER_MANDATORY), which is how the liveness check tells dead from busy.
         socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(config.heartbeat_timeout * 1000))
-        self.on_unreachable: Callable[[bytes], None] = lambda identity: None
-        self.authenticator: security.RoleAuthenticator | None = None
+        # Peers a send found gone, oldest first, until the loop removes them.
+        self.unreachable: deque[bytes] = deque()
+        self.authenticator: roles.RoleAuthenticator | None = None
         # How a drained batch is received: plain, or with each message's role (CURVE).
         self.receive: Callable[[], Sequence[Received]] = self._drain
         self.pipe = pipe
@@ -67,11 +72,11 @@ class Transport:
 
     def _secure(self, config: CoordinatorConfig) -> None:
         if config.credentials is not None:
-            keys = security.as_server_keys(config.credentials)
+            keys = key_files.as_server_keys(config.credentials)
             # Admit only allowed keys (ZAP) and receive each message with its connection's role.
-            self.authenticator = security.secure_server(self.socket, keys)
-            self.receive = functools.partial(security.receive_with_roles, self.socket, MAX_BATCH)
-        elif not security.is_loopback(config.host):
+            self.authenticator = roles.secure_server(self.socket, keys)
+            self.receive = functools.partial(receive_with_roles, self.socket, MAX_BATCH)
+        elif not bind.is_loopback(config.host):
             log.warning(
                 "coordinator bound to %s WITHOUT credentials: anyone who can reach the port "
                 "can submit work, register as an engine and stop every engine",
@@ -121,13 +126,13 @@ class Transport:
         return batch
 
     def send(self, identity: bytes, payload: bytes) -> bool:
-        """Send to one peer; a peer that vanished is reported, never fatal."""
+        """Send to one peer; a peer that vanished is noted in ``unreachable``, never fatal."""
         try:
             self.socket.send_multipart((identity, payload), zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
-                self.on_unreachable(identity)
+                self.unreachable.append(identity)
                 return False
             raise
 
@@ -146,3 +151,33 @@ class Transport:
                 self.authenticator.stop()  # its sockets would keep context.term() waiting
         with contextlib.suppress(Exception):
             self.context.term()
+
+
+def receive_with_roles(
+    socket: zmq.Socket[bytes], limit: int
+) -> list[tuple[bytes, bytes | None, str]]:
+    """Up to ``limit`` waiting messages of a CURVE ROUTER as (identity, payload, role); the
+    payload is None for a message that is not exactly one frame after the identity.
+    Two ``recv`` calls cost less than one ``recv_multipart``, which pays back most of
+    receiving the payload as a ``Frame`` to read its User-Id."""
+    batch: list[tuple[bytes, bytes | None, str]] = []
+    recv = socket.recv
+    try:
+        while len(batch) < limit:
+            identity = recv(zmq.NOBLOCK)
+            frame = recv(zmq.NOBLOCK, copy=False)  # the parts of a message arrive together
+            payload: bytes | None = frame.bytes
+            if frame.more:
+                payload = None
+                while recv(zmq.NOBLOCK, copy=False).more:
+                    pass
+            try:
+                # A bytes name: libzmq's string properties come back as str (pyzmq types a
+                # str name's result as int | str, covering its int options too).
+                role = frame.get(b"User-Id")
+            except zmq.ZMQError:  # no User-Id: cannot happen behind our ZAP handler
+                role = ""
+            batch.append((identity, payload, role))
+    except zmq.Again:
+        pass
+    return batch

@@ -1,27 +1,63 @@
-"""What ``ModelRunner`` needs of the part that owns the KV cache and runs the model.
+"""What ``ModelRunner`` needs of the part that owns the KV cache and runs the model: a
+``Backend``.
 
-Two implementations: ``paged_runner.PagedRunner`` (our Llama executor over the paged cache) and
-``hf_runner.HFBatchRunner`` (transformers' forward, for every other architecture). The runner
-keeps what is common: request validation, sampling, the finishing rules and the updates.
+Two implementations: ``paged_backend.PagedBackend`` (our Llama forward, ``llama.PagedLlama``,
+over the paged cache) and ``hf_backend.HFBackend`` (transformers' forward, for every other
+architecture). A backend schedules, runs the model and samples; it returns the sampled tokens
+(``Sampled``) and never calls back up. The runner keeps what is common: request validation,
+the finishing rules (``Sequence.accept``) and the updates; it tells the backend which
+sequences finished (``finish``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from dpserve.engine import grammar, sampler
 from dpserve.engine.sequences import Sequence
 
-# Called with the sequences whose next token is due and their logits ([rows, vocab]); samples,
-# applies the finishing rules and returns the rows that finished.
-Consume = Callable[[list[Sequence], torch.Tensor], set[int]]
+
+@dataclass(slots=True)
+class Sampled:
+    """One token per sequence whose next token was due in a step, in the same order."""
+
+    sequences: list[Sequence]
+    tokens: list[int]
+    logprobs: list[float] | None  # one per token when some sequence asked for them
+    # Per token its top_logprobs alternatives, when some sequence asked ([] for one that did not).
+    top: list[list[tuple[int, float]]] | None = None
+
+
+def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
+    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities
+    (and alternatives), with one device-to-host copy. A seeded row's noise depends on the
+    position of the token it samples, so a preempted or resumed sequence draws the same tokens
+    again. Penalties count each row's prompt and generated tokens; a structured row's matcher
+    masks what its grammar does not allow."""
+    params = [sequence.params for sequence in sequences]
+    positions = [sequence.context_length() for sequence in sequences]
+    histories = None
+    if any(p.has_penalties for p in params):
+        histories = [
+            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
+            for sequence in sequences
+        ]
+    allowed = None
+    if any(sequence.matcher is not None for sequence in sequences):
+        allowed = grammar.allowed(
+            [sequence.matcher for sequence in sequences], logits.shape[1], logits.device
+        )
+    host = sampler.sample(logits, params, positions, histories, allowed).to_host()
+    return Sampled(sequences, host.tokens, host.logprobs, host.top)
 
 
 class Backend(Protocol):
-    capacity: int  # sequences decoded together at most
+    max_num_seqs: int  # sequences running at once at most (the engine's capacity)
     context_size: int  # tokens a sequence may hold (prompt + generated)
+    model: Any  # what the forward runs (our ``PagedLlama`` or the transformers model)
 
     def add(self, sequence: Sequence) -> None: ...
 
@@ -30,8 +66,11 @@ class Backend(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def step(self, consume: Consume) -> None:
-        """One forward (or two) over the sequences it schedules; ``consume`` gets the logits."""
+    def step(self) -> list[Sampled]:
+        """One forward (or two) over the sequences it schedules; the tokens sampled."""
+
+    def finish(self, sequences: list[Sequence]) -> None:
+        """Forget sequences that finished (their blocks or cache rows are freed)."""
 
     def release(self) -> None:
         """Free the model's and the cache's memory; running sequences wait again and are
@@ -40,6 +79,6 @@ class Backend(Protocol):
     def reload(self, model: Any) -> None: ...
 
     def describe(self) -> dict[str, Any]:
-        """Static facts for the start-up log and ``stats()`` (executor, pool sizes)."""
+        """Static facts for the start-up log and ``stats()`` (backend, pool sizes)."""
 
     def stats(self) -> dict[str, Any]: ...

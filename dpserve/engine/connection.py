@@ -4,39 +4,47 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
-from dpserve.protocol import Header, ProtocolError
+from dpserve.protocol import ProtocolError, Register
+from dpserve.security import key_files, roles
 
 log = logging.getLogger("dpserve.engine")
 
+# A REGISTER that got no answer on a live connection is sent again after this many seconds (a
+# coordinator that was busy answers both; the engine logs the first acknowledgement only).
+REGISTER_RESEND_AFTER = 10.0
 
-class CoordinatorRefused(RuntimeError):
+
+class EngineRefused(RuntimeError):
     """The coordinator refused this engine's handshake (no keys, or a key it does not
     allow): the engine could only wait forever."""
 
 
-class CoordinatorConnection:
+class EngineConnection:
     def __init__(
         self,
         address: str,
         rank: int,
         capacity: int,
         *,
-        credentials: security.PeerKeys | str | os.PathLike[str] | None = None,
+        credentials: key_files.PeerKeys | str | os.PathLike[str] | None = None,
     ) -> None:
         """``credentials``: the engine's keys, or a credentials directory (its engine key),
         for a coordinator that requires CURVE."""
         self.address = address
         self.rank = rank
         self.capacity = capacity
-        keys = None if credentials is None else security.as_peer_keys(credentials, security.ENGINE)
+        keys = (
+            None if credentials is None else key_files.as_peer_keys(credentials, key_files.ENGINE)
+        )
         # A new instance id per process: the coordinator tells a restarted engine from a
         # repeated REGISTER of the same one.
         self.instance = uuid.uuid4().hex
@@ -47,17 +55,24 @@ class CoordinatorConnection:
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
-            security.secure_peer(self.socket, keys)
+            roles.secure_peer(self.socket, keys)
         # A refused CURVE handshake shows only as a monitor event (see dpserve.handshake).
         self.handshake = HandshakeWatch(address, "engine", keys is not None, "allowed/engine/")
         self._monitor = self.socket.get_monitor_socket(WATCHED_EVENTS)
+        # Connections that completed their handshake so far, and the one the last REGISTER
+        # went out on: one REGISTER per connection, none while nothing is connected.
+        self._connections = 0
+        self._live = False
+        self._registered_on = 0
+        self._register_sent = 0.0
         self.socket.connect(address)
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
-    def receive_all(self) -> list[tuple[Header, list[Any]]]:
-        """Every message already waiting; malformed ones are logged and skipped."""
+    def receive_all(self) -> list[Any]:
+        """Every message already waiting, as its ``dpserve.protocol`` record; malformed ones
+        are logged and skipped."""
         messages = []
         try:
             while True:
@@ -70,26 +85,52 @@ class CoordinatorConnection:
             pass
         return messages
 
-    def send(self, header: Header, *fields: object) -> None:
-        self.socket.send(protocol.encode(header, *fields), zmq.NOBLOCK)
+    def send(self, record: Any) -> None:
+        """Send one ``dpserve.protocol`` record."""
+        self.socket.send(protocol.encode(record), zmq.NOBLOCK)
 
-    def register(self) -> None:
-        """Send REGISTER (about once a second until registered). Raises
-        ``CoordinatorRefused`` once the coordinator refused the handshake: the engine could
-        only wait forever, so it had better exit and show why."""
+    def register(self) -> bool:
+        """Send REGISTER if one is due; True when one went out. Call it as often as you like
+        until registered: it sends once per connection to the coordinator, and never while
+        nothing is connected (a DEALER queues what it cannot send, and the coordinator would
+        get, and answer, every REGISTER queued while it was down). ``register_again`` makes
+        the next call send on the same connection. Raises ``EngineRefused`` once the
+        coordinator refused the handshake: the engine could only wait forever, so it had
+        better exit and show why."""
         self.check_handshake()
-        self.send(Header.REGISTER, self.rank, self.capacity, self.instance)
+        if not self._live:
+            return False
+        now = time.monotonic()
+        if (
+            self._registered_on == self._connections
+            and now - self._register_sent < REGISTER_RESEND_AFTER
+        ):
+            return False
+        self._registered_on = self._connections
+        self._register_sent = now
+        self.send(Register(self.rank, self.capacity, self.instance))
+        return True
+
+    def register_again(self) -> None:
+        """The coordinator forgot this engine (a restart, ``unknown_peer``, silence): the next
+        ``register`` sends on the current connection too."""
+        self._registered_on = 0
 
     def check_handshake(self) -> None:
-        """Read the socket's connection events; raise ``CoordinatorRefused`` for a refusal."""
+        """Read the socket's connection events; raise ``EngineRefused`` for a refusal."""
         while True:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connections += 1
+                self._live = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._live = False
             refusal = self.handshake.observe(event["event"], event["value"])
             if refusal is not None:
-                raise CoordinatorRefused(refusal)
+                raise EngineRefused(refusal)
 
     def close(self) -> None:
         self.socket.disable_monitor()

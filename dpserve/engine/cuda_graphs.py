@@ -2,8 +2,10 @@
 
 An eager decode step launches a few kernels per layer and is CPU bound at every batch size
 (issue 10: 11 ms of launches for ~1 ms of GPU work). A decode-only step has the same shapes for
-a given batch size, so it is captured once per bucket (1, 2, 4, ..., 256) over static input
-buffers (``StaticDecodeInputs``) and replayed; a batch is padded up to its bucket. Padding rows
+a given batch size, so it is captured once per bucket over static input buffers
+(``StaticDecodeInputs``) and replayed; a batch is padded up to its bucket. The buckets are
+powers of two up to 16, then every 8 up to 32 and every 16 above: a batch of 129 runs as 144
+rows, not 256 (padding rows cost a decode step's worth of GPU work each). Padding rows
 feed token 0 at position 0, write their key/value to slot 0 (block 0, never handed out) and
 attend to that one slot, so they touch nothing a sequence owns; their logits are ignored.
 
@@ -19,9 +21,9 @@ from typing import Final
 import torch
 
 from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.llama import ForwardBatch, PagedLlama
 
-GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16))
 _WARMUP_RUNS: Final = 2  # Triton compiles and cuBLAS picks its kernels before capture
 
 
@@ -86,7 +88,7 @@ class StaticDecodeInputs:
 class DecodeGraphs:
     def __init__(
         self,
-        executor: LlamaExecutor,
+        model: PagedLlama,
         cache: PagedKVCache,
         max_batch: int,
         max_blocks_per_sequence: int,
@@ -99,15 +101,18 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         with torch.cuda.device(device):
-            self._capture(executor, cache)
+            # Eager steps (prefill chunks, batches past the largest bucket) read tables of
+            # other widths than the graphs': their kernel variants compile now, not mid-serving.
+            model.warm_up_kernels(cache, max_batch, max_blocks_per_sequence)
+            self._capture(model, cache)
 
-    def _capture(self, executor: LlamaExecutor, cache: PagedKVCache) -> None:
+    def _capture(self, model: PagedLlama, cache: PagedKVCache) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for size in self.sizes:
                 for _ in range(_WARMUP_RUNS):
-                    executor.forward(self.inputs.batch(size), cache)
+                    model.forward(self.inputs.batch(size), cache)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = None
@@ -115,7 +120,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = executor.forward(self.inputs.batch(size), cache)
+                self._logits[size] = model.forward(self.inputs.batch(size), cache)
             pool = graph.pool()
             self._graphs[size] = graph
         torch.cuda.synchronize()

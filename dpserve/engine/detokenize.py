@@ -25,7 +25,7 @@ class RequestText:
     def tokenizer(self) -> BatchTokenizer:
         # Resolved on first use: a model runner holds its tokenizer once its model loaded.
         if self._tokenizer is None:
-            self._tokenizer = as_batch_tokenizer(getattr(self.runner, "tokenizer", None))
+            self._tokenizer = as_batch_tokenizer(self.runner.tokenizer)
         return self._tokenizer
 
     def start(self, resume_tokens: Sequence[int]) -> IncrementalDetokenizer:

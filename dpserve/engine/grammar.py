@@ -64,7 +64,6 @@ class Grammars:
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
         )
-        self._executor = llguidance.LLExecutor()
 
     def matcher(self, params: SamplingParams) -> Matcher:
         """A fresh matcher for a request (raises ``GrammarError``)."""
@@ -81,21 +80,28 @@ class Grammars:
             )
         return matcher
 
-    def allowed(
-        self, matchers: Sequence[Matcher | None], device: torch.device
-    ) -> torch.Tensor | None:
-        """``[rows, vocab]`` bool: the tokens each row's matcher allows (every token for a row
-        without one); None when no row has a matcher."""
-        rows = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
-        if not rows:
-            return None
-        bitmask = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
-        # int32 words, bit i of word w = token 32 w + i.
-        bits = torch.arange(32, dtype=torch.int32)
-        unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
-        allowed = unpacked.reshape(len(matchers), -1)[:, : self.vocab_size].bool()
-        return allowed.to(device)
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def allowed(
+    matchers: Sequence[Matcher | None], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """``[rows, vocab]`` bool: the tokens each row's matcher allows (every token for a row
+    without one); None when no row has a matcher. The masks are filled in parallel by
+    llguidance's executor (its own threads, outside the GIL)."""
+    global _executor
+    rows = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return None
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask_par(_executor, rows, bitmask)
+    # int32 words, bit i of word w = token 32 w + i.
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
+    return unpacked.reshape(len(matchers), -1)[:, :vocab_size].bool().to(device)
 
 
 def advance(matcher: Matcher, token: int) -> None:

@@ -96,12 +96,14 @@ class PagedKVCache:
         self.block_size = shape.block_size
         self.pool = BlockPool(num_blocks)
         size = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.keys = [
-            torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
+        # A layer's keys and values are one tensor, so a step writes (and the CPU decode path
+        # gathers) both with one operation; each half is still a contiguous cache of its own.
+        self.kv = [
+            torch.zeros((2, *size), dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)
         ]
-        self.values = [
-            torch.zeros(size, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
-        ]
+        self.keys = [pair[0] for pair in self.kv]
+        self.values = [pair[1] for pair in self.kv]
 
     @property
     def num_blocks(self) -> int:

@@ -23,7 +23,17 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.kv_cache import KVCacheShape, PagedKVCache
-from dpserve.engine.paged_attention import paged_decode_attention, prefill_attention
+from dpserve.engine.linear import Linear, describe_linears, uses_onednn
+from dpserve.engine.paged_attention import (
+    DecodeLayout,
+    PrefillLayout,
+    decode_attention_backend,
+    decode_layout,
+    gathered_decode_attention,
+    paged_decode_attention,
+    prefill_layout,
+    varlen_prefill_attention,
+)
 
 SUPPORTED_MODEL_TYPES: Final = frozenset({"llama", "mistral", "qwen2"})
 # RoPE variants whose tables depend on the sequence length seen so far: not precomputable.
@@ -31,7 +41,8 @@ _LENGTH_DEPENDENT_ROPE: Final = frozenset({"dynamic", "longrope"})
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why our executor cannot run ``model`` (then the transformers path serves it), or None."""
+    """Why ``PagedLlama`` cannot run ``model`` (then the transformers backend serves it), or
+    None."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -76,18 +87,48 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # rows to compute logits for; None: every row
 
 
+class _MLP:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, the residual added by the down projection.
+
+    With oneDNN the gate and up projections stay separate so SiLU and the product ride in
+    their epilogues (three operations in all); otherwise they are one fused matmul followed
+    by SiLU and a product."""
+
+    def __init__(self, mlp: Any) -> None:
+        if uses_onednn(mlp.gate_proj.weight):
+            self.gate: Linear | None = Linear(*_weights(mlp.gate_proj))
+            self.up: Linear | None = Linear(*_weights(mlp.up_proj))
+            self.gate_up: Linear | None = None
+        else:
+            self.gate = self.up = None
+            self.gate_up = Linear(*_fused(mlp.gate_proj, mlp.up_proj))
+        self.down = Linear(*_weights(mlp.down_proj))
+
+    def plus(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + mlp(normed)``."""
+        if self.gate is not None and self.up is not None:
+            activated = self.up.times(normed, self.gate.silu(normed))
+        else:
+            assert self.gate_up is not None
+            gate, up = self.gate_up(normed).chunk(2, dim=-1)
+            activated = functional.silu(gate).mul_(up)
+        return self.down.plus(activated, residual)
+
+    def linears(self) -> list[Linear]:
+        return [lin for lin in (self.gate, self.up, self.gate_up, self.down) if lin is not None]
+
+
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # query and key rows in RoPE-pair order: see _pair_rotary_dims
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    mlp: _MLP
+
+
+def _weights(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return linear.weight.detach(), _detached(linear.bias)
 
 
 def _fused(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,39 +151,77 @@ def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
-def _convert_layer(layer: Any) -> _Layer:
-    attention, mlp = layer.self_attn, layer.mlp
-    qkv_weight, qkv_bias = _fused(attention.q_proj, attention.k_proj, attention.v_proj)
-    gate_up_weight, gate_up_bias = _fused(mlp.gate_proj, mlp.up_proj)
+def _rotary_pair_order(head_dim: int) -> torch.Tensor:
+    """Dimension ``i`` and ``i + head_dim / 2`` of a head are the two halves RoPE rotates
+    together (transformers' ``rotate_half``); this order puts them side by side
+    (``0, h, 1, h + 1, ...``), so each pair is one complex number."""
+    half = head_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+
+
+def _pair_rotary_dims(
+    weight: torch.Tensor, bias: torch.Tensor | None, heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A query or key projection whose output heads come out in ``_rotary_pair_order``.
+    Queries and keys are permuted alike, so every score q.k is the same sum; the cache holds
+    keys in this order."""
+    order = _rotary_pair_order(head_dim).to(weight.device)
+    weight = weight.view(heads, head_dim, -1).index_select(1, order).reshape(weight.shape)
+    if bias is not None:
+        bias = bias.view(heads, head_dim).index_select(1, order).reshape(bias.shape)
+    return weight, bias
+
+
+def _convert_layer(layer: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> _Layer:
+    attention = layer.self_attn
+    q_weight, q_bias = _pair_rotary_dims(*_weights(attention.q_proj), num_heads, head_dim)
+    k_weight, k_bias = _pair_rotary_dims(*_weights(attention.k_proj), num_kv_heads, head_dim)
+    v_weight, v_bias = _weights(attention.v_proj)
+    qkv_weight = torch.cat((q_weight, k_weight, v_weight))
+    qkv_bias = None
+    if any(bias is not None for bias in (q_bias, k_bias, v_bias)):
+        qkv_bias = torch.cat(
+            [
+                bias if bias is not None else qkv_weight.new_zeros(weight.shape[0])
+                for bias, weight in ((q_bias, q_weight), (k_bias, k_weight), (v_bias, v_weight))
+            ]
+        )
     return _Layer(
         input_norm=layer.input_layernorm.weight.detach(),
-        qkv_weight=qkv_weight,
-        qkv_bias=qkv_bias,
-        o_weight=attention.o_proj.weight.detach(),
-        o_bias=_detached(attention.o_proj.bias),
+        qkv=Linear(qkv_weight, qkv_bias),
+        o_proj=Linear(*_weights(attention.o_proj)),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        gate_up_weight=gate_up_weight,
-        gate_up_bias=gate_up_bias,
-        down_weight=mlp.down_proj.weight.detach(),
-        down_bias=_detached(mlp.down_proj.bias),
+        mlp=_MLP(layer.mlp),
     )
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, operation for operation (fp32 statistics)."""
-    dtype = hidden.dtype
-    hidden = hidden.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(dtype)
+    """transformers' LlamaRMSNorm (fp32 statistics) as one torch operation."""
+    return functional.rms_norm(hidden, weight.shape, weight, eps)
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return states * cos + rotated * sin
+def _rotate_in_place(pairs: torch.Tensor, rotation: torch.Tensor) -> None:
+    """RoPE on ``pairs`` ``[tokens, heads, head_dim / 2, 2]`` (a view of the projection's
+    output in ``_rotary_pair_order``) by ``rotation`` ``[tokens, 1, head_dim / 2]`` complex:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is a complex product, one operation."""
+    if pairs.dtype in (torch.float32, torch.float64):
+        torch.view_as_complex(pairs).mul_(rotation)
+    else:  # no complex bfloat16: rotate in fp32 and write back rounded
+        rotated = torch.view_as_complex(pairs.float()) * rotation
+        pairs.copy_(torch.view_as_real(rotated))
 
 
-class LlamaExecutor:
+@dataclass(slots=True)
+class _StepInputs:
+    """What every layer of one forward shares, computed once per step."""
+
+    rotation: torch.Tensor  # [tokens, 1, head_dim / 2] complex: RoPE at each row's position
+    write_index: tuple[torch.Tensor, torch.Tensor]  # index_put_ into a layer's kv pair
+    decode: DecodeLayout | None  # None: no decode rows, or the Triton kernel reads the tables
+    prefill: PrefillLayout | None
+
+
+class PagedLlama:
     """The weights of a Llama-family model and its forward pass over a ``PagedKVCache``."""
 
     def __init__(self, model: Any) -> None:
@@ -155,6 +234,9 @@ class LlamaExecutor:
         self.head_dim = int(
             getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         )
+        self.group = self.num_heads // self.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.eps = float(config.rms_norm_eps)
         self.context_size = int(config.max_position_embeddings)
@@ -162,20 +244,36 @@ class LlamaExecutor:
         self.embedding = decoder.embed_tokens.weight.detach()
         self.dtype, self.device = self.embedding.dtype, self.embedding.device
         self.norm = decoder.norm.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()  # the embedding itself when tied
-        self.vocab_size = int(self.lm_head.shape[0])
-        self.cos, self.sin = self._rope_tables(decoder.rotary_emb)
+        # The embedding itself when tied; prepacked for oneDNN it becomes a copy (the lookup
+        # needs the dense table), which is what makes the vocabulary projection fast.
+        self.lm_head = Linear(model.lm_head.weight.detach())
+        self.vocab_size = self.lm_head.out_features
+        self.rotation = self._rope_rotation(decoder.rotary_emb)
         self.layers: list[_Layer] = []
         for index in range(len(decoder.layers)):
-            self.layers.append(_convert_layer(decoder.layers[index]))
+            self.layers.append(
+                _convert_layer(
+                    decoder.layers[index], self.num_heads, self.num_kv_heads, self.head_dim
+                )
+            )
             decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
+        self.decode_backend = decode_attention_backend(self.device)
 
-    def _rope_tables(self, rotary: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_rotation(self, rotary: Any) -> torch.Tensor:
+        """``[positions, 1, head_dim / 2]`` complex64: cos + i sin of every position, from the
+        model's own rotary module (so every scaling variant is transformers')."""
         positions = torch.arange(self.context_size, device=self.device).unsqueeze(0)
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             cos, sin = rotary(probe, positions)
-        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [positions, 1, head_dim]
+        cos, sin = cos[0].float(), sin[0].float()
+        half = self.head_dim // 2
+        paired = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(
+            sin[:, :half], sin[:, half:]
+        )
+        if not paired:
+            raise ValueError("the rotary tables do not rotate dimension pairs (i, i + dim/2)")
+        return torch.complex(cos[:, :half], sin[:, :half]).unsqueeze(1)
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
         return KVCacheShape(
@@ -194,77 +292,113 @@ class LlamaExecutor:
         element: int = self.embedding.element_size()
         return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
 
+    def describe(self) -> dict[str, Any]:
+        linears = [self.lm_head]
+        for layer in self.layers:
+            linears += [layer.qkv, layer.o_proj, *layer.mlp.linears()]
+        return describe_linears(linears)
+
+    def warm_up_kernels(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
+        """Compile the Triton decode kernel's variants a run can hit (nothing elsewhere)."""
+        if self.decode_backend != "triton":
+            return
+        from dpserve.engine import triton_decode
+
+        triton_decode.warm_up(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            cache.block_size,
+            self.dtype,
+            self.device,
+            max_batch,
+            max_blocks,
+        )
+
     # ---------------------------------------------------------------------------- forward
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """fp32 logits ``[rows, vocab]`` for ``batch.logits_indices`` (every row if None)."""
+        """Logits ``[rows, vocab]`` (the model's dtype) for ``batch.logits_indices`` (every
+        row if None)."""
+        step = self._step_inputs(batch, cache.block_size)
         hidden = functional.embedding(batch.input_ids, self.embedding)
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]
         for index, layer in enumerate(self.layers):
-            normed = rms_norm(hidden, layer.input_norm, self.eps)
-            hidden = hidden + self._attention(normed, layer, index, cos, sin, batch, cache)
-            normed = rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = functional.linear(normed, layer.gate_up_weight, layer.gate_up_bias).chunk(
-                2, dim=-1
-            )
-            hidden = hidden + functional.linear(
-                functional.silu(gate) * up, layer.down_weight, layer.down_bias
-            )
+            hidden = self._layer(hidden, layer, cache.kv[index], batch, step)
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)
-        return functional.linear(rms_norm(hidden, self.norm, self.eps), self.lm_head).float()
+        return self.lm_head(rms_norm(hidden, self.norm, self.eps))
+
+    def _step_inputs(self, batch: ForwardBatch, block_size: int) -> _StepInputs:
+        slots = batch.slot_mapping
+        pair = torch.arange(2, device=slots.device).unsqueeze(1)
+        decode = prefill = None
+        decodes = batch.num_decodes
+        if decodes and self.decode_backend != "triton":
+            assert batch.block_tables is not None and batch.seq_lens is not None
+            decode = decode_layout(batch.block_tables, batch.seq_lens, block_size, self.dtype)
+        if batch.prefills:
+            chunks = batch.prefills
+            prefill = prefill_layout(
+                offsets=[chunk.offset - decodes for chunk in chunks],
+                lengths=[chunk.length for chunk in chunks],
+                cached=[chunk.cached for chunk in chunks],
+                cached_blocks=[chunk.blocks for chunk in chunks],
+                slot_mapping=slots[decodes:],
+                block_size=block_size,
+                group=self.group,
+                dtype=self.dtype,
+            )
+        return _StepInputs(
+            rotation=self.rotation.index_select(0, batch.positions),
+            write_index=(pair, slots.unsqueeze(0)),
+            decode=decode,
+            prefill=prefill,
+        )
+
+    def _layer(
+        self,
+        hidden: torch.Tensor,
+        layer: _Layer,
+        kv_pair: torch.Tensor,
+        batch: ForwardBatch,
+        step: _StepInputs,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
+        rotated_heads = self.num_heads + self.num_kv_heads
+        _rotate_in_place(
+            qkv[:, : self.q_size + self.kv_size].view(tokens, rotated_heads, -1, 2),
+            step.rotation,
+        )
+        key_value = qkv[:, self.q_size :].view(tokens, 2, self.num_kv_heads, self.head_dim)
+        kv_pair.view(2, -1, self.num_kv_heads, self.head_dim).index_put_(
+            step.write_index, key_value.transpose(0, 1)
+        )
+        query = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        hidden = layer.o_proj.plus(self._attention(query, kv_pair, batch, step), hidden)
+        return layer.mlp.plus(rms_norm(hidden, layer.post_norm, self.eps), hidden)
 
     def _attention(
-        self,
-        normed: torch.Tensor,
-        layer: _Layer,
-        index: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        cache: PagedKVCache,
+        self, query: torch.Tensor, kv_pair: torch.Tensor, batch: ForwardBatch, step: _StepInputs
     ) -> torch.Tensor:
-        tokens = normed.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query, key, value = torch.split(
-            functional.linear(normed, layer.qkv_weight, layer.qkv_bias),
-            [q_size, kv_size, kv_size],
-            dim=-1,
-        )
-        query = _rotate(query.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        key = _rotate(key.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        value = value.view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = cache.keys[index], cache.values[index]
-        flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat_shape).index_copy_(0, batch.slot_mapping, key)
-        v_cache.view(flat_shape).index_copy_(0, batch.slot_mapping, value)
-
+        """``[tokens, num_heads * head_dim]``: decode rows in one call, prefill chunks in one."""
         decodes = batch.num_decodes
-        if not batch.prefills:
-            out = self._decode(query, k_cache, v_cache, batch)
-        else:
-            out = torch.empty_like(query)
-            if decodes:
-                out[:decodes] = self._decode(query[:decodes], k_cache, v_cache, batch)
-            for chunk in batch.prefills:
-                rows = slice(chunk.offset, chunk.offset + chunk.length)
-                if chunk.blocks is None:  # nothing cached before: the chunk's own keys
-                    keys, values = key[rows], value[rows]
-                else:
-                    total = chunk.cached + chunk.length
-                    keys = k_cache[chunk.blocks].view(flat_shape)[:total]
-                    values = v_cache[chunk.blocks].view(flat_shape)[:total]
-                out[rows] = prefill_attention(query[rows], keys, values, self.scale)
-        return functional.linear(out.reshape(tokens, q_size), layer.o_weight, layer.o_bias)
+        parts = []
+        if decodes:
+            parts.append(self._decode(query[:decodes], kv_pair, batch, step))
+        if step.prefill is not None:
+            parts.append(
+                varlen_prefill_attention(query[decodes:], kv_pair, step.prefill, self.scale)
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
+        self, query: torch.Tensor, kv_pair: torch.Tensor, batch: ForwardBatch, step: _StepInputs
     ) -> torch.Tensor:
+        if step.decode is not None:
+            return gathered_decode_attention(query, kv_pair, step.decode, self.scale)
         assert batch.block_tables is not None and batch.seq_lens is not None
-        return paged_decode_attention(
-            query, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale
+        out = paged_decode_attention(
+            query, kv_pair[0], kv_pair[1], batch.block_tables, batch.seq_lens, self.scale
         )
+        return out.reshape(query.shape[0], self.q_size)

@@ -4,11 +4,14 @@ It owns what every model shares — request validation, sampling, the finishing 
 (``sequences``) and the updates — and hands the KV cache and the forward passes to a backend:
 
 * Llama-family models (Llama, Mistral, Qwen2, SmolLM; ``llama.unsupported_reason`` says which)
-  run on ``paged_runner.PagedRunner``: our executor over a paged KV cache, chunked prefill
-  mixed with decode under a token budget, preemption instead of out-of-memory, CUDA graphs for
-  decode on a GPU;
-* every other architecture runs on ``hf_runner.HFBatchRunner`` (transformers' forward over a
+  run on ``paged_backend.PagedBackend``: our forward (``llama.PagedLlama``) over a paged KV
+  cache, chunked prefill mixed with decode under a token budget, preemption instead of
+  out-of-memory, CUDA graphs for decode on a GPU;
+* every other architecture runs on ``hf_backend.HFBackend`` (transformers' forward over a
   left-padded batched cache), and the start-up log says so and why.
+
+The backend schedules, runs the model and samples; the runner applies the finishing rules to
+what it sampled and tells it which sequences finished.
 
 Both compute, for every request, exactly what it would compute alone: greedy output equals
 ``model.generate`` for that prompt, token for token (CPU fp32).
@@ -23,61 +26,39 @@ from typing import Any
 
 import torch
 
-from dpserve.engine import sampler
 from dpserve.engine.backend import Backend
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_HF_BATCH_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_HF_MAX_NUM_SEQS,
+    default_max_num_batched_tokens,
 )
 from dpserve.engine.grammar import GrammarError, Grammars, advance
-from dpserve.engine.hf_runner import HFBatchRunner
+from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.llama import unsupported_reason
-from dpserve.engine.paged_runner import PagedConfig, PagedRunner
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.paged_backend import PagedBackend, PagedConfig
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 
-EXECUTORS = ("auto", "llama", "transformers")
-
-
-def sample(
-    sequences: list[Sequence], logits: torch.Tensor, grammars: Grammars | None = None
-) -> sampler.HostSample:
-    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities
-    (and alternatives), with one device-to-host copy. A seeded row's noise depends on the
-    position of the token it samples, so a preempted or resumed sequence draws the same tokens
-    again. Penalties count each row's prompt and generated tokens; a structured row's matcher
-    masks what its grammar does not allow."""
-    params = [sequence.params for sequence in sequences]
-    positions = [sequence.context_length() for sequence in sequences]
-    histories = None
-    if any(p.has_penalties for p in params):
-        histories = [
-            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
-            for sequence in sequences
-        ]
-    allowed = None
-    if grammars is not None:
-        allowed = grammars.allowed([sequence.matcher for sequence in sequences], logits.device)
-    return sampler.sample(logits, params, positions, histories, allowed).to_host()
+BACKENDS = ("auto", "paged", "transformers")
 
 
 class ModelRunner:
     """Continuous batching over one model.
 
     ``model_path_or_id``: a local transformers directory, a hub id, or ``DEFAULT_MODEL``
-    (resolved by ``dpserve.models.resolve_model``). ``max_batch_size``: sequences running at
-    once (reported as ``capacity``); by default derived from the KV pool (Llama family) or 8
-    (transformers fallback). ``max_num_batched_tokens``: tokens one step computes (prefill
-    chunks + decodes), 512 on CPU and 8192 on CUDA by default. ``kv_cache_bytes``: the pool's
-    size (default 1 GiB on CPU; on CUDA ``gpu_memory_utilization`` of the device minus weights
-    and activations). ``block_size``: tokens per KV block. ``executor``: "auto" (ours for the
-    Llama family, else transformers), "llama" or "transformers". ``dtype`` / ``device``:
+    (resolved by ``dpserve.models.resolve_model``). ``max_num_seqs``: sequences running at
+    once (the engine's capacity); by default derived from the KV pool (paged backend) or
+    ``DEFAULT_HF_MAX_NUM_SEQS`` (transformers fallback). ``max_num_batched_tokens``: tokens one
+    step computes (prefill chunks + decodes), ``default_max_num_batched_tokens`` of the device
+    by default. ``kv_cache_bytes``: the pool's size (default 1 GiB on CPU; on CUDA
+    ``gpu_memory_utilization`` of the device minus weights and activations). ``block_size``:
+    tokens per KV block. ``backend``: "auto" (paged for the Llama family, else transformers),
+    "paged" or "transformers". ``dtype`` / ``device``:
     "auto" is bf16 on CUDA, fp32 on CPU. ``gguf_file`` loads a GGUF file inside
     ``model_path_or_id`` directly.
     """
@@ -86,7 +67,7 @@ class ModelRunner:
         self,
         model_path_or_id: str,
         *,
-        max_batch_size: int | None = None,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         dtype: str = "auto",
         device: str = "auto",
@@ -96,13 +77,15 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool = True,
-        executor: str = "auto",
+        backend: str = "auto",
     ) -> None:
-        if (max_batch_size is not None and max_batch_size < 1) or executor not in EXECUTORS:
+        if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
             raise ValueError(
-                f"need max_batch_size >= 1 (got {max_batch_size}) and an executor in "
-                f"{EXECUTORS} (got {executor!r})"
+                f"need max_num_seqs >= 1 (got {max_num_seqs}) and a backend in "
+                f"{BACKENDS} (got {backend!r})"
             )
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"need max_num_batched_tokens >= 1 (got {max_num_batched_tokens})")
         self.model_path = resolve_model(model_path_or_id)
         self._dtype_name = dtype
         self._device_name = device
@@ -120,21 +103,23 @@ class ModelRunner:
         # Ends a request whose params name no termination_id (read when a request is added).
         self.eos_token_ids: frozenset[int] = _find_eos_ids(hf_model, self.tokenizer)
         self.eos_token_id = _main_eos_id(self.tokenizer, self.eos_token_ids)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_max_num_batched_tokens(self.device.type)
         self.backend: Backend = self._make_backend(
             hf_model,
-            executor,
-            max_batch_size=max_batch_size,
+            backend,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             paged=PagedConfig(
                 block_size=block_size,
-                max_num_seqs=max_batch_size,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 kv_cache_bytes=kv_cache_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 cuda_graphs=cuda_graphs,
             ),
         )
-        self.capacity: int = self.backend.capacity
+        self.max_num_seqs: int = self.backend.max_num_seqs
         self.context_size: int = self.backend.context_size
         facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
         log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
@@ -162,20 +147,20 @@ class ModelRunner:
     def _make_backend(
         self,
         model: Any,
-        executor: str,
+        backend: str,
         *,
-        max_batch_size: int | None,
-        max_num_batched_tokens: int | None,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int,
         paged: PagedConfig,
     ) -> Backend:
         reason = unsupported_reason(model)
-        if executor == "llama" and reason is not None:
-            raise ValueError(f"the Llama executor cannot run {self.model_path}: {reason}")
-        if executor != "transformers" and reason is None:
-            backend = PagedRunner(model, paged)
-            self.model = backend.executor
-            return backend
-        if executor == "auto":
+        if backend == "paged" and reason is not None:
+            raise ValueError(f"the paged backend cannot run {self.model_path}: {reason}")
+        if backend != "transformers" and reason is None:
+            paged_backend = PagedBackend(model, paged)
+            self.model = paged_backend.model
+            return paged_backend
+        if backend == "auto":
             log.warning(
                 "%s: serving through the transformers fallback (no paged KV cache, no CUDA "
                 "graphs, no chunked prefill): %s",
@@ -184,11 +169,10 @@ class ModelRunner:
             )
         self.model = model
         pad_candidates = (self.tokenizer.pad_token_id, self.eos_token_id, 0)
-        return HFBatchRunner(
+        return HFBackend(
             model,
-            capacity=max_batch_size or DEFAULT_HF_BATCH_SIZE,
-            prefill_budget=max_num_batched_tokens
-            or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(self.device.type, 4096),
+            max_num_seqs=max_num_seqs or DEFAULT_HF_MAX_NUM_SEQS,
+            max_num_batched_tokens=max_num_batched_tokens,
             # Fills the left padding of a prefill batch; masked, so any valid id works.
             pad_id=next(i for i in pad_candidates if i is not None),
         )
@@ -210,12 +194,12 @@ class ModelRunner:
             return
         model = self._load()
         self.backend.reload(model)
-        self.model = getattr(self.backend, "executor", model)
+        self.model = self.backend.model
         self._released = False
 
     # ---------------------------------------------------------------------------- requests
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         self._validate(request)
         params = request.params
         prompt_length = len(request.prompt_tokens)
@@ -251,7 +235,7 @@ class ModelRunner:
             advance(matcher, token)
         return matcher
 
-    def _validate(self, request: EngineRequest) -> None:
+    def _validate(self, request: RunnerRequest) -> None:
         prompt_length = len(request.prompt_tokens)
         context_length = prompt_length + len(request.resume_tokens)
         if prompt_length == 0:
@@ -299,7 +283,6 @@ class ModelRunner:
             "tokens_generated": self._tokens_generated,
             "steps": self._steps,
             "released": self._released,
-            "capacity": self.capacity,
         }
 
     # ---------------------------------------------------------------------------- stepping
@@ -312,26 +295,23 @@ class ModelRunner:
         self._steps += 1
         updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
         self._arrived_done = []
-
-        def consume(sequences: list[Sequence], logits: torch.Tensor) -> set[int]:
-            host = sample(sequences, logits, self._grammars)
-            finished: set[int] = set()
-            for row, sequence in enumerate(sequences):
-                before = len(sequence.tokens)
-                logprob = host.logprobs[row] if host.logprobs is not None else None
-                top = host.top[row] if host.top is not None else None
-                if sequence.matcher is not None:
-                    advance(sequence.matcher, host.tokens[row])
-                update = sequence.accept(host.tokens[row], logprob, self._decode_text, top)
-                self._tokens_generated += len(sequence.tokens) > before
-                if update is not None:
-                    updates.append(update)
-                    if update.finish_reason is not None:
-                        finished.add(row)
-            return finished
-
         with torch.inference_mode():
-            self.backend.step(consume)
+            for sampled in self.backend.step():
+                finished = []
+                for row, sequence in enumerate(sampled.sequences):
+                    before = len(sequence.tokens)
+                    logprob = sampled.logprobs[row] if sampled.logprobs is not None else None
+                    top = sampled.top[row] if sampled.top is not None else None
+                    if sequence.matcher is not None:
+                        advance(sequence.matcher, sampled.tokens[row])
+                    update = sequence.accept(sampled.tokens[row], logprob, self._decode_text, top)
+                    self._tokens_generated += len(sequence.tokens) > before
+                    if update is not None:
+                        updates.append(update)
+                        if update.finish_reason is not None:
+                            finished.append(sequence)
+                if finished:
+                    self.backend.finish(finished)
         return updates
 
     def _decode_text(self, tokens: list[int]) -> str:

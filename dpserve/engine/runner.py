@@ -3,13 +3,15 @@
 The engine process (``dpserve.engine.server``) owns the socket, heartbeats, control states and
 draining; a runner owns sequences and produces tokens. ``FakeRunner`` (no model) and
 ``ModelRunner`` (torch + transformers, continuous batching) both implement this, so the
-protocol side is written once.
+protocol side is written once. The layers, top down: the server drives a *runner*; a model
+runner hands the KV cache and the forward to a *backend* (``backend.Backend``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from dpserve.sampling import SamplingParams
 
@@ -24,7 +26,7 @@ class RequestRejected(Exception):
 
 
 @dataclass(slots=True)
-class EngineRequest:
+class RunnerRequest:
     request_id: int
     prompt_tokens: list[int]
     params: SamplingParams
@@ -53,9 +55,12 @@ class TokenUpdate:
 
 
 class Runner(Protocol):
-    capacity: int  # sequences decoded together at most (reported to the coordinator)
+    max_num_seqs: int  # sequences decoded together at most (the capacity the coordinator sees)
+    # The transformers tokenizer the engine's text is decoded with; None: the byte tokenizer
+    # (the fake runner's tokens are ASCII letters).
+    tokenizer: Any
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         """Queue a request; raise ``RequestRejected`` if it can never be served."""
 
     def cancel(self, request_id: int) -> None:
@@ -73,3 +78,6 @@ class Runner(Protocol):
 
     def reload(self) -> None:
         """Resume after ``release``: load the model again; requests continue."""
+
+    def stats(self) -> Mapping[str, object]:
+        """Numbers for the heartbeat (KV pool, preemptions, ...); non-numbers are dropped."""

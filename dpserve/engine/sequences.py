@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ Decode = Callable[[list[int]], str]
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    request: EngineRequest
+    request: RunnerRequest
     params: SamplingParams
     max_generated: int  # num_tokens_to_generate clamped to the context size
     stop_ids: frozenset[int]  # empty with ignore_eos
@@ -159,10 +159,15 @@ class Sequence:
         head = decode(tokens[anchor : self.emitted])
         text = decode(tokens[anchor:])
         base = _common_prefix_length(head, text)
-        # Start a little inside the returned text in case a stop string straddles it.
-        search_from = max(0, base - max(len(stop) for stop in stops) + 1)
+        # Only a stop string that ends in the text not returned yet counts (one that ended
+        # earlier did so before min_tokens); it may start inside the returned text.
         match_at = min(
-            (i for i in (text.find(stop, search_from) for stop in stops) if i >= 0), default=-1
+            (
+                i
+                for i in (text.find(stop, max(0, base - len(stop) + 1)) for stop in stops)
+                if i >= 0
+            ),
+            default=-1,
         )
         if match_at >= 0:
             return self._tokens_within(anchor, match_at, decode), True

@@ -17,17 +17,35 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, TypeGuard
 
 from dpserve import protocol
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
-from dpserve.engine.runner import EngineRequest, RequestRejected, Runner, TokenUpdate
+from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
-from dpserve.protocol import CONTROL_SIGNALS, ControlState, ErrorCode, Header
+from dpserve.protocol import (
+    CONTROL_SIGNALS,
+    Cancel,
+    ControlAck,
+    ControlState,
+    Deregister,
+    Drain,
+    DrainAck,
+    EngineReply,
+    EngineUpdate,
+    Error,
+    ErrorCode,
+    HandOff,
+    HandOffAck,
+    Header,
+    Heartbeat,
+    HeartbeatAck,
+    RegisterAck,
+)
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer
 
@@ -37,16 +55,14 @@ _PAUSED, _SUSPENDED, _STOPPED = ControlState.PAUSED, ControlState.SUSPENDED, Con
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while unregistered
 
 
-@runtime_checkable
-class _ReportsStats(Protocol):
-    """A runner with numbers to report (``ModelRunner``: KV pool, capacity, preemptions)."""
-
-    def stats(self) -> Mapping[str, object]: ...
-
-
 def _is_finite_number(value: object) -> TypeGuard[int | float]:
     # The exact types: a bool is an int subclass but no statistic, and numpy's scalars are left out.
     return (type(value) is int or type(value) is float) and math.isfinite(value)
+
+
+def _failed(request_id: int, code: str, message: str) -> EngineUpdate:
+    """The update of a request the runner refused: ``code`` (an ErrorCode) and why."""
+    return EngineUpdate(request_id, b"", None, code, message, None)
 
 
 @dataclass(slots=True, eq=False)
@@ -66,7 +82,7 @@ class _Held:
 class EngineServer:
     def __init__(
         self,
-        connection: CoordinatorConnection,
+        connection: EngineConnection,
         runner: Runner,
         *,
         stream_interval: float = 0.05,
@@ -91,16 +107,29 @@ class EngineServer:
         self.drain_requested = False
         self.drain_started: float | None = None
         self.drain_acked = False
+        # HAND_OFF sent, answer awaited: no steps (the coordinator has every token so far).
+        self.handing_off = False
+        self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
-        self._outbox: list[list[object]] = []
+        self._outbox: list[EngineUpdate] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
-        self._last_register = 0.0
         # When the oldest heartbeat the coordinator has not answered yet was sent; None: none.
         self._unanswered_since: float | None = None
         self._last_waiting_note = time.monotonic()
+        # One handler per message header, called with the message's record.
+        self._handlers: dict[Header, Callable[[Any], None]] = {
+            Header.ENGINE_REQUEST: self._on_request,
+            Header.CANCEL: self._on_cancel,
+            Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
+            Header.REGISTER_ACK: self._on_register_ack,
+            Header.DRAIN_ACK: self._on_drain_ack,
+            Header.HAND_OFF_ACK: self._on_hand_off_ack,
+            Header.ERROR: self._on_error,
+            **{signal: self._on_control for signal in CONTROL_SIGNALS},
+        }
 
     @property
     def registered(self) -> bool:
@@ -115,7 +144,8 @@ class EngineServer:
         self._registered = value
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT drain: no new work, finish what is held, deregister, exit 0."""
+        """SIGTERM and SIGINT leave: hand what is held to the other engines and exit 0, or,
+        with no other engine, drain (no new work, finish what is held, deregister, exit 0)."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.request_drain())
 
@@ -130,12 +160,13 @@ class EngineServer:
                 looked_at = time.monotonic()
                 if self.connection.poll(0 if busy else 50):
                     self._unanswered_since = None
-                    for header, fields in self.connection.receive_all():
-                        self._handle(header, fields)
+                    for record in self.connection.receive_all():
+                        self._handle(record)
                 if self.stopped:
                     break
                 self._keep_registered(looked_at)
-                if self.registered and not self.paused and self.runner.has_work():
+                stepping = self.registered and not self.paused and not self.handing_off
+                if stepping and self.runner.has_work():
                     self._absorb(self.runner.step())
                 self._flush(time.monotonic())
                 if self._drain_step(time.monotonic()):
@@ -149,6 +180,8 @@ class EngineServer:
     def _keep_registered(self, looked_at: float) -> None:
         """Register until acknowledged, then heartbeat. ``looked_at``: when the socket was last
         found with nothing more to read."""
+        if self.handed_off:
+            return
         unanswered = self._unanswered_since
         if (
             self.registered
@@ -160,14 +193,13 @@ class EngineServer:
                 looked_at - unanswered,
             )
             self.registered = False
+            self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            if now - self._last_register >= self.heartbeat_interval:
-                self.connection.register()
-                self._last_register = now
+            self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
-            self.connection.send(Header.HEARTBEAT, len(self._held), self._numeric_stats())
+            self.connection.send(Heartbeat(len(self._held), self._numeric_stats()))
             self._last_heartbeat = now
             if self._unanswered_since is None:
                 self._unanswered_since = now
@@ -175,8 +207,6 @@ class EngineServer:
     def _numeric_stats(self) -> dict[str, int | float]:
         """The runner's numbers for the coordinator (STATUS, /metrics): what its ``stats()``
         reports that is a finite number, at most as many as the coordinator keeps."""
-        if not isinstance(self.runner, _ReportsStats):
-            return {}
         try:
             reported = self.runner.stats()
         except Exception:  # the numbers are for dashboards: never let them stop a heartbeat
@@ -198,13 +228,18 @@ class EngineServer:
             else "nothing listening yet (still starting?)",
         )
 
-    def _on_register_ack(self, instance: str, state: int) -> None:
+    def _on_register_ack(self, ack: RegisterAck) -> None:
+        instance, state = ack.instance, ack.state
         if self.coordinator_instance not in (None, instance):
             self._forget_all("the coordinator restarted")
+        newly = not self.registered or self.coordinator_instance != instance
         self.coordinator_instance = instance
         self.registered = True
         self._unanswered_since = None
-        log.info("engine rank %d registered with coordinator %s", self.connection.rank, instance)
+        if newly:  # a repeated REGISTER is acknowledged again: nothing new to say
+            log.info(
+                "engine rank %d registered with coordinator %s", self.connection.rank, instance
+            )
         if state == _STOPPED:
             self.stopped = True
             return
@@ -216,7 +251,7 @@ class EngineServer:
             self.runner.reload()
             self.suspended = False
         if self.drain_requested and self.drain_started is not None:
-            self.connection.send(Header.DRAIN)  # a new coordinator must not route to us
+            self.connection.send(Drain())  # a new coordinator must not route to us
 
     def _forget_all(self, why: str) -> None:
         """Drop every held request: the coordinator that sent them no longer tracks them (its
@@ -231,55 +266,60 @@ class EngineServer:
 
     # ---------------------------------------------------------------- messages
 
-    def _handle(self, header: Header, fields: list[Any]) -> None:
-        if header is Header.ENGINE_REQUEST:
-            self._on_request(*fields)
-        elif header is Header.CANCEL:
-            (request_id,) = fields
-            if self._held.pop(request_id, None) is not None:
-                self.runner.cancel(request_id)
-                self._stream_dirty.discard(request_id)
-        elif header in CONTROL_SIGNALS:
-            self._on_control(header, fields[0])
-        elif header is Header.HEARTBEAT_ACK:
-            if self.coordinator_instance not in (None, fields[0]):
-                self.registered = False  # restarted: register with the new one
-        elif header is Header.REGISTER_ACK:
-            self._on_register_ack(*fields)
-        elif header is Header.DRAIN_ACK:
-            self.drain_acked = True
-        elif header is Header.ERROR:
-            _ref, code, message = fields
-            if code == ErrorCode.UNKNOWN_PEER:
-                self._forget_all("the coordinator does not know this engine")
-                self.registered = False
-            else:
-                log.warning("coordinator error: %s: %s", code, message)
-        else:
+    def _handle(self, record: Any) -> None:
+        """Run the handler of a message's header with its record."""
+        header = protocol.header_of(record)
+        handler = self._handlers.get(header)
+        if handler is None:
             log.warning("ignoring unexpected %s from the coordinator", header.name)
+            return
+        handler(record)
 
-    def _on_request(
-        self, request_id: int, prompt: bytes, params: dict[str, Any], resume: bytes
-    ) -> None:
+    def _on_cancel(self, cancel: Cancel) -> None:
+        if self._held.pop(cancel.ref, None) is not None:
+            self.runner.cancel(cancel.ref)
+            self._stream_dirty.discard(cancel.ref)
+
+    def _on_heartbeat_ack(self, ack: HeartbeatAck) -> None:
+        if self.coordinator_instance not in (None, ack.instance):
+            self.registered = False  # restarted: register with the new one
+            self.connection.register_again()
+
+    def _on_drain_ack(self, _ack: DrainAck) -> None:
+        self.drain_acked = True
+        self.handing_off = False  # nobody else takes our requests: finish them here
+
+    def _on_error(self, error: Error) -> None:
+        if error.code == ErrorCode.UNKNOWN_PEER:
+            self._forget_all("the coordinator does not know this engine")
+            self.registered = False
+            self.connection.register_again()
+        else:
+            log.warning("coordinator error: %s: %s", error.code, error.message)
+
+    def _on_request(self, message: protocol.EngineRequest) -> None:
+        request_id = message.request_id
         try:
-            request = EngineRequest(
+            request = RunnerRequest(
                 request_id,
-                protocol.unpack_tokens(prompt),
-                SamplingParams.deserialize(params),
-                protocol.unpack_tokens(resume),
+                protocol.unpack_tokens(message.prompt_tokens),
+                SamplingParams.deserialize(message.sampling_params),
+                protocol.unpack_tokens(message.resume_tokens),
             )
             self.runner.add(request)
         except RequestRejected as exc:
-            self._outbox.append([request_id, b"", None, exc.code, exc.message, None])
+            self._outbox.append(_failed(request_id, exc.code, exc.message))
             return
         except (InvalidSamplingParams, protocol.ProtocolError) as exc:
-            self._outbox.append([request_id, b"", None, ErrorCode.BAD_REQUEST, str(exc), None])
+            self._outbox.append(_failed(request_id, ErrorCode.BAD_REQUEST, str(exc)))
             return
         self._held[request_id] = _Held(
             request.params.stream, time.monotonic(), self._text.start(request.resume_tokens)
         )
 
-    def _on_control(self, signal_header: Header, control_id: int) -> None:
+    def _on_control(self, control: Any) -> None:
+        """PAUSE, UNPAUSE, SUSPEND, RESUME or STOP (each a record with a ``control_id``)."""
+        signal_header = protocol.header_of(control)
         if signal_header is Header.PAUSE:
             self.paused = True
         elif signal_header is Header.UNPAUSE:
@@ -297,7 +337,7 @@ class EngineServer:
             self._forget_all("stop")
             self.stopped = True
         log.info("engine rank %d: %s", self.connection.rank, signal_header.name)
-        self.connection.send(Header.CONTROL_ACK, int(signal_header), control_id)
+        self.connection.send(ControlAck(int(signal_header), control.control_id))
 
     # ----------------------------------------------------------------- results
 
@@ -325,16 +365,17 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                entry = self._entry(update.request_id, held, update.finish_reason)
-                if update.stop_token is not None:
-                    entry += [None] * (8 - len(entry)) + [update.stop_token]
-                self._outbox.append(entry)
+                self._outbox.append(
+                    self._entry(update.request_id, held, update.finish_reason, update.stop_token)
+                )
             elif held.stream:
                 self._stream_dirty.add(update.request_id)
 
     @staticmethod
-    def _entry(request_id: int, held: _Held, finish_reason: str | None) -> list[object]:
-        entry = [
+    def _entry(
+        request_id: int, held: _Held, finish_reason: str | None, stop_token: int | None = None
+    ) -> EngineUpdate:
+        entry = EngineUpdate(
             request_id,
             protocol.pack_tokens(held.tokens),
             None
@@ -344,10 +385,10 @@ class EngineServer:
             None,
             held.ttft,
             held.text.push(held.tokens, final=finish_reason is not None),
-        ]
-        if held.prompt_logprobs is not None:
-            entry.append(held.prompt_logprobs)
-            held.prompt_logprobs = None
+            held.prompt_logprobs,
+            stop_token,
+        )
+        held.prompt_logprobs = None
         held.tokens = []
         held.logprobs = None if held.logprobs is None else []
         held.top_logprobs = None if held.top_logprobs is None else []
@@ -360,22 +401,31 @@ class EngineServer:
             self._stream_dirty.clear()
             self._last_stream_flush = now
         if self._outbox and self.registered:
-            self.connection.send(Header.ENGINE_REPLY, self._outbox)
+            self.connection.send(EngineReply(self._outbox))
             self._outbox = []
 
     # ----------------------------------------------------------------- draining
 
     def _drain_step(self, now: float) -> bool:
-        """Advance a requested drain; True when the engine may exit."""
+        """Advance a requested leave (hand-off, else drain); True when the engine may exit."""
         if not self.drain_requested:
             return False
         if self.drain_started is None:
             self.drain_started = now
-            log.info("engine rank %d draining %d request(s)", self.connection.rank, len(self._held))
+            log.info(
+                "engine rank %d leaving with %d request(s)", self.connection.rank, len(self._held)
+            )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
-            self.connection.send(Header.DRAIN)
+            self._hand_off()
             return False
+        if self.handed_off:
+            return True
+        if self.handing_off and now - self.drain_started > self.coordinator_timeout:
+            # No answer (a coordinator that predates HAND_OFF ignores it): drain instead.
+            log.warning("no answer to HAND_OFF within %.1f s: draining", self.coordinator_timeout)
+            self.handing_off = False
+            self.connection.send(Drain())
         if now - self.drain_started > self.drain_timeout:
             log.warning("drain timed out with %d request(s) unfinished", len(self._held))
             return True
@@ -387,7 +437,34 @@ class EngineServer:
             )
             return True
         if self.drain_acked and not self._held and not self._outbox:
-            self.connection.send(Header.DEREGISTER)
+            self.connection.send(Deregister())
             log.info("engine rank %d drained; leaving", self.connection.rank)
             return True
         return False
+
+    def _hand_off(self) -> None:
+        """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
+        re-dispatches the requests after exactly those tokens, so no step may run until it
+        answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        for request_id, held in self._held.items():
+            if held.tokens:
+                self._outbox.append(self._entry(request_id, held, None))
+        self._stream_dirty.clear()
+        if self._outbox:
+            self.connection.send(EngineReply(self._outbox))
+            self._outbox = []
+        self.connection.send(HandOff())
+        self.handing_off = True
+
+    def _on_hand_off_ack(self, ack: HandOffAck) -> None:
+        log.info(
+            "engine rank %d handed %d request(s) to other engines; leaving",
+            self.connection.rank,
+            ack.requests,
+        )
+        for request_id in self._held:
+            self.runner.cancel(request_id)
+        self._held.clear()
+        self._outbox.clear()
+        self.handed_off = True
+        self.registered = False  # and never again: _keep_registered stands down

@@ -12,9 +12,13 @@ documented there). Two launches:
    log-sum-exp.
 
 Splitting the KV span is what keeps the GPU busy when ``batch x KV heads`` is smaller than the
-number of SMs (short batches, long contexts). The split count depends only on shapes, never on
-``seq_lens`` values, so a call never synchronises with the device and can be captured in a CUDA
-graph; splits that start past a sequence's end exit at once.
+number of SMs (short batches, long contexts). The grid's split count depends only on shapes,
+never on ``seq_lens`` values, so a call never synchronises with the device and can be captured
+in a CUDA graph; each program then derives its sequence's split from the sequence's actual
+length on the device (as many of the grid's splits as keep one at least ``min_split_tokens``
+long), so a short sequence in a batch sized for long contexts is one split, not many nearly
+empty ones, and the splits beyond it exit at once. ``block_size`` is a compile-time constant
+(one compiled variant per block size; ``warm_up`` compiles those a run will use).
 
 Triton is optional: the module imports without it and only the call raises. On CPU tensors the
 kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI tests them.
@@ -63,8 +67,7 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     partial_out_ptr,
     partial_lse_ptr,
     scale_log2,
-    block_size,
-    split_tokens,
+    min_split_tokens,
     query_stride_batch,
     query_stride_head,
     cache_stride_block,
@@ -79,12 +82,18 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     BLOCK_GROUP: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     sequence = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     length = tl.load(seq_lens_ptr + sequence)
+    # This sequence's own split: its length over as many of the grid's splits as keep each at
+    # least min_split_tokens long, in whole tiles. Splits past those start beyond the end.
+    used = tl.minimum(tl.maximum(tl.cdiv(length, min_split_tokens), 1), num_splits)
+    split_tokens = tl.cdiv(tl.cdiv(length, used), BLOCK_TOKENS) * BLOCK_TOKENS
     start = split * split_tokens
     end = tl.minimum(start + split_tokens, length)
 
@@ -109,10 +118,10 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     for tile_start in range(start, end, BLOCK_TOKENS):
         tokens = tile_start + tl.arange(0, BLOCK_TOKENS)
         token_mask = tokens < end
-        blocks = tl.load(table_row + tokens // block_size, mask=token_mask, other=0)
+        blocks = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0)
         rows = (
             blocks.to(tl.int64) * cache_stride_block
-            + (tokens % block_size) * cache_stride_token
+            + (tokens % BLOCK_SIZE) * cache_stride_token
             + kv_head * cache_stride_head
         )
         load_mask = token_mask[:, None] & dim_mask[None, :]
@@ -262,10 +271,13 @@ def paged_decode_attention_triton(
     scale: float,
     *,
     num_splits: int | None = None,
+    min_split_tokens: int = _MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """``[batch, num_heads, head_dim]`` attention output for one new token per sequence; the
-    layout is ``paged_attention``'s. ``num_splits`` overrides ``default_num_splits``. A row with
-    ``seq_lens == 0`` (batch padding) gets zeros."""
+    layout is ``paged_attention``'s. ``num_splits`` (the grid's splits per sequence) overrides
+    ``default_num_splits``; each sequence spreads its own length over as many of them as keep a
+    split at least ``min_split_tokens`` long. A row with ``seq_lens == 0`` (batch padding) gets
+    zeros."""
     _check_inputs(query, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -275,8 +287,8 @@ def paged_decode_attention_triton(
     max_tokens = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_tokens, query.device)
-    split_tokens = tile * math.ceil(math.ceil(max(1, max_tokens) / num_splits) / tile)
-    num_splits = max(1, math.ceil(max_tokens / split_tokens))
+    # No sequence can use more splits than its table's width allows (one tile each at least).
+    num_splits = max(1, min(num_splits, math.ceil(max(1, max_tokens) / tile)))
 
     partial_out = torch.empty(
         batch, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32
@@ -297,8 +309,7 @@ def paged_decode_attention_triton(
         partial_out,
         partial_lse,
         scale * math.log2(math.e),
-        block_size,
-        split_tokens,
+        max(1, min_split_tokens),
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -313,6 +324,7 @@ def paged_decode_attention_triton(
         BLOCK_GROUP=max(_MIN_DOT_DIM, triton.next_power_of_2(group)),
         BLOCK_DIM=block_dim,
         BLOCK_TOKENS=tile,
+        BLOCK_SIZE=block_size,  # a constant: // and % by it compile to shifts for powers of 2
         # fp32 caches get exact fp32 products (not TF32): fp32 is the correctness mode.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         **gpu_options,
@@ -333,3 +345,40 @@ def paged_decode_attention_triton(
         **({} if interpret else {"num_warps": 4}),
     )
     return out
+
+
+def warm_up(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_batch: int,
+    max_blocks_per_sequence: int,
+) -> set[tuple[int, int]]:
+    """Compile, before serving, every kernel variant a run's eager decode steps can hit, so no
+    step waits for Triton's JIT (about a second per variant on a GPU).
+
+    A variant is fixed by the model's shapes (compile-time constants) plus what Triton
+    specializes runtime integers on (equal to 1, divisible by 16): here the block table's row
+    stride (its width) and the split count, which follows from the batch size and the width
+    (``default_num_splits``). Every power-of-two batch up to ``max_batch`` is run at table
+    widths 1, 2, 16, 17 and ``max_blocks_per_sequence`` (each a specialization class, clamped to
+    the maximum). Returns the (width, splits) pairs run."""
+    widths = sorted({min(w, max_blocks_per_sequence) for w in (1, 2, 16, 17)})
+    widths = sorted({*widths, max_blocks_per_sequence})
+    batches = sorted({1 << i for i in range(max(1, max_batch).bit_length())} | {max_batch})
+    cache_shape = (max(widths) + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    ran: set[tuple[int, int]] = set()
+    for batch in batches:
+        query = torch.zeros(batch, num_heads, head_dim, dtype=dtype, device=device)
+        for width in widths:
+            splits = default_num_splits(batch, num_kv_heads, width * block_size, device)
+            tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+            lengths = torch.full((batch,), width * block_size, dtype=torch.int32, device=device)
+            paged_decode_attention_triton(query, k_cache, v_cache, tables, lengths, 1.0)
+            ran.add((width, splits))
+    return ran

@@ -15,7 +15,6 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from dpserve import security
 from dpserve.client import ClientError, InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.body import parse_json_body
@@ -42,9 +41,10 @@ from dpserve.openai.responses import (
     ChatFormat,
     CompletionFormat,
 )
+from dpserve.security import api_tokens
 from dpserve.tokenizer import BatchTokenizer
 
-log = logging.getLogger("dpserve.http")
+log = logging.getLogger("dpserve.openai")
 
 _ApiHandler = Callable[[web.Request, Outcome], Awaitable[web.StreamResponse]]
 
@@ -66,6 +66,8 @@ class HttpFront:
         self.limits = limits
         self.http_limits = http_limits
         self.max_message_bytes = limits.max_message_bytes
+        # The coordinator instance whose limits this front checks requests against too.
+        self._limits_of: str | None = None
         self.metrics = FrontMetrics()
         self.generator = Generator(
             client, tokenizer, model_name, http_limits.request_timeout, self.metrics
@@ -93,6 +95,7 @@ class HttpFront:
 
     async def completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
         try:
+            await self._follow_coordinator_limits()
             job = parse_completion_request(await self._read_json(request), self.limits)
             check_message_size(job, self.max_message_bytes)
         except InvalidRequest as exc:
@@ -101,6 +104,7 @@ class HttpFront:
 
     async def chat_completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
         try:
+            await self._follow_coordinator_limits()
             body = await self._read_json(request)
             job: GenerationRequest = parse_chat_request(body, self.tokenizer, self.limits)
             check_message_size(job, self.max_message_bytes)
@@ -136,17 +140,27 @@ class HttpFront:
             )
         except (TimeoutError, ClientError, zmq.ZMQError):  # ZMQError: the client was stopped
             return None
-        self._adopt_coordinator_limits(status.get("limits") or {})
         return status
+
+    async def _follow_coordinator_limits(self) -> None:
+        """Once per coordinator instance (a restarted one may be configured otherwise), read
+        its limits from STATUS and check requests against those tighter than this front's."""
+        instance = self.client.coordinator_instance
+        if instance is None or instance == self._limits_of:
+            return
+        status = await self.coordinator_status()
+        if status is not None and self.client.coordinator_instance == instance:
+            self._limits_of = instance
+            self._adopt_coordinator_limits(status.get("limits") or {})
 
     def _adopt_coordinator_limits(self, limits: dict[str, Any]) -> None:
         """A coordinator configured tighter than this front would drop (message size) or
         refuse (prompt tokens) what the front lets through: check against its values too."""
-        message_bytes = limits.get("message_bytes")
+        message_bytes = limits.get("max_message_bytes")
         if isinstance(message_bytes, int) and message_bytes < self.max_message_bytes:
             log.info("the coordinator's message limit is %d bytes: checking it", message_bytes)
             self.max_message_bytes = message_bytes
-        prompt_tokens = limits.get("prompt_tokens")
+        prompt_tokens = limits.get("max_prompt_tokens")
         if isinstance(prompt_tokens, int) and prompt_tokens < self.limits.max_prompt_tokens:
             self.limits = dataclasses.replace(self.limits, max_prompt_tokens=prompt_tokens)
 
@@ -209,7 +223,7 @@ def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/v1" or request.path.startswith("/v1/"):
             authorization = request.headers.get("Authorization")
-            if not security.bearer_token_matches(authorization, tokens):
+            if not api_tokens.bearer_token_matches(authorization, tokens):
                 message = (
                     "Incorrect API key provided."
                     if authorization

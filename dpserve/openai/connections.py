@@ -21,7 +21,7 @@ from aiohttp import web
 from dpserve.limits import HttpLimits
 from dpserve.openai.errors import error_body, error_type_for_status
 
-log = logging.getLogger("dpserve.http")
+log = logging.getLogger("dpserve.openai")
 
 
 def _raw_response(status: str, message: str, code: str) -> bytes:

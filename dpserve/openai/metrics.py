@@ -67,7 +67,7 @@ ENGINE_STATS_METRICS: Final = (
     ("dpserve_engine_kv_cache_bytes", "kv_bytes", "Bytes of the engine's KV-cache pool", False),
     (
         "dpserve_engine_max_concurrent_sequences",
-        "max_concurrent_sequences",
+        "max_num_seqs",
         "Sequences the engine runs at once at most (sized from its KV pool)",
         False,
     ),
@@ -139,9 +139,12 @@ class _ScrapeCollector:
         yield capacity
         yield from _engine_stats_metrics(engines)
         for name, value in status.get("limits", {}).items():
+            # STATUS names them as dpserve.limits does (max_prompt_tokens): the metric is
+            # dpserve_limit_prompt_tokens.
+            what = name.removeprefix("max_")
             yield GaugeMetricFamily(
-                f"dpserve_limit_{name}",
-                f"The coordinator's admission limit on {name.replace('_', ' ')}",
+                f"dpserve_limit_{what}",
+                f"The coordinator's admission limit on {what.replace('_', ' ')}",
                 value=value,
             )
 

@@ -28,7 +28,7 @@ from dpserve.openai.values import (
     read_positive_int,
     same_json,
 )
-from dpserve.protocol import Header
+from dpserve.protocol import SubmitRequest
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -436,7 +436,7 @@ def check_message_size(job: GenerationRequest, max_message_bytes: int) -> None:
     largest = max(job.all_prompts, key=len)  # every prompt is its own SUBMIT message
     prompt = largest if isinstance(largest, str) else protocol.pack_tokens(largest)
     # The largest request id the client can send, so the estimate never falls short.
-    message = protocol.encode(Header.SUBMIT_REQUEST, 2**63 - 1, prompt, job.params.serialize())
+    message = protocol.encode(SubmitRequest(2**63 - 1, prompt, job.params.serialize()))
     if len(message) > max_message_bytes:
         raise InvalidRequest(
             f"the request encodes to {len(message)} bytes, more than the coordinator's message "

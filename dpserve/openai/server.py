@@ -12,14 +12,14 @@ from pathlib import Path
 
 from aiohttp import web
 
-from dpserve import security
 from dpserve.client import InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.app import FRONT_KEY, create_app
 from dpserve.openai.connections import ConnectionGuard
+from dpserve.security import key_files
 from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
 
-log = logging.getLogger("dpserve.http")
+log = logging.getLogger("dpserve.openai")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class FrontConfig:
     host: str
     port: int
     model_name: str
-    credentials: security.PeerKeys | None = None  # CURVE keys for the coordinator
+    credentials: key_files.PeerKeys | None = None  # CURVE keys for the coordinator
     api_keys: tuple[bytes, ...] | None = dataclasses.field(default=None, repr=False)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS

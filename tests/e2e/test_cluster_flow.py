@@ -3,19 +3,27 @@
 Pods are containers from the images built from images/ (tests/e2e/test_cluster.py checks the
 node itself). In file order, sharing one operator and one InferenceDeployment:
 
-1. ``helm install`` (Helm's own install action, through its Go SDK) runs the operator as a
-   pod from its image, with the chart's ServiceAccount and RBAC (the API server enforces RBAC);
-2. ``kubectl apply -f`` the example (the runtime image with the tiny test model: the same
-   transformers path as SmolLM2); the engines register through the coordinator Service's DNS
-   name; ``kubectl get infd`` shows READY/REGISTERED; the pods run hardened;
+1. ``scripts/helm install`` (the README's helm arguments, run by Helm's own install action
+   through its Go SDK: the local path has no helm binary) runs the operator as a pod from its
+   image, with the chart's ServiceAccount and RBAC (the API server enforces RBAC);
+2. ``kubectl apply -f examples/inference.yaml`` exactly as published: the real runtime image
+   with SmolLM2 converted at image build (no pod converts anything), the coordinator loading
+   only the tokenizer; the engines register through the coordinator Service's DNS name;
+   ``kubectl get infd`` shows READY/REGISTERED; the pods run hardened;
 3. ``kubectl port-forward`` to the coordinator Service, the credentials fetched as the docs say,
-   then ``dpserve generate`` and ``curl`` get answers;
+   then ``dpserve generate`` and ``curl`` get answers, and the chart NOTES' commands work as
+   typed (token included);
 4. ``kubectl patch`` (2 → 3) and ``kubectl scale`` (3 → 2): the coordinator sees the engines;
-5. an engine pod deleted during a burst of requests: none lost, the replacement registers;
-6. ``kubectl delete infd`` garbage-collects everything; ``helm uninstall`` removes the operator.
+5. an engine pod deleted during a burst of requests: it hands its requests to the other engine
+   and exits at once, none is lost, the replacement registers; the pods' peak memory is read
+   and checked against the example's limits;
+6. a child that cannot run (an impossible memory limit, a missing image, a request no node
+   can meet) turns the status Degraded with the pod's reason and message, and an event says so;
+7. ``kubectl delete infd`` garbage-collects everything; ``scripts/helm uninstall`` removes the
+   operator.
 
 The durations asked for (apply → all engines registered, scale → new engine registered, pod
-delete → replacement registered) are printed in the terminal summary.
+delete → replacement registered) and the measured peaks are printed in the terminal summary.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -32,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import helm_python
 import pytest
 import yaml
 
@@ -55,12 +63,17 @@ pytestmark = [pytest.mark.e2e, cluster_opt_in, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dpserve-operator"
 NAMESPACE = "readme"
-TINY_IMAGE = "localhost/dpserve/runtime-tiny:0.1.0"
-TINY_MODEL = "/opt/models/tiny"
+HELM = ROOT / "scripts" / "helm"
+NOTES = CHART / "templates" / "NOTES.txt"
 ZMQ_PORT, HTTP_PORT = 5555, 8000  # examples/inference.yaml
 REGISTER_TIMEOUT = 240.0
-ENGINE_CPU_LIMIT = "1"
+FAULTS_NAMESPACE = "faults"
 JSON = dict[str, Any]
+
+
+def example() -> JSON:
+    published: JSON = yaml.safe_load(EXAMPLE.read_text())
+    return published
 
 
 @dataclass
@@ -86,11 +99,28 @@ class Flow:
         wait_for(ready, REGISTER_TIMEOUT, what, interval=0.5, diagnostics=self.diagnostics)
         return time.monotonic() - started
 
-    def helm(self) -> helm_python.Config:
-        # helm --namespace dpserve-system: where the release and its history live.
-        return helm_python.Config(
-            kubeconfig_path=str(self.kubectl.kubeconfig), namespace=OPERATOR_NS
+    def helm(self, *args: str) -> str:
+        """``scripts/helm ARGS`` (the README's helm line), with this cluster's kubeconfig."""
+        result = subprocess.run(
+            [str(HELM), *args],
+            env={**os.environ, "KUBECONFIG": str(self.kubectl.kubeconfig),
+                 "PYTHON": sys.executable},
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert result.returncode == 0, result
+        return result.stdout
+
+    def shim(self, namespace: str) -> Path:
+        """A directory with a ``kubectl`` that talks to this cluster in ``namespace`` (the
+        current context's namespace, for commands typed as the docs show them)."""
+        directory = self.workdir / f"bin-{namespace}"
+        directory.mkdir(exist_ok=True)
+        (directory / "kubectl").write_text(
+            f'#!/bin/sh\nexec "{self.kubectl.binary}" --kubeconfig="{self.kubectl.kubeconfig}" '
+            f'-n "{namespace}" "$@"\n'
         )
+        (directory / "kubectl").chmod(0o755)
+        return directory
 
     def diagnostics(self) -> str:
         pods = self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
@@ -107,12 +137,16 @@ def flow(
 
 
 def test_helm_install_runs_the_operator_as_a_pod(flow: Flow) -> None:
-    # helm install dpserve-operator charts/dpserve-operator --namespace dpserve-system
-    #   --create-namespace
-    with flow.helm() as config:
-        config.install(
-            str(CHART), RELEASE, namespace=OPERATOR_NS, create_namespace=True, timeout=300
-        )
+    # The README's line, with scripts/helm for helm (no helm binary on the local path).
+    readme = (ROOT / "README.md").read_text()
+    line = (
+        f"helm install {RELEASE} charts/dpserve-operator "
+        f"--namespace {OPERATOR_NS} --create-namespace"
+    )
+    assert line in readme, "the README's helm install line changed"
+    output = flow.helm(*line.split()[1:])
+    assert "NOTES:" in output and "kubectl apply -f examples/inference.yaml" in output, output
+    (flow.workdir / "notes.txt").write_text(output.split("NOTES:", 1)[1])
     deployment = wait_for(
         lambda: (
             (d := flow.kubectl.json("get", "deployment", RELEASE, "-n", OPERATOR_NS))
@@ -140,16 +174,13 @@ def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
         30,
         "the default ServiceAccount",
     )
-    example = yaml.safe_load(EXAMPLE.read_text())
-    example["spec"].update(image=TINY_IMAGE, model=TINY_MODEL, imagePullPolicy="IfNotPresent")
-    # One CPU each: fewer than the node has, so torch's thread count shows the limit applies.
-    example["spec"]["engine"]["resources"]["limits"]["cpu"] = ENGINE_CPU_LIMIT
-    manifest = flow.workdir / "inference.yaml"
-    manifest.write_text(yaml.safe_dump(example))
+    # As published: the real runtime image and SmolLM2, the example's own resources.
     started = time.monotonic()
-    flow.kubectl("apply", "-f", str(manifest), "-n", NAMESPACE)
+    flow.kubectl("apply", "-f", str(EXAMPLE), "-n", NAMESPACE)
     flow.wait_registered(2, "both engines registered after kubectl apply")
-    TIMINGS["kubectl apply -> 2 engines registered"] = time.monotonic() - started
+    TIMINGS["kubectl apply -f examples/inference.yaml -> 2 engines registered"] = (
+        time.monotonic() - started
+    )
 
     header, row = flow.kubectl("get", "infd", "-n", NAMESPACE).stdout.splitlines()[:2]
     assert header.split()[:5] == ["NAME", "DESIRED", "READY", "REGISTERED", "PHASE"]
@@ -159,7 +190,15 @@ def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
     command = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]
     assert f"tcp://{NAME}-coordinator.{NAMESPACE}.svc:{ZMQ_PORT}" in command
     logs = flow.kubectl("logs", f"{NAME}-engine-0", "-n", NAMESPACE).stdout
-    assert "registered with coordinator" in logs, logs[-2000:]
+    assert logs.count("registered with coordinator") == 1, logs[-2000:]
+    # No pod converts the model: it is in the image, and the coordinator reads only its
+    # tokenizer (the engine log names the image's directory).
+    assert "converting" not in logs and "/opt/models/smollm2-135m-instruct" in logs, logs[-2000:]
+    coordinator_pod = next(
+        p for p in pod_names(flow.kubectl, NAMESPACE) if p.startswith(f"{NAME}-coordinator")
+    )
+    coordinator_logs = flow.kubectl("logs", coordinator_pod, "-n", NAMESPACE).stdout
+    assert "converting" not in coordinator_logs, coordinator_logs[-2000:]
 
 
 def test_pods_run_non_root_with_a_read_only_root_and_no_privilege_escalation(
@@ -185,12 +224,13 @@ def test_pods_run_non_root_with_a_read_only_root_and_no_privilege_escalation(
 
 
 def test_engines_use_as_many_torch_threads_as_their_cpu_limit(flow: Flow) -> None:
-    assert (os.cpu_count() or 1) > int(ENGINE_CPU_LIMIT), "needs a node with more CPUs"
+    limit = str(example()["spec"]["engine"]["resources"]["limits"]["cpu"])
+    assert (os.cpu_count() or 1) > int(limit), "needs a node with more CPUs than the limit"
     threads = flow.kubectl(
         "exec", f"{NAME}-engine-0", "-n", NAMESPACE, "--",
         "python", "-c", "import torch; print(torch.get_num_threads())",
     ).stdout.strip()  # fmt: skip
-    assert threads == ENGINE_CPU_LIMIT, threads
+    assert threads == limit, threads
 
 
 def pod_names(kubectl: Kubectl, namespace: str) -> list[str]:
@@ -224,6 +264,28 @@ def test_port_forward_then_generate_and_curl(flow: Flow) -> None:
             capture_output=True, text=True, timeout=30, check=False,
         )  # fmt: skip
         assert refused.stdout == "401", refused
+        notes_output = run_notes_commands(flow, http)
+    reply = json.loads(notes_output)
+    assert reply["choices"][0]["message"]["content"].strip(), reply
+
+
+def run_notes_commands(flow: Flow, local_http_port: int) -> str:
+    """The chart NOTES' "Talk to it" commands (printed by the install), typed as shown, in
+    a shell whose kubectl defaults to the example's namespace; only the local port differs
+    (the test's port-forward picked a free one)."""
+    notes = (flow.workdir / "notes.txt").read_text()
+    block = notes.split("Talk to it", 1)[1].split("\n\n")[1]
+    commands = "\n".join(line for line in block.splitlines() if "port-forward" not in line)
+    commands = commands.replace("127.0.0.1:8000", f"127.0.0.1:{local_http_port}")
+    assert "Authorization: Bearer" in commands, commands
+    result = subprocess.run(
+        ["bash", "-ec", commands],
+        cwd=flow.workdir,
+        env={"PATH": f"{flow.shim(NAMESPACE)}:/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, (commands, result)
+    return result.stdout
 
 
 def test_patch_and_scale_change_the_registered_engines(flow: Flow) -> None:
@@ -270,7 +332,10 @@ def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
             futures = [pool.submit(send, i) for i in range(64)]
             time.sleep(1.0)
             deleted_at = time.monotonic()
-            flow.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
+            # `kubectl delete pod` waits until the pod is gone: the engine handed its
+            # requests over and exited instead of draining them and its grace period.
+            flow.kubectl("delete", "pod", victim, "-n", NAMESPACE)
+            gone_at = time.monotonic()
             results = [future.result(timeout=300) for future in futures]
     failures = [result for result in results if result[0] != 200]
     assert not failures, failures[:5]
@@ -283,7 +348,105 @@ def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
     # The engine pod is Ready exactly when its engine registered (the ready-file probe).
     wait_for(replaced, REGISTER_TIMEOUT, f"a new {victim} registered", diagnostics=flow.diagnostics)
     TIMINGS["engine pod deleted -> replacement registered"] = time.monotonic() - deleted_at
+    TIMINGS["engine pod deleted -> old pod gone (hand-off, exit)"] = gone_at - deleted_at
     flow.wait_registered(2, "both engines registered after the replacement")
+    record_peak_memory(flow)
+
+
+def record_peak_memory(flow: Flow) -> None:
+    """The pods' peak memory after the burst, as the example's resources were measured: the
+    sum of every process's peak RSS (VmHWM) in the container, and the container cgroup's
+    peak usage (page cache included). Each must fit the example's limit."""
+    spec = example()["spec"]
+    probe = (
+        "cat /proc/[0-9]*/status 2>/dev/null | awk '/^VmHWM/ {kb += $2} END {print kb}'; "
+        "cat /sys/fs/cgroup/memory/memory.max_usage_in_bytes"
+    )
+    for pod in pod_names(flow.kubectl, NAMESPACE):
+        component = "coordinator" if "coordinator" in pod else "engine"
+        output = flow.kubectl("exec", pod, "-n", NAMESPACE, "--", "sh", "-c", probe).stdout
+        rss_kib, cgroup_bytes = (int(value) for value in output.split())
+        limit = parse_bytes(spec[component]["resources"]["limits"]["memory"])
+        TIMINGS[f"peak memory {pod}: RSS MiB"] = rss_kib / 1024
+        TIMINGS[f"peak memory {pod}: cgroup MiB"] = cgroup_bytes / 2**20
+        assert rss_kib * 1024 < limit, (pod, rss_kib, limit)
+
+
+def parse_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * factor)
+    return int(quantity)
+
+
+def engine_memory(quantity: str) -> JSON:
+    return {"engine": {"resources": {"requests": {"memory": quantity},
+                                     "limits": {"memory": quantity}}}}  # fmt: skip
+
+
+FAULTS = {
+    # name: (what to change in the published example, the Degraded reason it must give)
+    "oom": (engine_memory("48Mi"), "OOMKilled"),  # the engine cannot even import torch
+    "pull": ({"image": "localhost/dpserve/missing:0.1.0"}, "ImagePullBackOff"),
+    "unschedulable": (engine_memory("4000Gi"), "Unschedulable"),
+}
+
+
+def merged(base: JSON, override: JSON) -> JSON:
+    result = dict(base)
+    for key, value in override.items():
+        result[key] = merged(base[key], value) if isinstance(value, dict) else value
+    return result
+
+
+def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Flow) -> None:
+    flow.kubectl("create", "namespace", FAULTS_NAMESPACE)
+    wait_for(
+        lambda: (
+            flow.kubectl("get", "sa", "default", "-n", FAULTS_NAMESPACE, check=False).returncode
+            == 0
+        ),
+        30,
+        "the default ServiceAccount",
+    )
+    manifests = []
+    for name, (change, _reason) in FAULTS.items():
+        faulty = example()
+        faulty["metadata"]["name"] = name
+        faulty["spec"] = merged(faulty["spec"], {**change, "dataParallelSize": 1})
+        manifests.append(faulty)
+    manifest = flow.workdir / "faults.yaml"
+    manifest.write_text(yaml.safe_dump_all(manifests))
+    flow.kubectl("apply", "-f", str(manifest), "-n", FAULTS_NAMESPACE)
+
+    def diagnostics() -> str:
+        described = flow.kubectl("describe", "infd", "-n", FAULTS_NAMESPACE, check=False).stdout
+        pods = flow.kubectl("get", "pods", "-n", FAULTS_NAMESPACE, check=False).stdout
+        return f"{pods}\n{described}"
+
+    for name, (_change, reason) in FAULTS.items():
+
+        def degraded(name: str = name, reason: str = reason) -> JSON | None:
+            status = flow.kubectl.json("get", "infd", name, "-n", FAULTS_NAMESPACE).get("status")
+            conditions = {c["type"]: c for c in (status or {}).get("conditions") or []}
+            condition = conditions.get("Degraded") or {}
+            if status and status.get("phase") == "Degraded" and condition.get("reason") == reason:
+                return condition
+            return None
+
+        condition = wait_for(degraded, 180, f"{name}: Degraded {reason}", diagnostics=diagnostics)
+        assert condition["status"] == "True"
+        assert f"pod {name}-" in condition["message"], condition
+        involved = f"involvedObject.kind=InferenceDeployment,involvedObject.name={name}"
+        events = flow.kubectl.json(
+            "get", "events", "-n", FAULTS_NAMESPACE, "--field-selector", involved
+        )["items"]
+        said = [e for e in events if e.get("reason") == reason and e.get("type") == "Warning"]
+        assert said and f"pod {name}-" in said[0]["message"], events
+        row = flow.kubectl("get", "infd", name, "-n", FAULTS_NAMESPACE).stdout.splitlines()[1]
+        assert "Degraded" in row.split(), row
+    flow.kubectl("delete", "namespace", FAULTS_NAMESPACE, "--wait=false")
 
 
 def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
@@ -297,8 +460,7 @@ def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
 
     wait_for(children_gone, 120, "every child of demo deleted", diagnostics=flow.diagnostics)
     # helm uninstall dpserve-operator --namespace dpserve-system
-    with flow.helm() as config:
-        config.uninstall(RELEASE, timeout=120)
+    flow.helm("uninstall", RELEASE, "--namespace", OPERATOR_NS)
     wait_for(
         lambda: (
             not pod_names(flow.kubectl, OPERATOR_NS)
@@ -311,3 +473,6 @@ def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
         diagnostics=flow.diagnostics,
     )
     flow.kubectl("delete", "crd", CRD_NAME, "--timeout=60s")
+    # Helm leaves the namespace --create-namespace made (the docs say so): delete it too.
+    assert flow.kubectl("get", "namespace", OPERATOR_NS, check=False).returncode == 0
+    flow.kubectl("delete", "namespace", OPERATOR_NS, "--timeout=120s")

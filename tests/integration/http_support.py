@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpserve.engine.fake import fake_token
 from tests.integration.runtime import Processes, free_port
+from tests.waiting import wait_until
 
 STEP_DELAY = 0.01  # seconds per fake-engine step: 100 tokens/s per request
 
@@ -82,14 +83,6 @@ def http_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
             return response.status, json.load(response)
     except urllib.error.HTTPError as error:
         return error.code, json.load(error)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def ready_is(base_url: str, status_code: int, engines: int | None = None) -> Callable[[], bool]:

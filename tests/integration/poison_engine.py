@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
-from dpserve.engine.connection import CoordinatorConnection
+from dpserve.engine.connection import EngineConnection
 from dpserve.engine.fake import FakeRunner
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.engine.server import EngineServer
 
 POISON = b"POISON"
@@ -23,7 +23,7 @@ class PoisonedRunner(FakeRunner):
         super().__init__(step_delay=step_delay)
         self.poisoned = False
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: RunnerRequest) -> None:
         super().add(request)
         self.poisoned = self.poisoned or POISON in bytes(request.prompt_tokens)
 
@@ -35,7 +35,7 @@ class PoisonedRunner(FakeRunner):
 
 def main(address: str, rank: str, step_delay: str) -> int:
     runner = PoisonedRunner(float(step_delay))
-    connection = CoordinatorConnection(address, int(rank), runner.capacity)
+    connection = EngineConnection(address, int(rank), runner.max_num_seqs)
     return EngineServer(connection, runner).run()
 
 

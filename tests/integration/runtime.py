@@ -79,11 +79,3 @@ async def wait_for_engines(client: InferenceClient, count: int, within: float = 
             return status
         await asyncio.sleep(0.05)
     raise AssertionError(f"expected {count} engines, status: {status}")
-
-
-async def eventually(predicate, within: float = 10.0, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(interval)

@@ -46,7 +46,7 @@ async def test_over_limit_requests_are_refused_at_once_beside_live_streams(proce
     assert record.generated_tokens == expected_tokens("live stream", 200)
     status = await client.get_status()
     assert status["counters"]["too_large"] == 1
-    assert status["limits"]["message_bytes"] == MESSAGE_LIMIT
+    assert status["limits"]["max_message_bytes"] == MESSAGE_LIMIT
 
 
 async def test_prompts_over_the_character_and_token_limits_are_refused(processes, client, port):

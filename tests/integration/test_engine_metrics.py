@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import aiohttp
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -16,9 +17,10 @@ from dpserve import protocol
 from dpserve.client import InferenceClient
 from dpserve.engine.kv_cache import RESERVED_BLOCKS
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
-from dpserve.protocol import Header, Heartbeat, Register
-from tests.integration.http_support import metric, metric_samples, ready_is, start_front, wait_until
+from dpserve.protocol import Header, Heartbeat, HeartbeatAck, Register, RegisterAck
+from tests.integration.http_support import metric, metric_samples, ready_is, start_front
 from tests.integration.runtime import Processes, wait_for_engines
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,7 +28,7 @@ KV_METRICS = {
     "dpserve_engine_kv_cache_blocks": "kv_blocks",
     "dpserve_engine_kv_cache_tokens": "kv_tokens",
     "dpserve_engine_kv_cache_bytes": "kv_bytes",
-    "dpserve_engine_max_concurrent_sequences": "max_concurrent_sequences",
+    "dpserve_engine_max_concurrent_sequences": "max_num_seqs",
 }
 
 
@@ -88,14 +90,14 @@ async def test_metrics_report_the_pool_the_engine_logged(
 
 async def _register(socket: zmq.asyncio.Socket, rank: int) -> None:
     await socket.send(protocol.encode(Register(rank, 1, "rogue")))
-    header, _ = protocol.decode(await asyncio.wait_for(socket.recv(), 10))
-    assert header is Header.REGISTER_ACK
+    ack = protocol.decode(await asyncio.wait_for(socket.recv(), 10))
+    assert isinstance(ack, RegisterAck)
 
 
 async def _heartbeat(socket: zmq.asyncio.Socket, stats: object) -> None:
-    await socket.send(protocol.encode(Header.HEARTBEAT, 0, stats))
-    header, _ = protocol.decode(await asyncio.wait_for(socket.recv(), 10))
-    assert header is Header.HEARTBEAT_ACK, "a heartbeat with bad numbers still counts"
+    await socket.send(protocol.encode(Heartbeat(0, stats)))
+    ack = protocol.decode(await asyncio.wait_for(socket.recv(), 10))
+    assert isinstance(ack, HeartbeatAck), "a heartbeat with bad numbers still counts"
 
 
 async def _engine_status(client: InferenceClient, rank: int) -> tuple[dict, dict]:
@@ -143,7 +145,7 @@ async def test_coordinator_refuses_malformed_engine_stats(
         assert counters["bad_engine_stats"] == len(MALFORMED_STATS)
 
         # Stats that are not a map at all are a malformed message: dropped, engine kept.
-        await rogue.send(protocol.encode(Header.HEARTBEAT, 0, [1, 2]))
+        await rogue.send(msgpack.packb([int(Header.HEARTBEAT), 0, [1, 2]]))
         await _heartbeat(rogue, {"kv_blocks": 3})
         engine, counters = await _engine_status(client, 7)
         assert engine["stats"] == {"kv_blocks": 3}
@@ -156,7 +158,8 @@ async def test_coordinator_refuses_malformed_engine_stats(
 
 def test_heartbeat_without_stats_is_still_valid_on_the_wire() -> None:
     """Older engines and every client send HEARTBEAT with one field."""
-    assert protocol.decode_record(protocol.encode(Header.HEARTBEAT, 2)) == Heartbeat(2, None)
-    assert protocol.decode_record(protocol.encode(Heartbeat(1, {"kv_blocks": 4}))).stats == {
+    assert protocol.encode(Heartbeat(2)) == msgpack.packb([int(Header.HEARTBEAT), 2])
+    assert protocol.decode(msgpack.packb([int(Header.HEARTBEAT), 2])) == Heartbeat(2, None)
+    assert protocol.decode(protocol.encode(Heartbeat(1, {"kv_blocks": 4}))).stats == {
         "kv_blocks": 4
     }

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from dpserve import protocol
-from dpserve.protocol import EngineReply, EngineRequest, EngineUpdate, Header, Register
+from dpserve.protocol import EngineReply, EngineRequest, EngineUpdate, Register
 from dpserve.sampling import SamplingParams
 from tests.integration.runtime import wait_for_engines
 
@@ -30,13 +30,13 @@ class RawEngine:
 
     async def next_request(self) -> EngineRequest:
         while True:
-            record = protocol.decode_record(await asyncio.wait_for(self.socket.recv(), 20))
+            record = protocol.decode(await asyncio.wait_for(self.socket.recv(), 20))
             if isinstance(record, EngineRequest):
                 return record
 
     async def reply(self, *updates: list) -> None:
         # As lists, the way an engine that predates the text field writes them.
-        await self.socket.send(protocol.encode(Header.ENGINE_REPLY, list(updates)))
+        await self.socket.send(protocol.encode(EngineReply(list(updates))))
 
     def close(self) -> None:
         self.socket.close(0)

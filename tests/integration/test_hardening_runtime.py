@@ -16,19 +16,20 @@ import time
 
 import pytest
 
-from dpserve import security
 from dpserve.client import (
     CoordinatorRefused,
     InferenceClient,
-    InvalidRequest,
     RequestFailed,
     RequestRecord,
+    UnsendableRequest,
 )
 from dpserve.engine.cpus import usable_cores
 from dpserve.engine.fake import fake_token
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.sampling import SamplingParams
-from tests.integration.runtime import DPSERVE, Processes, eventually, free_port, wait_for_engines
+from dpserve.security import key_files
+from tests.integration.runtime import DPSERVE, Processes, free_port, wait_for_engines
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -116,10 +117,10 @@ async def test_text_that_cannot_be_encoded_is_refused_before_sending(processes, 
         lambda: client.add_request([1, 2**40]),
     ]
     for attempt in attempts:
-        with pytest.raises(InvalidRequest) as refused:
+        with pytest.raises(UnsendableRequest) as refused:
             attempt()
         assert "encode" in str(refused.value)
-    with pytest.raises(InvalidRequest, match="not valid Unicode"):
+    with pytest.raises(UnsendableRequest, match="not valid Unicode"):
         client.add_request(lone_surrogate)
     assert not client.completion_futures, "a refused request never reaches the pending table"
     # The client keeps serving, and a restart's resubmission has nothing that cannot encode.
@@ -147,7 +148,7 @@ async def test_oversize_request_fails_fast_while_other_streams_finish_exactly(
     token_ids = [7] * (limit // 4)  # a few bytes over the limit once framed
     started = time.monotonic()
     for oversize in (token_ids, "x" * limit, [{"role": "user", "content": "y" * limit}]):
-        with pytest.raises(InvalidRequest, match=f"message limit of {limit} bytes"):
+        with pytest.raises(UnsendableRequest, match=f"message limit of {limit} bytes"):
             client.add_request(oversize, params)
     assert time.monotonic() - started < 1.0
     # The biggest request the limit allows still goes through, on the same connection.
@@ -198,7 +199,7 @@ async def test_fake_engine_honours_its_context_and_finishing_rules(processes, cl
 
 def run_dpserve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     """Run a dpserve command without inherited credentials; returns it and its duration."""
-    env = {k: v for k, v in os.environ.items() if k != security.ENV_CREDENTIALS}
+    env = {k: v for k, v in os.environ.items() if k != key_files.ENV_CREDENTIALS}
     started = time.monotonic()
     done = subprocess.run(
         [DPSERVE, *args], capture_output=True, text=True, timeout=timeout, env=env
@@ -207,8 +208,8 @@ def run_dpserve(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedPr
 
 
 async def test_wrong_or_missing_credentials_fail_fast_and_say_why(processes, port, tmp_path):
-    keys = security.generate_credentials(tmp_path / "keys")
-    stranger = security.generate_credentials(tmp_path / "stranger")
+    keys = key_files.generate_credentials(tmp_path / "keys")
+    stranger = key_files.generate_credentials(tmp_path / "stranger")
     shutil.copy(keys / "coordinator.key", stranger / "coordinator.key")
     processes.coordinator(port, *FAST, "--credentials", str(keys))
     async with InferenceClient(port, credentials=keys) as admin:  # the coordinator is up

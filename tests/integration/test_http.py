@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,9 @@ from tests.integration.http_support import (
     start_engines,
     start_front,
     wait_for_idle,
-    wait_until,
 )
 from tests.integration.runtime import Processes, free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -77,12 +77,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield start_cluster(processes)
     finally:
         processes.cleanup()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
-        yield instance
 
 
 # ---------------------------------------------------------------- completions

@@ -17,15 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.http_support import (
-    Cluster,
-    error_of,
-    http_json,
-    metric,
-    start_cluster,
-    wait_until,
-)
+from tests.integration.http_support import Cluster, error_of, http_json, metric, start_cluster
 from tests.integration.runtime import Processes
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -62,9 +62,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as instance:
-        yield instance
+def session_timeout() -> float:
+    """Seconds for each HTTP call of the shared ``session`` fixture (conftest)."""
+    return 60.0
 
 
 def padded_body(size: int) -> bytes:

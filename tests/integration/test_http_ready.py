@@ -12,14 +12,9 @@ import time
 import pytest
 
 from dpserve.client import InferenceClient
-from tests.integration.http_support import (
-    children_of,
-    http_json,
-    ready_is,
-    start_cluster,
-    wait_until,
-)
+from tests.integration.http_support import children_of, http_json, ready_is, start_cluster
 from tests.integration.runtime import Processes
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,7 @@ token strings concatenate to the returned text."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,9 @@ from tests.integration.http_support import (
     start_cluster,
     start_front,
     wait_for_idle,
-    wait_until,
 )
 from tests.integration.runtime import Processes
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,12 +42,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield start_cluster(processes, step_delay=0.001)
     finally:
         processes.cleanup()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
-        yield instance
 
 
 async def post_raw(session: aiohttp.ClientSession, url: str, data: bytes) -> tuple[int, Any]:

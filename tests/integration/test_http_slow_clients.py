@@ -9,7 +9,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -40,12 +40,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         )
     finally:
         processes.cleanup()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as instance:
-        yield instance
 
 
 def address(cluster: Cluster) -> tuple[str, int]:

@@ -14,8 +14,9 @@ from dpserve.client import RequestFailed
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS
 from dpserve.sampling import SamplingParams
 from tests.integration import poison_engine
-from tests.integration.runtime import Processes, eventually, wait_for_engines
+from tests.integration.runtime import Processes, wait_for_engines
 from tests.integration.test_runtime import FAST, expected_tokens
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,17 +18,19 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 
-from dpserve import protocol, security
+from dpserve import protocol
 from dpserve.client import CoordinatorUnavailable, InferenceClient, RequestFailed
 from dpserve.engine.fake import fake_token
 from dpserve.protocol import ErrorCode, Header
 from dpserve.sampling import SamplingParams
+from dpserve.security import key_files, roles
 from tests.integration.runtime import DPSERVE, Processes, free_port, wait_for_engines
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,13 +44,13 @@ def expected_tokens(prompt: str, count: int) -> list[int]:
 
 @pytest.fixture
 def keys(tmp_path: Path) -> Path:
-    return security.generate_credentials(tmp_path / "keys")
+    return key_files.generate_credentials(tmp_path / "keys")
 
 
 @pytest.fixture
 def stranger(tmp_path: Path, keys: Path) -> Path:
     """Keys of someone who knows the coordinator's public key but is not allowed in."""
-    directory = security.generate_credentials(tmp_path / "stranger")
+    directory = key_files.generate_credentials(tmp_path / "stranger")
     shutil.copy(keys / "coordinator.key", directory / "coordinator.key")
     return directory
 
@@ -78,28 +80,29 @@ def start_secure(
 class RawPeer:
     """A DEALER that sends whatever a test wants, with the CURVE keys of one role."""
 
-    def __init__(self, port: int, keys: security.PeerKeys, identity: bytes | None = None) -> None:
+    def __init__(self, port: int, keys: key_files.PeerKeys, identity: bytes | None = None) -> None:
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.IDENTITY, identity or b"raw-" + uuid.uuid4().bytes)
-        security.secure_peer(self.socket, keys)
+        roles.secure_peer(self.socket, keys)
         self.socket.connect(f"tcp://127.0.0.1:{port}")
 
     async def send(self, header: Header, *fields: object) -> None:
-        await self.socket.send(protocol.encode(header, *fields))
+        await self.socket.send(protocol.encode(protocol.RECORDS[header](*fields)))
 
-    async def receive(self, timeout: float = 10.0) -> tuple[Header, list]:
+    async def receive(self, timeout: float = 10.0) -> Any:
         return protocol.decode(await asyncio.wait_for(self.socket.recv(), timeout))
 
-    async def receive_until(self, header: Header, timeout: float = 10.0) -> list:
-        """Skip other messages (heartbeat acks, errors for earlier sends) until ``header``."""
+    async def receive_until(self, header: Header, timeout: float = 10.0) -> Any:
+        """Skip other messages (heartbeat acks, errors for earlier sends) until ``header``;
+        returns its record."""
         deadline = time.monotonic() + timeout
         while True:
-            got, fields = await self.receive(max(0.1, deadline - time.monotonic()))
-            if got is header:
-                return fields
+            record = await self.receive(max(0.1, deadline - time.monotonic()))
+            if protocol.header_of(record) is header:
+                return record
 
     def close(self) -> None:
         self.socket.close(0)
@@ -163,7 +166,7 @@ async def test_roles_decide_what_a_connection_may_do(processes, admin, port, key
     start_secure(processes, port, keys, engines=2)
     await admin.start()
     await wait_for_engines(admin, 2)
-    user = InferenceClient(port, credentials=security.load_peer_keys(keys, security.CLIENT))
+    user = InferenceClient(port, credentials=key_files.load_peer_keys(keys, key_files.CLIENT))
     await user.start()
     try:
         record = await user.add_request("a user", SamplingParams(num_tokens_to_generate=2))
@@ -182,8 +185,8 @@ async def test_roles_decide_what_a_connection_may_do(processes, admin, port, key
     assert all(engine.poll() is None for engine in processes.started[1:])
 
     # A client key cannot register as an engine, nor an engine key connect as a client.
-    client_peer = RawPeer(port, security.load_peer_keys(keys, security.CLIENT))
-    engine_peer = RawPeer(port, security.load_peer_keys(keys, security.ENGINE))
+    client_peer = RawPeer(port, key_files.load_peer_keys(keys, key_files.CLIENT))
+    engine_peer = RawPeer(port, key_files.load_peer_keys(keys, key_files.ENGINE))
     try:
         await client_peer.send(Header.REGISTER, 7, 8, "impostor")
         _ref, code, message = await client_peer.receive_until(Header.ERROR)
@@ -212,14 +215,14 @@ async def test_a_reused_identity_gets_the_role_of_its_new_connection(processes, 
     await admin.start()
     await wait_for_engines(admin, 1)
     identity = b"shared-" + uuid.uuid4().bytes
-    first = RawPeer(port, security.load_peer_keys(keys, security.ADMIN), identity)
+    first = RawPeer(port, key_files.load_peer_keys(keys, key_files.ADMIN), identity)
     try:
         await first.send(Header.CONNECT, protocol.PROTOCOL_VERSION)
         await first.receive_until(Header.CONNECT_ACK)
     finally:
         first.close()
     await asyncio.sleep(1.0)  # the coordinator's next poll notices the closed connection
-    second = RawPeer(port, security.load_peer_keys(keys, security.CLIENT), identity)
+    second = RawPeer(port, key_files.load_peer_keys(keys, key_files.CLIENT), identity)
     try:
         # No CONNECT: the coordinator still knows this identity as the admin's connection.
         await second.send(Header.SUBMIT_REQUEST, 1, "same identity", {"num_tokens_to_generate": 2})
@@ -253,7 +256,7 @@ async def test_one_client_flooding_hits_its_cap_while_another_is_served(
     )
     await admin.start()
     await wait_for_engines(admin, 1)
-    flooder = InferenceClient(port, credentials=security.load_peer_keys(keys, security.CLIENT))
+    flooder = InferenceClient(port, credentials=key_files.load_peer_keys(keys, key_files.CLIENT))
     await flooder.start()
     try:
         long = SamplingParams(num_tokens_to_generate=300)
@@ -276,8 +279,8 @@ async def test_one_client_flooding_hits_its_cap_while_another_is_served(
         assert all(isinstance(e, RequestFailed) and e.code == "overloaded" for e in refused)
         assert "--max-inflight-per-client 50" in refused[0].message
         status = await admin.get_status()
-        assert status["limits"]["inflight_per_client"] == 50
-        assert status["limits"]["prompt_tokens"] == 100
+        assert status["limits"]["max_inflight_per_client"] == 50
+        assert status["limits"]["max_prompt_tokens"] == 100
     finally:
         flooder.stop()
 
@@ -295,7 +298,7 @@ async def test_hostile_authenticated_peer_cannot_stop_serving(processes, admin, 
     start_secure(processes, port, keys, engines=2)
     await admin.start()
     await wait_for_engines(admin, 2)
-    hostile = RawPeer(port, security.load_peer_keys(keys, security.CLIENT))
+    hostile = RawPeer(port, key_files.load_peer_keys(keys, key_files.CLIENT))
     rng = random.Random(4321)
     junk = [
         lambda: rng.randbytes(rng.randint(0, 64)),
@@ -366,11 +369,11 @@ def test_keys_generate_writes_the_documented_layout(tmp_path: Path):
     for name in ("coordinator", "engine", "client", "admin"):
         assert stat.S_IMODE((directory / f"{name}.key_secret").stat().st_mode) == 0o600
         assert stat.S_IMODE((directory / f"{name}.key").stat().st_mode) == 0o644
-    for role in security.ROLES:
+    for role in key_files.ROLES:
         (allowed,) = (directory / "allowed" / role).iterdir()
         assert allowed.read_text() == (directory / f"{role}.key").read_text()
     assert_no_secret_in(result.stdout + result.stderr, directory)
-    server = security.load_server_keys(directory)
+    server = key_files.load_server_keys(directory)
     assert sorted(server.roles.values()) == ["admin", "client", "engine"]
 
     before = (directory / "engine.key").read_text()
@@ -395,7 +398,7 @@ def test_serve_without_flags_uses_throwaway_keys_on_loopback(tmp_path: Path):
     runtime = tmp_path / "run"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
-    env.pop(security.ENV_CREDENTIALS, None)
+    env.pop(key_files.ENV_CREDENTIALS, None)
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         serve = subprocess.Popen(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -29,11 +29,11 @@ def reference(tiny_model_path: Path) -> Any:
 def runner(tiny_model_path: Path) -> ModelRunner:
     # Small chunks so a prompt's log-probs come from several prefill chunks.
     return ModelRunner(
-        str(tiny_model_path), max_batch_size=8, max_num_batched_tokens=16, device="cpu"
+        str(tiny_model_path), max_num_seqs=8, max_num_batched_tokens=16, device="cpu"
     )
 
 
-def run_all(runner: ModelRunner, requests: list[EngineRequest]) -> dict[int, list[TokenUpdate]]:
+def run_all(runner: ModelRunner, requests: list[RunnerRequest]) -> dict[int, list[TokenUpdate]]:
     for request in requests:
         runner.add(request)
     updates: dict[int, list[TokenUpdate]] = {r.request_id: [] for r in requests}
@@ -64,7 +64,7 @@ def test_top_logprobs_greedy_top1_is_the_sampled_token(runner: ModelRunner) -> N
         top_logprobs=5,
         ignore_eos=True,
     )
-    updates = run_all(runner, [EngineRequest(1, PROMPT, params)])[1]
+    updates = run_all(runner, [RunnerRequest(1, PROMPT, params)])[1]
     tokens = tokens_of(updates)
     logprobs = [lp for u in updates for lp in u.logprobs or []]
     top = [entry for u in updates for entry in u.top_logprobs or []]
@@ -86,7 +86,7 @@ def test_top_logprobs_match_transformers(runner: ModelRunner, reference: Any) ->
         top_logprobs=3,
         ignore_eos=True,
     )
-    updates = run_all(runner, [EngineRequest(2, PROMPT, params)])[2]
+    updates = run_all(runner, [RunnerRequest(2, PROMPT, params)])[2]
     tokens = tokens_of(updates)
     top = [entry for u in updates for entry in u.top_logprobs or []]
     expected = reference_log_probs(reference, PROMPT + tokens)
@@ -109,7 +109,7 @@ def test_prompt_logprobs_equal_transformers(runner: ModelRunner, reference: Any)
         prompt_logprobs=True,
     )
     other = SamplingParams(temperature=0.0, num_tokens_to_generate=4)
-    updates = run_all(runner, [EngineRequest(3, prompt, wanted), EngineRequest(4, PROMPT, other)])
+    updates = run_all(runner, [RunnerRequest(3, prompt, wanted), RunnerRequest(4, PROMPT, other)])
     first = updates[3][0]
     assert first.prompt_logprobs is not None and first.prompt_top_logprobs is not None
     assert all(u.prompt_logprobs is None for u in updates[3][1:] + updates[4])
@@ -128,12 +128,12 @@ def test_penalties_change_the_choice_and_are_batch_independent(runner: ModelRunn
     together = run_all(
         runner,
         [
-            EngineRequest(10, PROMPT, plain),
-            EngineRequest(11, PROMPT, penalized),
-            EngineRequest(12, PROMPT, repetition),
+            RunnerRequest(10, PROMPT, plain),
+            RunnerRequest(11, PROMPT, penalized),
+            RunnerRequest(12, PROMPT, repetition),
         ],
     )
-    alone = run_all(runner, [EngineRequest(13, PROMPT, penalized)])
+    alone = run_all(runner, [RunnerRequest(13, PROMPT, penalized)])
     plain_tokens = tokens_of(together[10])
     penalized_tokens = tokens_of(together[11])
     assert penalized_tokens == tokens_of(alone[13])
@@ -163,18 +163,18 @@ def text_of(runner: ModelRunner, updates: list[TokenUpdate]) -> str:
 def test_structured_output_kinds(runner: ModelRunner) -> None:
     common = dict(temperature=1.0, num_tokens_to_generate=120)
     requests = [
-        EngineRequest(
+        RunnerRequest(
             20 + seed, PROMPT, SamplingParams(**common, seed=seed, guided_json=json.dumps(SCHEMA))
         )  # type: ignore[arg-type]
         for seed in range(4)
     ] + [
-        EngineRequest(
+        RunnerRequest(
             30,
             PROMPT,
             SamplingParams(**common, seed=1, guided_regex="[0-9]{3}-[a-c]+"),  # type: ignore[arg-type]
         ),
-        EngineRequest(31, PROMPT, SamplingParams(**common, seed=1, guided_choice=("yes", "no"))),  # type: ignore[arg-type]
-        EngineRequest(
+        RunnerRequest(31, PROMPT, SamplingParams(**common, seed=1, guided_choice=("yes", "no"))),  # type: ignore[arg-type]
+        RunnerRequest(
             32, PROMPT, SamplingParams(temperature=1.0, seed=5, num_tokens_to_generate=8)
         ),
     ]
@@ -191,6 +191,6 @@ def test_structured_output_kinds(runner: ModelRunner) -> None:
 def test_an_invalid_grammar_is_refused_with_its_reason(runner: ModelRunner) -> None:
     params = SamplingParams(guided_regex="(unclosed")
     with pytest.raises(RequestRejected) as refused:
-        runner.add(EngineRequest(40, PROMPT, params))
+        runner.add(RunnerRequest(40, PROMPT, params))
     assert refused.value.code == "bad_request"
     assert "does not compile" in refused.value.message

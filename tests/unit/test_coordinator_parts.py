@@ -133,3 +133,15 @@ def test_engine_stats_within_the_limits_are_kept_as_sent() -> None:
         "kv_blocks": 2**63,
         "preemptions": 0,
     }
+
+
+def test_status_reports_each_limit_under_its_name_in_dpserve_limits() -> None:
+    reported = CoordinatorConfig().status_limits()
+    assert "max_message_bytes" in reported and "max_prompt_tokens" in reported
+    for name, value in reported.items():
+        owner = next(
+            (o for o in (DEFAULT_REQUEST_LIMITS, DEFAULT_ADMISSION_LIMITS) if hasattr(o, name)),
+            None,
+        )
+        assert owner is not None, f"{name} is not a name of dpserve.limits"
+        assert value == getattr(owner, name), name

@@ -4,6 +4,7 @@ are compared with eager decoding on a GPU in test_gpu_engine.py)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -11,26 +12,29 @@ import torch
 
 from dpserve.engine.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
 from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.paged_backend import PagedBackend
 from dpserve.engine.paged_batch import build_forward_batch
-from dpserve.engine.paged_runner import PagedRunner
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 
 def test_buckets_cover_every_batch_size() -> None:
     assert graph_batch_sizes(1) == [1]
-    assert graph_batch_sizes(22) == [1, 2, 4, 8, 16, 32]
-    assert graph_batch_sizes(256) == graph_batch_sizes(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert graph_batch_sizes(22) == [1, 2, 4, 8, 16, 24]
+    assert graph_batch_sizes(129)[-3:] == [112, 128, 144]  # not 256: at most 15 padding rows
+    steps = [b - a for a, b in itertools.pairwise(graph_batch_sizes(256))]
+    assert graph_batch_sizes(256)[-1] == 256 and max(steps) == 16
+    assert graph_batch_sizes(1000) == graph_batch_sizes(256)
 
 
 def decoding_runner(tiny_model_path: Path, count: int) -> ModelRunner:
     """A runner whose ``count`` sequences have been prefilled and are decoding."""
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=16, block_size=4)
+    runner = ModelRunner(str(tiny_model_path), max_num_seqs=16, block_size=4)
     rng = random.Random(count)
     for i in range(count):
         prompt = [rng.randrange(5, 380) for _ in range(rng.randint(1, 40))]
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=50)
-        runner.add(EngineRequest(i, prompt, params))
+        runner.add(RunnerRequest(i, prompt, params))
     while runner.stats()["running"] < count or any(
         s.context_length() - s.num_cached != 1 for s in backend(runner).scheduler.running
     ):
@@ -38,8 +42,8 @@ def decoding_runner(tiny_model_path: Path, count: int) -> ModelRunner:
     return runner
 
 
-def backend(runner: ModelRunner) -> PagedRunner:
-    assert isinstance(runner.backend, PagedRunner)
+def backend(runner: ModelRunner) -> PagedBackend:
+    assert isinstance(runner.backend, PagedBackend)
     return runner.backend
 
 
@@ -47,15 +51,15 @@ def test_padded_static_inputs_give_each_row_its_own_logits(tiny_model_path: Path
     inputs = None
     for count in (13, 5, 1):  # each fill leaves stale rows and columns for the next one
         paged = backend(decoding_runner(tiny_model_path, count))
-        assert paged.executor is not None and paged.cache is not None
+        assert paged.model is not None and paged.cache is not None
         plan = paged.scheduler.schedule()
         assert len(plan.decodes) == count and not plan.prefills
         batch = build_forward_batch(plan, paged.cache.block_size, paged.device).batch
         if inputs is None:
             inputs = StaticDecodeInputs(16, max_blocks_per_sequence=64, device=paged.device)
         with torch.inference_mode():
-            eager = paged.executor.forward(batch, paged.cache)
+            eager = paged.model.forward(batch, paged.cache)
             size = inputs.fill(batch)
-            padded = paged.executor.forward(inputs.batch(size), paged.cache)
+            padded = paged.model.forward(inputs.batch(size), paged.cache)
         assert size == inputs.bucket(count) and size >= count
         torch.testing.assert_close(padded[:count], eager, rtol=1e-5, atol=1e-5)

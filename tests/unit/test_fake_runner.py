@@ -1,4 +1,4 @@
-"""The fake engine finishes requests by the model runner's rules, without allocating per token."""
+"""The fake engine finishes requests by the model runner's rules (``Sequence.accept``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpserve.engine.fake import FakeRunner, fake_token
-from dpserve.engine.runner import EngineRequest, RequestRejected
+from dpserve.engine.runner import RequestRejected, RunnerRequest
 from dpserve.sampling import SamplingParams
 
 
-def run_to_end(runner: FakeRunner, request: EngineRequest) -> tuple[list[int], str]:
+def run_to_end(runner: FakeRunner, request: RunnerRequest) -> tuple[list[int], str]:
     runner.add(request)
     tokens: list[int] = []
     while runner.has_work():
@@ -24,9 +24,10 @@ def run_to_end(runner: FakeRunner, request: EngineRequest) -> tuple[list[int], s
     raise AssertionError("the runner finished without a finish reason")
 
 
-def reference(request: EngineRequest, context_size: int) -> tuple[list[int], str]:
+def reference(request: RunnerRequest, context_size: int) -> tuple[list[int], str]:
     """Token-by-token generation as the model runner does it: sample, check the termination
-    token, append, check stop strings (the first to complete wins), check the length."""
+    token, append, check stop strings once past min_tokens (the first to complete wins; one
+    that straddles the resume tokens ends the output where they end), check the length."""
     params = request.params
     prompt = request.prompt_tokens
     start = len(request.resume_tokens)
@@ -41,15 +42,13 @@ def reference(request: EngineRequest, context_size: int) -> tuple[list[int], str
         ):
             return tokens[start:], "stop"
         tokens.append(token)
-        if len(tokens) >= params.min_tokens:
+        if len(tokens) > params.min_tokens:
             text = bytes(tokens).decode("latin-1")
             ends_here = [
-                len(text) - len(stop)
-                for stop in params.stop_strings
-                if text.endswith(stop) and len(text) - len(stop) >= start
+                len(text) - len(stop) for stop in params.stop_strings if text.endswith(stop)
             ]
             if ends_here:
-                return tokens[start : min(ends_here)], "stop"
+                return tokens[start : max(start, min(ends_here))], "stop"
     return tokens[start:], "length"
 
 
@@ -80,8 +79,8 @@ def test_fake_finishes_like_token_by_token_generation(
     )
     # Resume tokens are what an earlier engine emitted: the reference's own prefix.
     unconstrained = SamplingParams(num_tokens_to_generate=num_tokens, seed=seed)
-    earlier, _ = reference(EngineRequest(0, prompt, unconstrained), context_size)
-    request = EngineRequest(1, prompt, params, earlier[:resume])
+    earlier, _ = reference(RunnerRequest(0, prompt, unconstrained), context_size)
+    request = RunnerRequest(1, prompt, params, earlier[:resume])
     expected = reference(request, context_size)
     assert run_to_end(FakeRunner(max_context=context_size), request) == expected
 
@@ -89,26 +88,26 @@ def test_fake_finishes_like_token_by_token_generation(
 def test_context_size_ends_a_request_with_length():
     runner = FakeRunner(max_context=32)
     params = SamplingParams(num_tokens_to_generate=10**12)
-    tokens, reason = run_to_end(runner, EngineRequest(0, [1, 2, 3], params))
+    tokens, reason = run_to_end(runner, RunnerRequest(0, [1, 2, 3], params))
     assert (len(tokens), reason) == (32 - 3, "length")
 
 
-def test_huge_max_tokens_allocates_nothing_per_token():
+def test_huge_max_tokens_allocates_nothing_up_front():
     runner = FakeRunner(max_context=10**13)
     tracemalloc.start()
     try:
-        runner.add(EngineRequest(0, [5], SamplingParams(num_tokens_to_generate=10**12)))
+        runner.add(RunnerRequest(0, [5], SamplingParams(num_tokens_to_generate=10**12)))
         for _ in range(100):
             runner.step()
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < 1_000_000, f"{peak} bytes traced for a 10**12-token request"
+    assert peak < 1_000_000, f"{peak} bytes traced for 100 tokens of a 10**12-token request"
     assert runner.stats() == {"waiting": 0, "running": 1}
 
 
 def test_prompt_that_fills_the_context_is_rejected():
     runner = FakeRunner(max_context=4)
     with pytest.raises(RequestRejected, match="context of 4 tokens") as rejected:
-        runner.add(EngineRequest(0, [1, 2, 3, 4], SamplingParams()))
+        runner.add(RunnerRequest(0, [1, 2, 3, 4], SamplingParams()))
     assert rejected.value.code == "prompt_too_long"

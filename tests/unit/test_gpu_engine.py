@@ -21,7 +21,7 @@ from dpserve.engine.paged_attention import (
     paged_decode_attention_reference,
     prefill_attention,
 )
-from dpserve.engine.runner import EngineRequest
+from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -35,7 +35,7 @@ needs_triton = pytest.mark.skipif(
 
 
 def drive(
-    runner: ModelRunner, requests: list[EngineRequest]
+    runner: ModelRunner, requests: list[RunnerRequest]
 ) -> dict[int, tuple[list[int], list[float]]]:
     for request in requests:
         runner.add(request)
@@ -47,10 +47,10 @@ def drive(
     return out
 
 
-def workload(count: int, rng_seed: int, **params: Any) -> list[EngineRequest]:
+def workload(count: int, rng_seed: int, **params: Any) -> list[RunnerRequest]:
     rng = random.Random(rng_seed)
     return [
-        EngineRequest(
+        RunnerRequest(
             i,
             [rng.randrange(5, 380) for _ in range(rng.randint(1, 90))],
             SamplingParams(
@@ -145,6 +145,6 @@ def test_pool_is_sized_from_free_gpu_memory(tiny_model_path: Path) -> None:
     assert 0 < stats["kv_bytes"] <= 0.2 * total
     # Plenty of memory for a tiny model: the pool stops at what 256 full contexts can use.
     assert stats["kv_tokens"] == 256 * small.context_size
-    assert stats["capacity"] == 256
+    assert stats["max_num_seqs"] == 256
     outcomes = drive(small, workload(8, rng_seed=4))  # bf16 by default on CUDA
     assert all(tokens for tokens, _ in outcomes.values())

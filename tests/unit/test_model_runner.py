@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest, RequestRejected, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams
 
@@ -38,7 +38,7 @@ def reference(tiny_model_path: Path) -> Any:
 
 @pytest.fixture
 def runner(tiny_model_path: Path) -> ModelRunner:
-    return ModelRunner(str(tiny_model_path), max_batch_size=4, device="cpu")
+    return ModelRunner(str(tiny_model_path), max_num_seqs=4, device="cpu")
 
 
 def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[int], str]:
@@ -60,7 +60,7 @@ def greedy_reference(model: Any, prompt: list[int], max_new: int) -> tuple[list[
 
 def run(
     runner: ModelRunner,
-    schedule: dict[int, list[EngineRequest]],
+    schedule: dict[int, list[RunnerRequest]],
     *,
     on_step: Callable[[int], None] | None = None,
     max_steps: int = 2000,
@@ -95,8 +95,8 @@ def random_prompts(count: int, seed: int, low: int = 3, high: int = 60) -> list[
     return [[rng.randrange(5, 380) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def request(request_id: int, prompt: list[int], **params: Any) -> EngineRequest:
-    return EngineRequest(request_id, prompt, SamplingParams(**{"temperature": 0.0, **params}))
+def request(request_id: int, prompt: list[int], **params: Any) -> RunnerRequest:
+    return RunnerRequest(request_id, prompt, SamplingParams(**{"temperature": 0.0, **params}))
 
 
 def test_continuous_batching_matches_generate_token_for_token(
@@ -107,7 +107,7 @@ def test_continuous_batching_matches_generate_token_for_token(
     # Batch of 4, ten requests arriving over several steps: requests join a running batch,
     # wait for a free row, and leave while longer ones continue.
     arrival = [0, 0, 0, 2, 3, 3, 7, 9, 9, 15]
-    schedule: dict[int, list[EngineRequest]] = {}
+    schedule: dict[int, list[RunnerRequest]] = {}
     for i, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
         schedule.setdefault(arrival[i], []).append(
             request(i, prompt, num_tokens_to_generate=length)
@@ -129,7 +129,7 @@ def test_continuous_batching_matches_generate_token_for_token(
 
 
 def test_eight_concurrent_requests_share_one_batch(tiny_model_path: Path, reference: Any) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, device="cpu")
+    runner = ModelRunner(str(tiny_model_path), max_num_seqs=8, device="cpu")
     prompts = random_prompts(12, seed=2, low=1, high=90)
     lengths = [random.Random(i).randint(1, 45) for i in range(12)]
     schedule = {
@@ -273,11 +273,11 @@ def test_held_back_tokens_are_released_when_no_stop_string_follows(
     assert any(len(update.tokens) > 1 for update in outcome.updates)
 
 
-@pytest.mark.parametrize("executor", ["llama", "transformers"])
+@pytest.mark.parametrize("backend", ["paged", "transformers"])
 def test_release_and_reload_continue_requests(
-    tiny_model_path: Path, reference: Any, executor: str
+    tiny_model_path: Path, reference: Any, backend: str
 ) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=2, device="cpu", executor=executor)
+    runner = ModelRunner(str(tiny_model_path), max_num_seqs=2, device="cpu", backend=backend)
     prompts = random_prompts(3, seed=12)
     lengths = [30, 12, 20]
     schedule = {0: [request(i, prompts[i], num_tokens_to_generate=lengths[i]) for i in range(3)]}
@@ -305,7 +305,7 @@ def test_prompt_too_long_is_rejected(runner: ModelRunner) -> None:
     assert rejected.value.code == ErrorCode.PROMPT_TOO_LONG
     assert str(context) in rejected.value.message
     with pytest.raises(RequestRejected) as with_resume:
-        runner.add(EngineRequest(2, [5] * (context - 3), GREEDY, resume_tokens=[6, 6, 6]))
+        runner.add(RunnerRequest(2, [5] * (context - 3), GREEDY, resume_tokens=[6, 6, 6]))
     assert with_resume.value.code == ErrorCode.PROMPT_TOO_LONG
     assert not runner.has_work()
 
@@ -319,7 +319,7 @@ def test_output_is_clamped_to_the_context(runner: ModelRunner) -> None:
 
 
 def test_max_num_batched_tokens_bounds_every_step(tiny_model_path: Path, reference: Any) -> None:
-    runner = ModelRunner(str(tiny_model_path), max_batch_size=8, max_num_batched_tokens=64)
+    runner = ModelRunner(str(tiny_model_path), max_num_seqs=8, max_num_batched_tokens=64)
     prompts = random_prompts(4, seed=17, low=100, high=150)
     schedule = {0: [request(i, prompts[i], num_tokens_to_generate=6) for i in range(4)]}
     prefill_per_step: list[int] = []
@@ -350,7 +350,7 @@ def test_resume_tokens_continue_the_output(runner: ModelRunner, reference: Any) 
     prompt = random_prompts(1, seed=14)[0]
     expected, _ = greedy_reference(reference, prompt, 24)
     assert len(expected) == 24
-    resumed = EngineRequest(
+    resumed = RunnerRequest(
         1,
         prompt,
         SamplingParams(temperature=0.0, num_tokens_to_generate=24),
@@ -359,7 +359,7 @@ def test_resume_tokens_continue_the_output(runner: ModelRunner, reference: Any) 
     outcome = run(runner, {0: [resumed]})[1]
     assert (outcome.tokens, outcome.finish) == (expected[9:], "length")
 
-    done = EngineRequest(
+    done = RunnerRequest(
         2,
         prompt,
         SamplingParams(temperature=0.0, num_tokens_to_generate=5),
@@ -410,7 +410,7 @@ def test_cancel_drops_running_and_waiting_requests(runner: ModelRunner, referenc
 
 
 def test_runner_attributes(runner: ModelRunner) -> None:
-    assert runner.capacity == 4
+    assert runner.max_num_seqs == 4
     assert runner.eos_token_id == runner.tokenizer.eos_token_id
     assert runner.tokenizer.decode(runner.tokenizer.encode("Hello world")) == "Hello world"
     stats = runner.stats()
@@ -426,7 +426,7 @@ def test_chunked_prefill_across_chunk_and_block_boundaries_matches_generate(
     # 4-token blocks and 7-token steps: chunks start and end inside blocks, prompts span many
     # steps, and decodes share steps with other requests' chunks.
     runner = ModelRunner(
-        str(tiny_model_path), max_batch_size=6, max_num_batched_tokens=7, block_size=4
+        str(tiny_model_path), max_num_seqs=6, max_num_batched_tokens=7, block_size=4
     )
     prompts = random_prompts(6, seed=20, low=1, high=70)
     lengths = [9, 14, 3, 20, 11, 6]
@@ -462,9 +462,7 @@ def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
 
 def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
     """A runner whose KV pool has ``blocks`` 4-token blocks (block 0 included)."""
-    probe = ModelRunner(
-        str(tiny_model_path), max_batch_size=1, block_size=4, kv_cache_bytes=1 << 20
-    )
+    probe = ModelRunner(str(tiny_model_path), max_num_seqs=1, block_size=4, kv_cache_bytes=1 << 20)
     block_bytes = probe.stats()["kv_bytes"] // probe.stats()["kv_blocks"]
     return ModelRunner(
         str(tiny_model_path), block_size=4, kv_cache_bytes=blocks * block_bytes, **kwargs
@@ -474,15 +472,15 @@ def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> Model
 def test_preemption_and_recompute_give_the_same_tokens(
     tiny_model_path: Path, reference: Any
 ) -> None:
-    def five_requests() -> list[EngineRequest]:
+    def five_requests() -> list[RunnerRequest]:
         sampled = {"temperature": 1.2, "top_p": 0.9, "seed": 77, "num_tokens_to_generate": 40}
         greedy = [request(i, prompts[i], num_tokens_to_generate=40) for i in range(4)]
         return [*greedy, request(4, prompts[4], return_log_probs=True, **sampled)]
 
     prompts = random_prompts(5, seed=21, low=15, high=30)
-    tight = tiny_pool_runner(tiny_model_path, blocks=31, max_batch_size=4)  # 120 tokens
+    tight = tiny_pool_runner(tiny_model_path, blocks=31, max_num_seqs=4)  # 120 tokens
     assert tight.context_size == 120  # a sequence is capped at what the pool holds
-    roomy = ModelRunner(str(tiny_model_path), max_batch_size=4)
+    roomy = ModelRunner(str(tiny_model_path), max_num_seqs=4)
     for runner in (tight, roomy):
         runner.eos_token_ids = frozenset()  # every request runs its 40 tokens
     interrupted = run(tight, {0: five_requests()})
@@ -503,13 +501,13 @@ def test_preemption_and_recompute_give_the_same_tokens(
 def test_capacity_and_pool_are_reported(tiny_model_path: Path) -> None:
     runner = tiny_pool_runner(tiny_model_path, blocks=65)  # 256 tokens, the model's context
     stats = runner.stats()
-    assert stats["executor"] == "llama (paged)"
+    assert stats["backend"] == "paged"
     assert (stats["kv_blocks"], stats["kv_block_size"], stats["kv_tokens"]) == (65, 4, 256)
     assert stats["kv_bytes"] > 0
-    # No --max-batch-size: as many sequences as the pool holds at a typical length.
-    assert runner.capacity == stats["max_concurrent_sequences"] == 1
+    # No --max-num-seqs: as many sequences as the pool holds at a typical length.
+    assert runner.max_num_seqs == stats["max_num_seqs"] == 1
     default = ModelRunner(str(tiny_model_path)).stats()
-    assert default["capacity"] >= 32  # the fixed 8 rows are gone
+    assert default["max_num_seqs"] >= 32  # the fixed 8 rows are gone
 
 
 # ------------------------------------------------------------------- sampling parameters
@@ -581,8 +579,8 @@ def test_other_architectures_fall_back_to_transformers(gpt2_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     runner = ModelRunner(str(gpt2_path), device="cpu")
-    assert runner.stats()["executor"] == "transformers"
-    assert runner.capacity == 8
+    assert runner.stats()["backend"] == "transformers"
+    assert runner.max_num_seqs == 8
     model = AutoModelForCausalLM.from_pretrained(gpt2_path, dtype=torch.float32).eval()
     prompts = random_prompts(3, seed=24)
     outcomes = run(
@@ -591,14 +589,14 @@ def test_other_architectures_fall_back_to_transformers(gpt2_path: Path) -> None:
     for i in range(3):
         assert outcomes[i].tokens == greedy_reference(model, prompts[i], 12)[0], f"request {i}"
     with pytest.raises(ValueError, match="gpt2"):
-        ModelRunner(str(gpt2_path), executor="llama")
+        ModelRunner(str(gpt2_path), backend="paged")
 
 
 def test_transformers_path_still_serves_llama_exactly(
     tiny_model_path: Path, reference: Any
 ) -> None:
-    runner = ModelRunner(str(tiny_model_path), executor="transformers", max_batch_size=3)
-    assert runner.stats()["executor"] == "transformers"
+    runner = ModelRunner(str(tiny_model_path), backend="transformers", max_num_seqs=3)
+    assert runner.stats()["backend"] == "transformers"
     prompts = random_prompts(4, seed=25)
     outcomes = run(
         runner, {0: [request(i, prompts[i], num_tokens_to_generate=10) for i in range(4)]}
@@ -658,7 +656,7 @@ def test_llama_family_variants_match_generate(
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     runner = ModelRunner(str(tmp_path), max_num_batched_tokens=40, block_size=8)
-    assert runner.stats()["executor"] == "llama (paged)"
+    assert runner.stats()["backend"] == "paged"
     prompts = random_prompts(4, seed=26, low=20, high=120)
     requests = [request(i, prompts[i], num_tokens_to_generate=25) for i in range(4)]
     outcomes = run(runner, {0: requests})

@@ -141,7 +141,14 @@ def test_default_model_converts_once_and_generates(
     assert time.monotonic() - started < 1.0
     assert os.stat(weights).st_mtime_ns == first_mtime  # not converted again
 
+    # Processes that only tokenize use the converted directory too, with the light loader.
+    assert models.resolve_tokenizer(None) == path
     model, tokenizer = load_model_and_tokenizer(path, "float32", "cpu")
+    from dpserve.tokenizer import load_tokenizer
+
+    sample = ["What is the capital of France?", " Paris, naïve 🙂"]
+    expected_ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    assert load_tokenizer(path).encode_batch(sample) == expected_ids
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     inputs = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -151,3 +158,95 @@ def test_default_model_converts_once_and_generates(
     text = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip()
     assert "Paris" in text  # the dequantized weights are the real model's
+
+
+def _complete_model_dir(root: Path) -> Path:
+    directory = root / DEFAULT_MODEL
+    directory.mkdir(parents=True)
+    (directory / "dpserve-converted.txt").write_text("prepared ahead\n")
+    return directory
+
+
+def test_a_prepared_model_dir_is_used_before_the_cache(
+    monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(models.ENV_MODEL_DIR, str(tmp_path / "image"))
+    prepared = _complete_model_dir(tmp_path / "image")
+    assert resolve_model(DEFAULT_MODEL) == str(prepared)
+    assert models.resolve_tokenizer(None) == str(prepared)
+    assert fake_gguf == [], "nothing converted"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_half_prepared_model_dir_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(models.ENV_MODEL_DIR, str(tmp_path / "image"))
+    (tmp_path / "image" / DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
+    assert resolve_model(None) == str(tmp_path / "cache" / "models" / DEFAULT_MODEL)
+    assert len(fake_gguf) == 1
+
+
+def test_tokenizer_only_processes_never_convert_weights(
+    monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(models.ENV_MODEL_DIR, raising=False)
+    tokenizer_calls: list[Path] = []
+
+    def write_tokenizer(gguf_path: Path, staging: Path, start: float) -> None:
+        tokenizer_calls.append(staging)
+        (staging / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_write_tokenizer", write_tokenizer)
+    path = Path(models.resolve_tokenizer(DEFAULT_MODEL))
+    assert path == tmp_path / "cache" / "tokenizers" / DEFAULT_MODEL
+    assert (len(tokenizer_calls), fake_gguf) == (1, []), "the weights were converted"
+    assert models.resolve_tokenizer(None) == str(path)
+    assert len(tokenizer_calls) == 1, "converted once"
+    # Once the whole model is converted (an engine ran here), its directory serves both.
+    converted = resolve_model(None)
+    assert models.resolve_tokenizer(None) == converted
+
+
+def test_python_m_dpserve_models_prepares_a_model_dir(
+    monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path, capsys
+) -> None:
+    assert models.main([str(tmp_path / "image")]) == 0
+    target = tmp_path / "image" / DEFAULT_MODEL
+    assert capsys.readouterr().out.strip() == str(target)
+    assert len(fake_gguf) == 1
+    assert oct(target.stat().st_mode & 0o777) == oct(0o755), "readable by the pods' user"
+    assert models.main([str(tmp_path / "image")]) == 0
+    assert len(fake_gguf) == 1, "already there: nothing to do"
+
+
+def test_the_tokenizer_loader_matches_autotokenizer_without_torch(tiny_model_path: Path) -> None:
+    """load_tokenizer reads a tokenizer.json with the fast class (no torch import): the same
+    ids, text, chat prompt and special tokens as AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from dpserve.tokenizer import HuggingFaceTokenizer, load_tokenizer
+
+    light = load_tokenizer(str(tiny_model_path))
+    full = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(str(tiny_model_path)))
+    texts = ["Hello world", "  two  spaces", "naïve café ünïcödé 🙂", "", "line\nbreak\t"]
+    ids = full.encode_batch(texts)
+    assert light.encode_batch(texts) == ids
+    assert light.decode_batch(ids) == full.decode_batch(ids)
+    assert (light.eos_token_id, light.vocab_size) == (full.eos_token_id, full.vocab_size)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert light.apply_chat_template(chat) == full.apply_chat_template(chat)
+    probe = (
+        "import sys; from dpserve.tokenizer import load_tokenizer; "
+        f"load_tokenizer({str(tiny_model_path)!r}); "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0, (
+        "loading a tokenizer imported torch"
+    )

@@ -12,7 +12,7 @@ import pytest
 import zmq
 from zmq.utils import z85
 
-from dpserve import security
+from dpserve.security import key_files
 from dpserve_operator import credentials, handlers, manifests, rbac
 from dpserve_operator.spec import parse_spec
 
@@ -151,10 +151,10 @@ def test_client_secret_is_a_client_credentials_directory(
         path = tmp_path / name
         path.write_text(text)
         path.chmod(0o600)
-    admin = security.load_peer_keys(tmp_path)
+    admin = key_files.load_peer_keys(tmp_path)
     assert admin.role == "admin"
     assert admin.server_public.decode() == credentials.public_key(files["coordinator.key"])
-    assert security.load_peer_keys(tmp_path, "client").role == "client"
+    assert key_files.load_peer_keys(tmp_path, "client").role == "client"
 
 
 # --------------------------------------------------------------------------- mounts
@@ -184,10 +184,10 @@ def test_engine_pods_get_only_the_engine_key_pair_and_the_coordinator_public_key
     mounted = "".join(p.read_text() for p in directory.rglob("*") if p.is_file())
     (engine_secret,) = secret_keys({"e": files["engine.key_secret"]})
     assert [k for k in secret_keys(files) if k in mounted] == [engine_secret]
-    keys = security.load_peer_keys(directory, "engine")
+    keys = key_files.load_peer_keys(directory, "engine")
     assert keys.public.decode() == credentials.public_key(files["engine.key"])
-    with pytest.raises(security.CredentialsError):
-        security.load_server_keys(directory)
+    with pytest.raises(key_files.CredentialsError):
+        key_files.load_server_keys(directory)
 
 
 def test_the_coordinator_pod_gets_its_secret_key_and_the_allowed_keys(
@@ -197,13 +197,13 @@ def test_the_coordinator_pod_gets_its_secret_key_and_the_allowed_keys(
     items = {item["key"]: item["path"] for item in volume["secret"]["items"]}
     assert "admin.key_secret" not in items and "engine.key_secret" not in items
     directory = project(manifests.credentials_secret(NAME, NAMESPACE, files), volume, tmp_path)
-    server = security.load_server_keys(directory)
+    server = key_files.load_server_keys(directory)
     assert server.public.decode() == credentials.public_key(files["coordinator.key"])
     assert {role: key.decode() for key, role in server.roles.items()} == {
         role: credentials.public_key(files[f"{role}.key"]) for role in ("engine", "client", "admin")
     }
     # Its HTTP front connects with the client key (not admin: there is none).
-    assert security.load_peer_keys(directory).role == "client"
+    assert key_files.load_peer_keys(directory).role == "client"
 
 
 def test_pod_templates_carry_the_public_key_hash(files: dict[str, str]) -> None:

@@ -12,10 +12,11 @@ cluster-wide, where kopf does not list namespaces), and events POSTed without a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from dpserve_operator.cluster import (
     contains,
     replacement_for,
 )
+from tests import waiting
 
 CR = "dpserve.io/v1alpha1/inferencedeployments"
 NS = "default"
@@ -146,12 +148,8 @@ def posted_events(api: Any) -> list[dict[str, Any]]:
     ]
 
 
-async def eventually(check: Callable[[], bool], within: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.1)
+# The operator's handlers run in kopf's own loop and thread: give them time.
+eventually = functools.partial(waiting.eventually, within=20.0, interval=0.1)
 
 
 @asynccontextmanager

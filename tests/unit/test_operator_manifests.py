@@ -437,7 +437,7 @@ def test_pod_commands_parse_with_the_dpserve_cli() -> None:
     )
     assert (engine.command, engine.rank, engine.model) == ("engine", "auto", "/models/llama")
     assert engine.coordinator == "tcp://demo-coordinator.inference.svc:6000"
-    assert (engine.max_batch_size, engine.dtype, engine.device) == (32, "bfloat16", "cuda")
+    assert (engine.max_num_seqs, engine.dtype, engine.device) == (32, "bfloat16", "cuda")
     assert engine.credentials == "/etc/dpserve/credentials"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from dpserve_operator.status import (
     Observation,
     compute_status,
     condition,
+    pod_problems,
     status_patch,
     sticky_apply_error,
 )
@@ -329,3 +331,115 @@ def test_computed_status_matches_the_crd_status_schema(observation: Observation)
     assert set(status) <= set(schema["properties"])
     for item in status["conditions"]:
         assert set(item) <= set(schema["properties"]["conditions"]["items"]["properties"])
+
+
+# --------------------------------------------------------------------------- child pods
+
+
+def pod(
+    name: str,
+    *,
+    waiting: tuple[str, str] | None = None,
+    last_terminated: tuple[str, int] | None = None,
+    ready: bool = False,
+    restarts: int = 0,
+    unschedulable: str | None = None,
+    memory_limit: str | None = "1Gi",
+    deleting: bool = False,
+) -> dict[str, Any]:
+    """A pod as the API server returns it, with one container named after its component."""
+    container = name.rsplit("-", 2)[1] if name.count("-") >= 2 else "main"
+    metadata: dict[str, Any] = {"name": name}
+    if deleting:
+        metadata["deletionTimestamp"] = T0
+    status: dict[str, Any] = {"phase": "Pending" if unschedulable else "Running"}
+    if unschedulable is not None:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False",
+                                 "reason": "Unschedulable", "message": unschedulable}]  # fmt: skip
+    else:
+        state: dict[str, Any] = {"running": {"startedAt": T0}}
+        if waiting is not None:
+            state = {"waiting": {"reason": waiting[0], "message": waiting[1]}}
+        entry: dict[str, Any] = {"name": container, "image": IMAGE, "ready": ready,
+                                 "restartCount": restarts, "state": state}  # fmt: skip
+        if last_terminated is not None:
+            reason, code = last_terminated
+            said = "Traceback\nValueError: boom\n"
+            terminated = {"reason": reason, "exitCode": code, "message": said}
+            entry["lastState"] = {"terminated": terminated}
+        status["containerStatuses"] = [entry]
+    limits = {"memory": memory_limit} if memory_limit else {}
+    spec = {"containers": [{"name": container, "resources": {"limits": limits}}]}
+    return {"metadata": metadata, "spec": spec, "status": status}
+
+
+IMAGE = "ghcr.io/dpserve/runtime-cpu:0.1.0"
+BACK_OFF = "back-off 40s restarting failed container=coordinator pod=demo-coordinator-5d9f"
+
+
+def test_a_pod_that_runs_fine_is_no_problem() -> None:
+    assert pod_problems([pod("demo-engine-0", ready=True)]) == []
+    # A container that was OOM-killed once but runs and is ready again is fine now.
+    recovered = pod("demo-engine-0", ready=True, restarts=1, last_terminated=("OOMKilled", 137))
+    assert pod_problems([recovered]) == []
+
+
+def test_oom_killed_names_the_pod_the_exit_code_and_the_limit() -> None:
+    crashing = pod("demo-coordinator-5d9f-x2x", waiting=("CrashLoopBackOff", BACK_OFF),
+                   last_terminated=("OOMKilled", 137), restarts=3)  # fmt: skip
+    [problem] = pod_problems([crashing])
+    assert problem.reason == "OOMKilled"
+    for part in ("demo-coordinator-5d9f-x2x", "OOMKilled", "137", "1Gi", "3 time(s)"):
+        assert part in problem.message
+
+
+def test_crash_loop_quotes_the_last_exit_and_says_where_the_logs_are() -> None:
+    crashing = pod("demo-engine-1", waiting=("CrashLoopBackOff", BACK_OFF),
+                   last_terminated=("Error", 1), restarts=5)  # fmt: skip
+    [problem] = pod_problems([crashing])
+    assert problem.reason == "CrashLoopBackOff"
+    for part in ("demo-engine-1", "exit code 1", "ValueError: boom", BACK_OFF, "--previous"):
+        assert part in problem.message
+
+
+@pytest.mark.parametrize("reason", ["ErrImagePull", "ImagePullBackOff"])
+def test_image_pull_failures_are_one_reason_with_the_kubelets_message(reason: str) -> None:
+    said = 'rpc error: failed to pull "ghcr.io/dpserve/nope:1": dial tcp: no route to host'
+    [problem] = pod_problems([pod("demo-engine-0", waiting=(reason, said))])
+    assert problem.reason == "ImagePullBackOff"
+    assert said in problem.message and IMAGE in problem.message
+
+
+def test_unschedulable_quotes_the_scheduler() -> None:
+    said = "0/1 nodes are available: 1 Insufficient memory."
+    [problem] = pod_problems([pod("demo-engine-2", unschedulable=said)])
+    assert (problem.reason, said in problem.message) == ("Unschedulable", True)
+
+
+def test_pods_being_deleted_are_left_out() -> None:
+    gone = pod("demo-engine-0", waiting=("ImagePullBackOff", "x"), deleting=True)
+    assert pod_problems([gone]) == []
+
+
+def test_a_pod_problem_turns_the_deployment_degraded_with_its_reason() -> None:
+    oom = pod("demo-coordinator-5d9f-x2x", waiting=("CrashLoopBackOff", BACK_OFF),
+              last_terminated=("OOMKilled", 137), restarts=2)  # fmt: skip
+    fine = pod("demo-engine-0", ready=True)
+    observation = observe(sts=statefulset(2, 0), coord=coordinator(False), engines=0)
+    status = compute(dataclasses.replace(observation, pods=[fine, oom]))
+    assert status["phase"] == DEGRADED
+    degraded = condition(status, "Degraded") or {}
+    assert (degraded["status"], degraded["reason"]) == ("True", "OOMKilled")
+    assert "demo-coordinator-5d9f-x2x" in degraded["message"]
+    assert conditions(status)["Ready"] == ("False", "OOMKilled")
+    # Fixed (the pod runs and everything registers): Ready again.
+    healed = dataclasses.replace(SERVING, pods=[fine, pod("demo-coordinator-a", ready=True)])
+    assert compute(healed, previous=status)["phase"] == READY
+
+
+def test_registered_engines_behind_an_unready_coordinator_are_not_ready() -> None:
+    status = compute(observe(sts=statefulset(2, 2), coord=coordinator(False), engines=2))
+    assert status["phase"] != READY
+    ready = condition(status, "Ready") or {}
+    assert ready["status"] == "False"
+    assert "coordinator pod is not Ready" in ready["message"]

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: the reference equals dense attention on random block
 tables (ragged lengths, lengths on and around block boundaries, grouped-query heads), and the
-batched torch version and the prefill path equal the reference."""
+batched torch version and the prefill paths (chunk by chunk, and every chunk of a step in one
+call) equal the reference."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dpserve.engine.paged_attention import (
     paged_decode_attention_gathered,
     paged_decode_attention_reference,
     prefill_attention,
+    prefill_layout,
+    varlen_prefill_attention,
 )
 
 BLOCK_SIZE = 4
@@ -114,3 +117,52 @@ def test_prefill_chunk_attends_to_cache_and_causally_to_itself(cached: int, leng
     for i in range(cached, total):
         expected = dense_decode(queries[i], keys[: i + 1], values[: i + 1])
         torch.testing.assert_close(chunk[i - cached], expected, rtol=1e-5, atol=1e-5)
+
+
+# (cached, length) per chunk: uncached prompts, chunks after cached tokens, chunks ending on
+# and just past block boundaries, a one-token chunk, chunks of very different lengths.
+VARLEN_STEPS = [
+    [(0, 9)],
+    [(5, 1), (0, 3), (8, 4)],
+    [(11, 6), (0, 16), (3, 13), (16, 1)],
+]
+
+
+@pytest.mark.parametrize("chunks", VARLEN_STEPS)
+def test_varlen_prefill_equals_the_reference_chunk_by_chunk(chunks: list[tuple[int, int]]) -> None:
+    """One padded SDPA call over every chunk of a step = ``prefill_attention`` per chunk."""
+    seed = sum(cached * 7 + length for cached, length in chunks)
+    torch.manual_seed(seed)
+    sequences = [
+        (torch.randn(c + n, KV_HEADS, HEAD_DIM), torch.randn(c + n, KV_HEADS, HEAD_DIM))
+        for c, n in chunks
+    ]
+    k_cache, v_cache, tables = scatter_into_pool(sequences, seed)
+    kv_pair = torch.stack((k_cache, v_cache))
+    queries = [torch.randn(n, HEADS, HEAD_DIM) for _, n in chunks]
+    offsets, slots, blocks = [], [], []
+    for row, (cached, length) in enumerate(chunks):
+        offsets.append(sum(n for _, n in chunks[:row]))
+        table = tables[row]
+        slots += [
+            int(table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            for p in range(cached, cached + length)
+        ]
+        blocks.append(table[: -(-(cached + length) // BLOCK_SIZE)].long() if cached else None)
+    layout = prefill_layout(
+        offsets=offsets,
+        lengths=[n for _, n in chunks],
+        cached=[c for c, _ in chunks],
+        cached_blocks=blocks,
+        slot_mapping=torch.tensor(slots),
+        block_size=BLOCK_SIZE,
+        group=HEADS // KV_HEADS,
+        dtype=torch.float32,
+    )
+    scale = HEAD_DIM**-0.5
+    out = varlen_prefill_attention(torch.cat(queries), kv_pair, layout, scale)
+    assert out.shape == (sum(n for _, n in chunks), HEADS * HEAD_DIM)
+    for row, (keys, values) in enumerate(sequences):
+        expected = prefill_attention(queries[row], keys, values, scale)
+        rows = out[offsets[row] : offsets[row] + chunks[row][1]].view(-1, HEADS, HEAD_DIM)
+        torch.testing.assert_close(rows, expected, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from dpserve import protocol
-from dpserve.protocol import ControlState, EngineUpdate, Header, ProtocolError
+from dpserve.protocol import ControlState, EngineUpdate, Header, ProtocolError, SubmitRequest
 
 DOCS = Path(__file__).parents[2] / "docs" / "protocol.md"
 
@@ -23,21 +23,42 @@ def test_header_numbers_are_stable_and_grouped() -> None:
     assert all(groups[h] == 2 for h in protocol.CONTROL_SIGNALS)
 
 
-def test_every_message_round_trips() -> None:
-    samples = {
-        bytes: b"\x01\x00\x00\x00",
-        str: "text",
-        int: 7,
-        float: 0.5,
-        list: [],
-        dict: {"temperature": 0.0},
-        type(None): None,
-    }
-    for header, types in protocol.MESSAGE_FIELDS.items():
-        fields = [samples[allowed[0]] for allowed in types]
-        decoded_header, decoded = protocol.decode(protocol.encode(header, *fields))
-        assert decoded_header is header
-        assert decoded == fields
+SAMPLES = {
+    bytes: b"\x01\x00\x00\x00",
+    str: "text",
+    int: 7,
+    float: 0.5,
+    list: [],
+    dict: {"temperature": 0.0},
+    type(None): None,
+}
+
+
+def test_every_message_round_trips_as_its_record() -> None:
+    for header, record_type in protocol.RECORDS.items():
+        fields = [SAMPLES[allowed[0]] for allowed in protocol.field_types(record_type)]
+        record = record_type(*fields)
+        payload = protocol.encode(record)
+        assert msgpack.unpackb(payload)[0] == int(header), header.name
+        decoded = protocol.decode(payload)
+        assert type(decoded) is record_type and decoded == record, header.name
+        assert protocol.header_of(decoded) is header
+
+
+def test_batched_messages_decode_into_entry_records() -> None:
+    update = EngineUpdate(3, b"", None, "stop", None, None, "text")
+    reply = protocol.encode(protocol.EngineReply([update]))
+    assert msgpack.unpackb(reply) == [
+        int(Header.ENGINE_REPLY),
+        [[3, b"", None, "stop", None, None, "text", None, None]],
+    ]
+    (decoded,) = protocol.decode(reply).updates
+    assert type(decoded) is EngineUpdate and decoded == update
+    result = protocol.ClientResult(1, b"", b"", "", "stop", None, None, 0)
+    assert protocol.decode(protocol.encode(protocol.Results([result]))).results == [result]
+    chunk = protocol.ClientChunk(1, b"", "x")
+    (got,) = protocol.decode(protocol.encode(protocol.Stream([chunk]))).chunks
+    assert type(got) is protocol.ClientChunk and got == chunk
 
 
 @pytest.mark.parametrize(
@@ -63,62 +84,63 @@ def test_malformed_messages_raise_protocol_error(payload: bytes, message: str) -
 
 
 def test_optional_trailing_fields_may_be_left_out() -> None:
-    # A resubmission carries the tokens the client already has; a first submit need not.
+    # A resubmission carries the tokens the client already has; a first submit need not, and
+    # encode leaves a field at its default off, so a peer of protocol version 1 reads it.
     tokens = protocol.pack_tokens([1, 2])
-    full = protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {}, tokens)
-    assert protocol.decode(full) == (Header.SUBMIT_REQUEST, [1, "hi", {}, tokens])
-    short = protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {})
-    assert protocol.decode(short) == (Header.SUBMIT_REQUEST, [1, "hi", {}])
-    assert protocol.decode_record(short).resume_tokens == b""
+    full = protocol.encode(SubmitRequest(1, "hi", {}, tokens))
+    assert msgpack.unpackb(full) == [int(Header.SUBMIT_REQUEST), 1, "hi", {}, tokens]
+    assert protocol.decode(full) == SubmitRequest(1, "hi", {}, tokens)
+    short = protocol.encode(SubmitRequest(1, "hi", {}))
+    assert msgpack.unpackb(short) == [int(Header.SUBMIT_REQUEST), 1, "hi", {}]
+    assert protocol.decode(short).resume_tokens == b""
+    assert msgpack.unpackb(protocol.encode(protocol.Heartbeat(0))) == [int(Header.HEARTBEAT), 0]
+    assert msgpack.unpackb(protocol.encode(protocol.Heartbeat(0, {}))) == [
+        int(Header.HEARTBEAT),
+        0,
+        {},
+    ]
     with pytest.raises(ProtocolError, match="takes 3-4 field"):
-        protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi"))
+        protocol.decode(msgpack.packb([int(Header.SUBMIT_REQUEST), 1, "hi"]))
     with pytest.raises(ProtocolError, match="field 4 must be bytes"):
-        protocol.decode(protocol.encode(Header.SUBMIT_REQUEST, 1, "hi", {}, [1, 2]))
+        protocol.decode(msgpack.packb([int(Header.SUBMIT_REQUEST), 1, "hi", {}, [1, 2]]))
 
 
 def test_size_limit_is_enforced_before_parsing() -> None:
-    payload = protocol.encode(Header.SUBMIT_REQUEST, 1, "x" * 2000, {})
-    assert protocol.decode(payload, max_bytes=4096)[0] is Header.SUBMIT_REQUEST
+    payload = protocol.encode(SubmitRequest(1, "x" * 2000, {}))
+    assert isinstance(protocol.decode(payload, max_bytes=4096), SubmitRequest)
     with pytest.raises(ProtocolError, match="exceeds the 1024-byte limit"):
         protocol.decode(payload, max_bytes=1024)
 
 
-def test_records_of_batched_messages_are_checked() -> None:
-    fields, required = protocol.ENGINE_UPDATE_FIELDS, protocol.required_fields(EngineUpdate)
-    without_text = [[1, b"", None, "length", None, 0.1]]
-    with_text = [[1, b"a\x00\x00\x00", None, None, None, 0.1, "a"]]
-    assert protocol.check_records("u", without_text, fields, required) == without_text
-    assert protocol.check_records("u", with_text, fields, required) == with_text
-    with pytest.raises(ProtocolError, match="takes 6-9 field"):
-        protocol.check_records("u", [[1, b""]], fields, required)
-    with pytest.raises(ProtocolError, match="takes 9 field"):
-        protocol.check_records("u", without_text, fields)
+def _reply(*updates: object) -> bytes:
+    return msgpack.packb([int(Header.ENGINE_REPLY), list(updates)])
+
+
+def test_entries_of_batched_messages_are_checked() -> None:
+    # An engine that predates the text field writes six fields: the text is then None.
+    (without_text,) = protocol.decode(_reply([1, b"", None, "length", None, 0.1])).updates
+    assert without_text == EngineUpdate(1, b"", None, "length", None, 0.1, None, None, None)
+    (with_text,) = protocol.decode(
+        _reply([1, b"a\x00\x00\x00", None, None, None, 0.1, "a"])
+    ).updates
+    assert with_text.text == "a"
+    with pytest.raises(ProtocolError, match="ENGINE_REPLY entry takes 6-9 field"):
+        protocol.decode(_reply([1, b""]))
     with pytest.raises(ProtocolError, match="must be an array"):
-        protocol.check_records("u", [5], fields, required)
+        protocol.decode(_reply(5))
     with pytest.raises(ProtocolError, match="field 2 must be bytes"):
-        protocol.check_records("u", [[1, "x", None, None, None, None]], fields, required)
+        protocol.decode(_reply([1, "x", None, None, None, None]))
     with pytest.raises(ProtocolError, match="field 7 must be str/nil"):
-        protocol.check_records("u", [[1, b"", None, None, None, None, 5]], fields, required)
-
-
-def test_records_encode_byte_identically_to_header_and_fields() -> None:
-    samples = {bytes: b"\x01\x00\x00\x00", str: "text", int: 7, float: 0.5, list: [], dict: {}}
-    for header, record_type in protocol.RECORDS.items():
-        fields = [samples.get(allowed[0]) for allowed in protocol.field_types(record_type)]
-        record = record_type(*fields)
-        assert protocol.encode(record) == protocol.encode(header, *fields), header.name
-        assert protocol.decode_record(protocol.encode(record)) == record
-    update = EngineUpdate(3, b"", None, "stop", None, None, "text")
-    reply = protocol.encode(protocol.EngineReply([update]))
-    assert reply == protocol.encode(
-        Header.ENGINE_REPLY, [[3, b"", None, "stop", None, None, "text", None, None]]
-    )
-    assert protocol.decode_record(reply).updates == [list(update)]
+        protocol.decode(_reply([1, b"", None, None, None, None, 5]))
+    with pytest.raises(ProtocolError, match="RESULTS entry takes 8-10 field"):
+        protocol.decode(msgpack.packb([int(Header.RESULTS), [[1, b"", b"", "", "stop"]]]))
+    with pytest.raises(ProtocolError, match="STREAM entry field 3 must be str"):
+        protocol.decode(msgpack.packb([int(Header.STREAM), [[1, b"", None]]]))
 
 
 def test_control_states_are_the_wire_numbers() -> None:
     assert [int(s) for s in ControlState] == [0, 1, 2, 3]
-    assert protocol.decode_record(
+    assert protocol.decode(
         protocol.encode(protocol.RegisterAck("i", ControlState.SUSPENDED))
     ) == protocol.RegisterAck("i", 2)
 
@@ -133,7 +155,7 @@ def test_the_protocol_page_lists_every_record_with_its_fields() -> None:
     expected = {}
     for header, record in protocol.RECORDS.items():
         expected[record.__name__] = (str(int(header)), header.name, _doc_fields(record))
-    for record in (EngineUpdate, protocol.ClientResult, protocol.StreamChunk):
+    for record in (EngineUpdate, protocol.ClientResult, protocol.ClientChunk):
         expected[record.__name__] = ("", "(entry)", _doc_fields(record))
     assert documented == expected
 

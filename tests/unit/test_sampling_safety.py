@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.engine.sampler import sample
 from dpserve.sampling import GREEDY_TEMPERATURE, SamplingParams
 
@@ -129,7 +129,7 @@ def test_greedy_equals_argmax_over_a_large_batch(dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------- through a real ModelRunner
 
 
-def run_to_completion(runner: ModelRunner, requests: list[EngineRequest]) -> list[TokenUpdate]:
+def run_to_completion(runner: ModelRunner, requests: list[RunnerRequest]) -> list[TokenUpdate]:
     for request in requests:
         runner.add(request)
     updates: list[TokenUpdate] = []
@@ -140,7 +140,7 @@ def run_to_completion(runner: ModelRunner, requests: list[EngineRequest]) -> lis
     raise AssertionError("the runner did not finish its requests")
 
 
-def check_updates(updates: list[TokenUpdate], requests: list[EngineRequest], vocab: int) -> None:
+def check_updates(updates: list[TokenUpdate], requests: list[RunnerRequest], vocab: int) -> None:
     by_id = {request.request_id: request for request in requests}
     finished = set()
     for update in updates:
@@ -170,7 +170,7 @@ _request_ids = iter(range(10**9))
 def test_model_runner_survives_every_valid_params(
     runner: ModelRunner, params: list[SamplingParams]
 ) -> None:
-    requests = [EngineRequest(next(_request_ids), [5, 6, 7, 8], p) for p in params]
+    requests = [RunnerRequest(next(_request_ids), [5, 6, 7, 8], p) for p in params]
     check_updates(run_to_completion(runner, requests), requests, runner.vocab_size)
 
 
@@ -203,7 +203,7 @@ EXTREME_PARAMS = [
 def test_model_runner_survives_non_finite_logits(overflowing_model_path: Path) -> None:
     poisoned = ModelRunner(str(overflowing_model_path), device="cpu")
     requests = [
-        EngineRequest(row, [5, 6, 7, 8 + row], replace(p, num_tokens_to_generate=6))
+        RunnerRequest(row, [5, 6, 7, 8 + row], replace(p, num_tokens_to_generate=6))
         for row, p in enumerate(EXTREME_PARAMS)
     ]
     check_updates(run_to_completion(poisoned, requests), requests, poisoned.vocab_size)
@@ -220,8 +220,8 @@ def test_seeded_runner_tokens_do_not_depend_on_the_batch(runner: ModelRunner) ->
     ]
 
     def tokens_of_seeded(mates: list[SamplingParams]) -> list[int]:
-        target = EngineRequest(next(_request_ids), [10, 11, 12], seeded)
-        requests = [EngineRequest(next(_request_ids), [20, 21, 22, 23], p) for p in mates]
+        target = RunnerRequest(next(_request_ids), [10, 11, 12], seeded)
+        requests = [RunnerRequest(next(_request_ids), [20, 21, 22, 23], p) for p in mates]
         updates = run_to_completion(runner, [*requests[:1], target, *requests[1:]])
         return [t for u in updates if u.request_id == target.request_id for t in u.tokens]
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import EngineRequest, TokenUpdate
+from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 SCHEMAS = 200
@@ -71,12 +71,12 @@ def _schema(depth: int) -> st.SearchStrategy[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def runner(tiny_model_path: Path) -> ModelRunner:
-    return ModelRunner(str(tiny_model_path), max_batch_size=BATCH, device="cpu")
+    return ModelRunner(str(tiny_model_path), max_num_seqs=BATCH, device="cpu")
 
 
 def _run(runner: ModelRunner, params: list[SamplingParams]) -> list[list[int]]:
     for index, p in enumerate(params):
-        runner.add(EngineRequest(index, [1, 20, 30, 40], p))
+        runner.add(RunnerRequest(index, [1, 20, 30, 40], p))
     tokens: dict[int, list[int]] = {i: [] for i in range(len(params))}
     finish: dict[int, str | None] = {}
     while runner.has_work():

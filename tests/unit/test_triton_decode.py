@@ -82,8 +82,9 @@ def test_kernel_matches_reference_on_random_block_tables(
         seed=head_dim,
     )
     expected = paged_decode_attention_reference(*case.args())
-    # 64 splits leave most of them empty: they must merge as nothing.
-    got = paged_decode_attention_triton(*case.args(), num_splits=num_splits)
+    # 64 splits leave most of them empty: they must merge as nothing. min_split_tokens 1 lets
+    # every sequence use as many splits as its own length allows (on the device).
+    got = paged_decode_attention_triton(*case.args(), num_splits=num_splits, min_split_tokens=1)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -107,7 +108,7 @@ def test_kernel_matches_reference_on_random_shapes(seed: int) -> None:
     )
     splits = int(torch.randint(1, 9, (1,), generator=generator))
     torch.testing.assert_close(
-        paged_decode_attention_triton(*case.args(), num_splits=splits),
+        paged_decode_attention_triton(*case.args(), num_splits=splits, min_split_tokens=seed + 1),
         paged_decode_attention_reference(*case.args()),
         rtol=1e-5,
         atol=1e-5,
@@ -158,3 +159,30 @@ def test_module_imports_without_triton_and_the_call_explains(
     case = make_paged_case([3], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
     with pytest.raises(module.TritonUnavailable, match="needs the triton package"):
         module.paged_decode_attention_triton(*case.args())
+
+
+@interpreter_case
+def test_each_sequence_splits_its_own_length() -> None:
+    """A grid sized for the longest row: a short row uses one split (the others empty), a long
+    one several, and both equal the reference whatever the split floor."""
+    case = make_paged_case([3, 150], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    expected = paged_decode_attention_reference(*case.args())
+    for floor in (1, 16, 40, 1000):
+        got = paged_decode_attention_triton(*case.args(), num_splits=8, min_split_tokens=floor)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@interpreter_case
+def test_warm_up_runs_every_width_class_and_batch() -> None:
+    ran = triton_decode.warm_up(
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_batch=3,
+        max_blocks_per_sequence=20,
+    )
+    # Widths 1, 2, 16, 17 and the maximum: each Triton specialization class of the row stride.
+    assert {width for width, _ in ran} == {1, 2, 16, 17, 20}

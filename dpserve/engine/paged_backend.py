@@ -1,18 +1,18 @@
-"""The GPU engine core: our Llama executor over the paged KV cache, scheduled in chunks.
+"""The GPU engine core: our Llama forward over the paged KV cache, scheduled in chunks.
 
-``PagedRunner`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the executor
-(``llama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one forward: the
-scheduler's decodes and prefill chunks are flattened into one batch (``paged_batch``), the
-executor writes their keys/values into the pool and returns the logits of the rows whose next
-token is due, and ``consume`` (the ``ModelRunner``) samples them.
+``PagedBackend`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the model
+(``llama.PagedLlama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one
+forward: the scheduler's decodes and prefill chunks are flattened into one batch
+(``paged_batch``), the model writes their keys/values into the pool and returns the logits of
+the rows whose next token is due, and those rows are sampled (``backend.sample``).
 
 Sizing, logged at start and reported in ``stats()``: on CUDA the pool takes
 ``gpu_memory_utilization`` of the device minus the weights and an activation estimate (or
 ``kv_cache_bytes`` when given); on CPU ``kv_cache_bytes`` (1 GiB by default). It never takes
 more than ``max_num_seqs`` full contexts could use. A sequence's context is capped at what the
-pool holds, so a sequence alone always fits; the capacity (sequences running at once) is
-``max_num_seqs`` when given, else what the pool holds at ``TOKENS_PER_SEQUENCE`` tokens each
-(at most ``DEFAULT_MAX_NUM_SEQS``).
+pool holds, so a sequence alone always fits; ``max_num_seqs`` (sequences running at once) is
+the configured one when given, else what the pool holds at ``TOKENS_PER_SEQUENCE`` tokens
+each (at most ``DEFAULT_MAX_NUM_SEQS``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dpserve.engine import sampler
-from dpserve.engine.backend import Consume
+from dpserve.engine.backend import Sampled, sample
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -41,7 +41,7 @@ from dpserve.engine.kv_cache import (
     cuda_kv_budget_bytes,
     num_blocks_for_budget,
 )
-from dpserve.engine.llama import ForwardBatch, LlamaExecutor
+from dpserve.engine.llama import ForwardBatch, PagedLlama
 from dpserve.engine.paged_attention import decode_attention_backend
 from dpserve.engine.paged_batch import build_forward_batch
 from dpserve.engine.scheduler import Scheduler
@@ -54,13 +54,13 @@ log = logging.getLogger(__name__)
 class PagedConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int | None = None  # None: derived from the pool
-    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 8192 on CUDA
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]  # the device's default
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
 
 
-class PagedRunner:
+class PagedBackend:
     """Implements ``backend.Backend`` for Llama-family models."""
 
     computes_prompt_logprobs = True  # logits at prompt positions (build_forward_batch)
@@ -68,11 +68,7 @@ class PagedRunner:
     def __init__(self, model: Any, config: PagedConfig) -> None:
         self.config = config
         self.device: torch.device = model.device
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
-                self.device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
-            )
-        )
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self._sequences: dict[int, Sequence] = {}
         self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
@@ -82,13 +78,13 @@ class PagedRunner:
 
     def _build(self, model: Any) -> None:
         with torch.inference_mode():
-            self.executor: LlamaExecutor | None = LlamaExecutor(model)
-            shape = self.executor.kv_cache_shape(self.config.block_size)
+            self.model: PagedLlama | None = PagedLlama(model)
+            shape = self.model.kv_cache_shape(self.config.block_size)
             self.cache: PagedKVCache | None = PagedKVCache(
                 shape, self._pool_blocks(shape), self.device
             )
-        self.context_size = min(self.executor.context_size, self.cache.token_capacity)
-        self.capacity = self.config.max_num_seqs or max(
+        self.context_size = min(self.model.context_size, self.cache.token_capacity)
+        self.max_num_seqs = self.config.max_num_seqs or max(
             1,
             min(
                 DEFAULT_MAX_NUM_SEQS,
@@ -99,7 +95,7 @@ class PagedRunner:
         self.scheduler = Scheduler(
             self.cache.pool,
             self.config.block_size,
-            max_num_seqs=self.capacity,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.scheduler.waiting.extend(waiting)
@@ -108,9 +104,9 @@ class PagedRunner:
             try:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
-                        self.executor,
+                        self.model,
                         self.cache,
-                        self.capacity,
+                        self.max_num_seqs,
                         shape.blocks_for(self.context_size),
                     )
             except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
@@ -125,12 +121,12 @@ class PagedRunner:
         )
 
     def _pool_blocks(self, shape: KVCacheShape) -> int:
-        assert self.executor is not None
+        assert self.model is not None
         sequences = self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        useful = RESERVED_BLOCKS + sequences * shape.blocks_for(self.executor.context_size)
+        useful = RESERVED_BLOCKS + sequences * shape.blocks_for(self.model.context_size)
         budget = self.config.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
-            activations = self.executor.activation_bytes(self.max_num_batched_tokens, sequences)
+            activations = self.model.activation_bytes(self.max_num_batched_tokens, sequences)
             budget = cuda_kv_budget_bytes(
                 self.device, self.config.gpu_memory_utilization, activations
             )
@@ -139,13 +135,12 @@ class PagedRunner:
         return min(num_blocks_for_budget(shape, budget), useful)
 
     def describe(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"executor": "llama (paged)"}
+        facts: dict[str, Any] = {"backend": "paged"}
         if self.cache is not None:
             facts.update(self.cache.describe())
         facts.update(
             {
-                "capacity": self.capacity,
-                "max_concurrent_sequences": self.capacity,
+                "max_num_seqs": self.max_num_seqs,
                 "context_size": self.context_size,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "decode_attention": decode_attention_backend(self.device),
@@ -188,18 +183,18 @@ class PagedRunner:
     def release(self) -> None:
         assert self.scheduler is not None
         self.scheduler.preempt_all()
-        self.executor = self.cache = self.graphs = None
+        self.model = self.cache = self.graphs = None
 
     def reload(self, model: Any) -> None:
         self._build(model)
 
     # ---------------------------------------------------------------------------- stepping
 
-    def step(self, consume: Consume) -> None:
+    def step(self) -> list[Sampled]:
         assert self.scheduler is not None and self.cache is not None
         plan = self.scheduler.schedule()
         if not plan:
-            return
+            return []
         built = build_forward_batch(plan, self.cache.block_size, self.device)
         logits = self._forward(built.batch)
         self.scheduler.commit(plan)
@@ -207,15 +202,19 @@ class PagedRunner:
         if built.prompt_rows:
             _record_prompt_logprobs(built.prompt_rows, logits[len(built.sampled) :])
             logits = logits[: len(built.sampled)]
-        if built.sampled:
-            for row in consume(built.sampled, logits):
-                self._forget(built.sampled[row])
+        if not built.sampled:
+            return []
+        return [sample(built.sampled, logits)]
+
+    def finish(self, sequences: list[Sequence]) -> None:
+        for sequence in sequences:
+            self._forget(sequence)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        assert self.executor is not None and self.cache is not None
+        assert self.model is not None and self.cache is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
-        return self.executor.forward(batch, self.cache)
+        return self.model.forward(batch, self.cache)
 
 
 def _record_prompt_logprobs(

