@@ -31,6 +31,21 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None = None
 
 
+def host_inputs(
+    sequences: list[Sequence], vocab_size: int, device: torch.device
+) -> tuple[list[sampler.TokenHistory] | None, torch.Tensor | None]:
+    """What sampling reads from the host: each row's token history when a row has penalties,
+    and the grammar masks when a row has structured output."""
+    histories = None
+    if any(sequence.params.has_penalties for sequence in sequences):
+        histories = [
+            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
+            for sequence in sequences
+        ]
+    allowed = grammar.allowed([sequence.matcher for sequence in sequences], vocab_size, device)
+    return histories, allowed
+
+
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
     """One token per row of ``logits`` and, when a row asks for them, the log-probabilities
     (and alternatives), with one device-to-host copy. A seeded row's noise depends on the
@@ -39,17 +54,7 @@ def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
     masks what its grammar does not allow."""
     params = [sequence.params for sequence in sequences]
     positions = [sequence.context_length() for sequence in sequences]
-    histories = None
-    if any(p.has_penalties for p in params):
-        histories = [
-            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
-            for sequence in sequences
-        ]
-    allowed = None
-    if any(sequence.matcher is not None for sequence in sequences):
-        allowed = grammar.allowed(
-            [sequence.matcher for sequence in sequences], logits.shape[1], logits.device
-        )
+    histories, allowed = host_inputs(sequences, logits.shape[1], logits.device)
     host = sampler.sample(logits, params, positions, histories, allowed).to_host()
     return Sampled(sequences, host.tokens, host.logprobs, host.top)
 

@@ -18,9 +18,9 @@ from collections import deque
 
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
-from dpserve.engine.sequences import Sequence
+from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.protocol import ErrorCode
-from dpserve.tokenizer import ByteTokenizer
+from dpserve.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 PERIOD = 26  # fake tokens repeat with this period in the position (7 and 26 are coprime)
 DEFAULT_CONTEXT_SIZE = 8192
@@ -37,14 +37,6 @@ def _token_at(base: int, position: int) -> int:
 def fake_token(prompt_tokens: list[int], seed: int | None, position: int) -> int:
     """The token a fake engine emits at ``position`` (0-based) for this prompt and seed."""
     return _token_at(_base(prompt_tokens, seed), position)
-
-
-_BYTES = ByteTokenizer()
-
-
-def _decode(tokens: list[int]) -> str:
-    [text] = _BYTES.decode_batch([tokens])
-    return text
 
 
 class FakeRunner:
@@ -87,6 +79,9 @@ class FakeRunner:
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
         )
+        if params.stop_strings:
+            detokenizer = IncrementalDetokenizer(ByteTokenizer(), request.resume_tokens)
+            sequence.stop_text = StopText(detokenizer, params.stop_strings)
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)
             return
@@ -114,8 +109,9 @@ class FakeRunner:
         updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
         self._arrived_done = []
         finished = []
-        for request_id, sequence in self._running.items():
-            token = _token_at(self._bases[request_id], len(sequence.tokens))
+        tokens = [_token_at(self._bases[i], len(s.tokens)) for i, s in self._running.items()]
+        decode_new_tokens(list(self._running.values()), tokens)
+        for (request_id, sequence), token in zip(self._running.items(), tokens, strict=True):
             params = sequence.params
             if params.prompt_logprobs and not sequence.prompt_logprobs:
                 prompt = sequence.request.prompt_tokens
@@ -127,7 +123,7 @@ class FakeRunner:
             top = [(token, -1.0)] + [
                 ((token + i) % 256, -2.0) for i in range(1, params.top_logprobs)
             ]
-            update = sequence.accept(token, -1.0, _decode, top)
+            update = sequence.accept(token, -1.0, top)
             if update is not None:
                 updates.append(update)
                 if update.finish_reason is not None:

@@ -38,9 +38,10 @@ from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_backend import PagedBackend, PagedConfig
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
-from dpserve.engine.sequences import Sequence
+from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
+from dpserve.tokenizer import IncrementalDetokenizer, as_batch_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class ModelRunner:
     by default. ``kv_cache_bytes``: the pool's size (default 1 GiB on CPU; on CUDA
     ``gpu_memory_utilization`` of the device minus weights and activations). ``block_size``:
     tokens per KV block. ``backend``: "auto" (paged for the Llama family, else transformers),
-    "paged" or "transformers". ``dtype`` / ``device``:
+    "paged" or "transformers". ``overlap``: prepare step N+1 on the host while step N runs
+    (paged backend; default: on CUDA only). ``dtype`` / ``device``:
     "auto" is bf16 on CUDA, fp32 on CPU. ``gguf_file`` loads a GGUF file inside
     ``model_path_or_id`` directly.
     """
@@ -77,6 +79,7 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool = True,
+        overlap: bool | None = None,
         backend: str = "auto",
     ) -> None:
         if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
@@ -99,6 +102,7 @@ class ModelRunner:
         self.model: Any = None
         self.tokenizer: Any = None
         hf_model = self._load()
+        self._text_tokenizer = as_batch_tokenizer(self.tokenizer)
         self.vocab_size: int = int(hf_model.get_input_embeddings().num_embeddings)
         # Ends a request whose params name no termination_id (read when a request is added).
         self.eos_token_ids: frozenset[int] = _find_eos_ids(hf_model, self.tokenizer)
@@ -117,6 +121,7 @@ class ModelRunner:
                 kv_cache_bytes=kv_cache_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 cuda_graphs=cuda_graphs,
+                overlap=overlap,
             ),
         )
         self.max_num_seqs: int = self.backend.max_num_seqs
@@ -217,6 +222,9 @@ class ModelRunner:
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
         )
+        if params.stop_strings:
+            detokenizer = IncrementalDetokenizer(self._text_tokenizer, request.resume_tokens)
+            sequence.stop_text = StopText(detokenizer, params.stop_strings)
         if params.guided:
             sequence.matcher = self._matcher(sequence)
         if len(sequence.tokens) >= sequence.max_generated:
@@ -298,13 +306,14 @@ class ModelRunner:
         with torch.inference_mode():
             for sampled in self.backend.step():
                 finished = []
+                decode_new_tokens(sampled.sequences, sampled.tokens)
                 for row, sequence in enumerate(sampled.sequences):
                     before = len(sequence.tokens)
                     logprob = sampled.logprobs[row] if sampled.logprobs is not None else None
                     top = sampled.top[row] if sampled.top is not None else None
                     if sequence.matcher is not None:
                         advance(sequence.matcher, sampled.tokens[row])
-                    update = sequence.accept(sampled.tokens[row], logprob, self._decode_text, top)
+                    update = sequence.accept(sampled.tokens[row], logprob, top)
                     self._tokens_generated += len(sequence.tokens) > before
                     if update is not None:
                         updates.append(update)
@@ -313,10 +322,6 @@ class ModelRunner:
                 if finished:
                     self.backend.finish(finished)
         return updates
-
-    def _decode_text(self, tokens: list[int]) -> str:
-        text: str = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return text
 
 
 def _find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

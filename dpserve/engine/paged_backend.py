@@ -4,7 +4,15 @@
 (``llama.PagedLlama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one
 forward: the scheduler's decodes and prefill chunks are flattened into one batch
 (``paged_batch``), the model writes their keys/values into the pool and returns the logits of
-the rows whose next token is due, and those rows are sampled (``backend.sample``).
+the rows whose next token is due, and those rows are sampled on the device.
+
+Overlap (``PagedConfig.overlap``, on by default on CUDA): the forward and sampling of step N
+are submitted to a ``DeviceQueue`` and the host returns the results of step N-1 while step N
+runs, then schedules and builds step N+1. Sampled ids stay on the device: a sequence whose fed
+token is still there (``Sequence.pending``) gets it on the device (``paged_batch.apply_pending``).
+A sequence that step N-1 finished was already scheduled in step N: it finishes one step late
+and that extra token is discarded (it is no longer tracked when its result arrives), so the
+outputs are those of the sequential engine.
 
 Sizing, logged at start and reported in ``stats()``: on CUDA the pool takes
 ``gpu_memory_utilization`` of the device minus the weights and an activation estimate (or
@@ -18,13 +26,15 @@ each (at most ``DEFAULT_MAX_NUM_SEQS``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from dpserve.engine import sampler
-from dpserve.engine.backend import Sampled, sample
+from dpserve.engine.backend import Sampled, host_inputs
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -34,6 +44,7 @@ from dpserve.engine.defaults import (
     DEFAULT_MAX_NUM_SEQS,
     TOKENS_PER_SEQUENCE,
 )
+from dpserve.engine.device_queue import DeviceQueue, Launched
 from dpserve.engine.kv_cache import (
     RESERVED_BLOCKS,
     KVCacheShape,
@@ -43,9 +54,10 @@ from dpserve.engine.kv_cache import (
 )
 from dpserve.engine.llama import ForwardBatch, PagedLlama
 from dpserve.engine.paged_attention import decode_attention_backend
-from dpserve.engine.paged_batch import build_forward_batch
+from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequences import Sequence
+from dpserve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +70,17 @@ class PagedConfig:
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
+    overlap: bool | None = None  # None: on CUDA only (a CPU forward cannot run beside the host)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    sequences: list[Sequence]  # the rows of its sampled tokens
+    launched: Launched
+    # (sequence, first position, count) of prompt log-prob rows, and where the device step
+    # leaves their log-probs (filled before the step's result is ready).
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt_out: list[sampler.SampleOutput] = field(default_factory=list)
 
 
 class PagedBackend:
@@ -72,6 +95,10 @@ class PagedBackend:
         self._sequences: dict[int, Sequence] = {}
         self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
+        overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._queue = DeviceQueue(self.device, overlap)
+        self._in_flight: deque[_InFlight] = deque()
+        self._ready: list[Sampled] = []  # collected by release(), returned by the next step
         self._build(model)
 
     # ------------------------------------------------------------------------ construction
@@ -99,6 +126,9 @@ class PagedBackend:
             max_num_batched_tokens=self.max_num_batched_tokens,
         )
         self.scheduler.waiting.extend(waiting)
+        self.inputs: BatchBuilder[Sequence] | None = BatchBuilder(
+            self.max_num_seqs, shape.blocks_for(self.context_size), shape.block_size, self.device
+        )
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             try:
@@ -135,7 +165,7 @@ class PagedBackend:
         return min(num_blocks_for_budget(shape, budget), useful)
 
     def describe(self) -> dict[str, Any]:
-        facts: dict[str, Any] = {"backend": "paged"}
+        facts: dict[str, Any] = {"backend": "paged", "overlap": self._queue.overlap}
         if self.cache is not None:
             facts.update(self.cache.describe())
         facts.update(
@@ -172,18 +202,26 @@ class PagedBackend:
         return sequence is not None and self._forget(sequence)
 
     def has_work(self) -> bool:
-        return self.scheduler is not None and self.scheduler.has_work()
+        return bool(self._in_flight or self._ready) or (
+            self.scheduler is not None and self.scheduler.has_work()
+        )
 
     def _forget(self, sequence: Sequence) -> bool:
         if self._sequences.get(sequence.request_id) is sequence:
             del self._sequences[sequence.request_id]
         assert self.scheduler is not None
+        if self.inputs is not None:
+            self.inputs.release(sequence)
         return self.scheduler.remove(sequence)
 
     def release(self) -> None:
         assert self.scheduler is not None
+        # What is in flight was computed: it is returned by the first step after reload.
+        while self._in_flight:
+            self._ready += self._collect(self._in_flight.popleft())
+        self._queue.drain()
         self.scheduler.preempt_all()
-        self.model = self.cache = self.graphs = None
+        self.model = self.cache = self.graphs = self.inputs = None
 
     def reload(self, model: Any) -> None:
         self._build(model)
@@ -191,20 +229,117 @@ class PagedBackend:
     # ---------------------------------------------------------------------------- stepping
 
     def step(self) -> list[Sampled]:
-        assert self.scheduler is not None and self.cache is not None
+        if self._ready:  # drained by release(): the runner applies them before anything runs
+            ready, self._ready = self._ready, []
+            return ready
+        assert self.scheduler is not None and self.inputs is not None
         plan = self.scheduler.schedule()
-        if not plan:
+        for sequence in plan.preempted:
+            self.inputs.release(sequence)
+        launched = False
+        if plan:
+            previous = self._in_flight[-1] if self._in_flight else None
+            pending = None
+            if previous is not None:
+                pending = {s: row for row, s in enumerate(previous.sequences) if s.pending}
+            built, late = self.inputs.build(plan, pending)
+            sampled = built.sampled
+            assert self.model is not None
+            # Penalty counts and grammar masks are read from the host now; such sequences
+            # have no token in flight (see ``keep`` below).
+            histories, allowed = host_inputs(sampled, self.model.vocab_size, self.device)
+            prompt_targets = None
+            if built.prompt_rows:
+                prompt_targets = [
+                    token
+                    for sequence, start, count in built.prompt_rows
+                    for token in sequence.tokens_between(start + 1, start + 1 + count)
+                ]
+            prompt_out: list[sampler.SampleOutput] = []
+            job = partial(
+                self._device_step,
+                built.batch,
+                late,
+                previous.launched if previous is not None and late is not None else None,
+                [sequence.params for sequence in sampled],
+                [sequence.context_length() for sequence in sampled],
+                histories,
+                allowed,
+                prompt_targets,
+                max((s.params.top_logprobs for s, _, _ in built.prompt_rows), default=0),
+                prompt_out,
+            )
+            submitted = self._queue.submit(job)
+            self.scheduler.commit(plan)
+            self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
+            if sampled or built.prompt_rows:
+                for sequence in sampled:
+                    sequence.pending += 1
+                self._in_flight.append(_InFlight(sampled, submitted, built.prompt_rows, prompt_out))
+                # A sequence whose sampling reads host state (penalties, a grammar) or that
+                # records prompt log-probs is taken in before the next step is built.
+                launched = not built.prompt_rows and not any(
+                    sequence.needs_host_state for sequence in sampled
+                )
+        # With overlap the step just submitted stays in flight while the runner takes in the
+        # one before it; the next call prepares its successor.
+        keep = 1 if launched and self._queue.overlap else 0
+        results: list[Sampled] = []
+        while len(self._in_flight) > keep:
+            results += self._collect(self._in_flight.popleft())
+        return results
+
+    def _device_step(
+        self,
+        batch: ForwardBatch,
+        late: PendingTokens | None,
+        previous: Launched | None,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: list[sampler.TokenHistory] | None = None,
+        allowed: torch.Tensor | None = None,
+        prompt_targets: list[int] | None = None,
+        prompt_k: int = 0,
+        prompt_out: list[sampler.SampleOutput] | None = None,
+    ) -> sampler.SampleOutput:
+        """The device's part of a step; reads no sequence (the host has moved on)."""
+        if late is not None and previous is not None:
+            apply_pending(batch, late, previous.device_tokens())
+        logits = self._forward(batch)
+        if prompt_targets is not None and prompt_out is not None:
+            # The rows after the sampled ones are prompt positions (paged_batch).
+            targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device)
+            prompt_out.append(sampler.log_probs_of(logits[len(params) :], targets, prompt_k))
+            logits = logits[: len(params)]
+        if not params:
+            return sampler.SampleOutput(logits.new_zeros(0, dtype=torch.long))
+        return sampler.sample(logits, params, positions, histories, allowed)
+
+    def _collect(self, in_flight: _InFlight) -> list[Sampled]:
+        """The sampled tokens of a step, for the sequences still tracked (one that finished
+        or was cancelled since has its extra token dropped)."""
+        host = in_flight.launched.wait()
+        if in_flight.prompt_rows:
+            _record_prompt_logprobs(in_flight.prompt_rows, in_flight.prompt_out[0].to_host())
+        for sequence in in_flight.sequences:
+            sequence.pending -= 1
+        rows = [
+            row
+            for row, sequence in enumerate(in_flight.sequences)
+            if self._sequences.get(sequence.request_id) is sequence
+        ]
+        if not rows:
             return []
-        built = build_forward_batch(plan, self.cache.block_size, self.device)
-        logits = self._forward(built.batch)
-        self.scheduler.commit(plan)
-        self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
-        if built.prompt_rows:
-            _record_prompt_logprobs(built.prompt_rows, logits[len(built.sampled) :])
-            logits = logits[: len(built.sampled)]
-        if not built.sampled:
-            return []
-        return [sample(built.sampled, logits)]
+        if len(rows) == len(host.tokens):
+            return [Sampled(in_flight.sequences, host.tokens, host.logprobs, host.top)]
+        return [
+            Sampled(
+                [in_flight.sequences[row] for row in rows],
+                [host.tokens[row] for row in rows],
+                None if host.logprobs is None else [host.logprobs[row] for row in rows],
+                None if host.top is None else [host.top[row] for row in rows],
+            )
+        ]
 
     def finish(self, sequences: list[Sequence]) -> None:
         for sequence in sequences:
@@ -218,18 +353,10 @@ class PagedBackend:
 
 
 def _record_prompt_logprobs(
-    prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
+    prompt_rows: list[tuple[Sequence, int, int]], host: sampler.HostSample
 ) -> None:
-    """The prompt tokens' log-probs (and alternatives) for the rows ``build_forward_batch``
-    added, for all sequences with one log-softmax, one top-k and one copy to the host."""
-    targets = [
-        token
-        for sequence, start, count in prompt_rows
-        for token in sequence.tokens_between(start + 1, start + 1 + count)
-    ]
-    k = max(sequence.params.top_logprobs for sequence, _, _ in prompt_rows)
-    target_tensor = torch.tensor(targets, dtype=torch.long).to(logits.device)
-    host = sampler.log_probs_of(logits, target_tensor, k).to_host()
+    """Hand each sequence the log-probs (and alternatives) of its prompt rows, computed for all
+    of them with one log-softmax, one top-k and one copy to the host."""
     assert host.logprobs is not None
     row = 0
     for sequence, start, count in prompt_rows:

@@ -1,8 +1,17 @@
-"""From a ``StepPlan`` (block ids, positions) to the tensors of one forward.
+"""From a ``StepPlan`` (block ids, positions) to the tensors of one forward, with host work
+proportional to what changed since the last step.
 
-Everything is assembled in Python lists and moved to the device in one copy per tensor; the
-sequences' block tables stay on the host (the scheduler edits them), the device only ever sees
-this step's slice of them.
+The block tables live on the device, in one persistent ``[rows, max_blocks]`` int32 table
+(``BatchBuilder.table``): a sequence gets a row when it first runs and keeps it until it is
+finished, cancelled or preempted; block ids the scheduler appended since the last step are
+written into it with one small copy (usually none: a decode needs a new block every
+``block_size`` tokens). Per step the host sends only what is new: each row's fed token (unless
+it is still on the device, ``pending``), position and table row, as one tensor; positions of
+prefill chunks, sequence lengths, block tables and slot mappings are computed on the device
+from them. Host buffers are pinned on CUDA and copied without blocking.
+
+A sequence whose first scheduled token is not position 0 (a chunked prefill continuing, a
+prefix-cache hit) is handled like any chunk: its cached part is read through its table row.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from dpserve.engine.scheduler import PagedSequence, StepPlan
 
 class TokenSequence(PagedSequence, Protocol):
     def token_at(self, position: int) -> int: ...
+
+    def last_token(self) -> int: ...
 
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
@@ -39,66 +50,191 @@ class BuiltBatch(Generic[T]):
     prompt_rows: list[tuple[T, int, int]] = field(default_factory=list)
 
 
-def _slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+@dataclass(slots=True)
+class PendingTokens:
+    """Fed tokens that are still on the device: ``input_ids[rows] = tokens[sources]``, applied
+    where the forward runs (after the step that samples them)."""
+
+    rows: list[int]  # rows of this batch
+    sources: list[int]  # rows of the previous step's sampled tokens
 
 
-def build_forward_batch(plan: StepPlan[T], block_size: int, device: torch.device) -> BuiltBatch[T]:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    decodes = plan.decodes
-    for sequence in decodes:
-        position = sequence.num_cached
-        input_ids.append(sequence.token_at(position))
-        positions.append(position)
-        slots.append(sequence.blocks[position // block_size] * block_size + position % block_size)
-        seq_lens.append(position + 1)
-    block_tables = seq_lens_tensor = None
-    if decodes:
-        width = -(-max(seq_lens) // block_size)
-        rows = [(s.blocks + [0] * width)[:width] for s in decodes]
-        block_tables = torch.tensor(rows, dtype=torch.int32).to(device)
-        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32).to(device)
+class BatchBuilder(Generic[T]):
+    """Persistent inputs for up to ``max_rows`` running sequences of at most ``max_blocks``
+    blocks each."""
 
-    prefills: list[PrefillSlice] = []
-    prompt_rows: list[tuple[T, int, int]] = []
-    prompt_logit_rows: list[int] = []
-    logit_rows = list(range(len(decodes)))
-    sampled = list(decodes)
-    for chunk in plan.prefills:
-        sequence = chunk.sequence
-        end = chunk.start + chunk.length
-        offset = len(input_ids)
-        input_ids += sequence.tokens_between(chunk.start, end)
-        positions += range(chunk.start, end)
-        slots += _slots(sequence.blocks, chunk.start, end, block_size)
-        blocks = None
-        if chunk.start:
-            covering = sequence.blocks[: -(-end // block_size)]
-            blocks = torch.tensor(covering, dtype=torch.long).to(device)
-        prefills.append(PrefillSlice(offset, chunk.length, chunk.start, blocks))
-        if chunk.completes_prefill:
-            logit_rows.append(offset + chunk.length - 1)
-            sampled.append(sequence)
-        if sequence.wants_prompt_logprobs:
-            count = min(end, sequence.prompt_length() - 1) - chunk.start
-            if count > 0:
-                prompt_rows.append((sequence, chunk.start, count))
-                prompt_logit_rows += range(offset, offset + count)
+    def __init__(
+        self, max_rows: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self._pin = device.type == "cuda"
+        # Row r holds the block ids of the sequence in row r; unused entries point at block 0
+        # (reserved, never handed out): a row is cleared before it is handed out again.
+        self.table = torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self._row: dict[T, int] = {}
+        self._written: dict[T, int] = {}  # block ids of a sequence already in its row
+        self._to_clear: list[int] = []  # rows released since the last step
 
-    logits_indices = None
-    if prefills:
-        logits_indices = torch.tensor(logit_rows + prompt_logit_rows, dtype=torch.long).to(device)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long).to(device),
-        positions=torch.tensor(positions, dtype=torch.long).to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long).to(device),
-        num_decodes=len(decodes),
-        block_tables=block_tables,
-        seq_lens=seq_lens_tensor,
-        prefills=prefills,
-        logits_indices=logits_indices,
-    )
-    return BuiltBatch(batch, sampled, prompt_rows)
+    # ------------------------------------------------------------------------------- rows
+
+    def release(self, sequence: T) -> None:
+        """The sequence no longer runs (finished, cancelled, preempted: its blocks were freed,
+        new ones will be written from the start): free its row."""
+        row = self._row.pop(sequence, None)
+        if row is not None:
+            del self._written[sequence]
+            self._free_rows.append(row)
+            self._to_clear.append(row)
+
+    def _sync_rows(self, plan: StepPlan[T]) -> None:
+        """Give new sequences a row and append the block ids added since the last step."""
+        if self._to_clear:
+            self.table[self._to_device(self._to_clear)] = 0
+            self._to_clear = []
+        rows: list[int] = []
+        columns: list[int] = []
+        ids: list[int] = []
+        written_of = self._written
+        sequences = [*plan.decodes, *(chunk.sequence for chunk in plan.prefills)]
+        # Only sequences that are new or got blocks since the last step do any work.
+        for sequence in [s for s in sequences if written_of.get(s) != len(s.blocks)]:
+            written = written_of.get(sequence)
+            if written is None:
+                self._row[sequence] = self._free_rows.pop()
+                written = 0
+            blocks = sequence.blocks
+            if len(blocks) > written:
+                row = self._row[sequence]
+                new = blocks[written:]
+                rows += [row] * len(new)
+                columns += range(written, len(blocks))
+                ids += new
+            written_of[sequence] = len(blocks)
+        if ids:
+            update = self._to_device([rows, columns, ids])
+            self.table[update[0], update[1]] = update[2].to(torch.int32)
+
+    def _to_device(self, values: list[list[int]] | list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
+        return host.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------------------ build
+
+    def build(
+        self, plan: StepPlan[T], pending: dict[T, int] | None = None
+    ) -> tuple[BuiltBatch[T], PendingTokens | None]:
+        """The forward's tensors for ``plan``. ``pending``: decoding sequences whose fed token
+        is not on the host yet, and its row in the previous step's sampled tokens."""
+        self._sync_rows(plan)
+        block_size = self.block_size
+        row_of = self._row
+        decodes = plan.decodes
+        # One row per decode and per prefill chunk: (token or 0, first position, table row).
+        starts = [sequence.num_cached for sequence in decodes]
+        table_rows = [row_of[sequence] for sequence in decodes]
+        late = PendingTokens([], [])
+        if pending:
+            # Their fed token is the one the previous step sampled: 0 here, patched on the
+            # device (apply_pending).
+            tokens = []
+            for index, sequence in enumerate(decodes):
+                source = pending.get(sequence)
+                if source is None:
+                    tokens.append(sequence.token_at(sequence.num_cached))
+                else:
+                    tokens.append(0)
+                    late.rows.append(index)
+                    late.sources.append(source)
+        else:
+            tokens = [sequence.last_token() for sequence in decodes]
+        num_decodes = len(decodes)
+        sampled = list(decodes)
+        logit_rows = list(range(num_decodes))
+        prompt_rows: list[tuple[T, int, int]] = []
+        prompt_logit_rows: list[int] = []
+        lengths: list[int] = []
+        prefills: list[PrefillSlice] = []
+        offset = num_decodes
+        for chunk in plan.prefills:
+            sequence = chunk.sequence
+            end = chunk.start + chunk.length
+            tokens += sequence.tokens_between(chunk.start, end)
+            starts.append(chunk.start)
+            table_rows.append(row_of[sequence])
+            lengths.append(chunk.length)
+            blocks = None
+            if chunk.start:  # the chunk reads what is cached before it
+                row = row_of[sequence]
+                blocks = self.table[row, : -(-end // block_size)].long()
+            prefills.append(PrefillSlice(offset, chunk.length, chunk.start, blocks))
+            if sequence.wants_prompt_logprobs:
+                count = min(end, sequence.prompt_length() - 1) - chunk.start
+                if count > 0:
+                    prompt_rows.append((sequence, chunk.start, count))
+                    prompt_logit_rows += range(offset, offset + count)
+            offset += chunk.length
+            if chunk.completes_prefill:
+                logit_rows.append(offset - 1)
+                sampled.append(sequence)
+
+        meta = self._to_device([starts, table_rows])
+        input_ids = self._to_device(tokens)
+        segment_starts, segment_rows = meta[0], meta[1]
+        if prefills:
+            # Each chunk's positions run from its start: repeat per token, add the offsets.
+            counts = self._to_device(lengths)
+            chunk_offsets = torch.cumsum(counts, 0) - counts
+            chunk_starts = segment_starts[num_decodes:]
+            total = offset - num_decodes
+            within = torch.arange(total, device=self.device) - torch.repeat_interleave(
+                chunk_offsets, counts, output_size=total
+            )
+            positions = torch.cat(
+                [
+                    segment_starts[:num_decodes],
+                    torch.repeat_interleave(chunk_starts, counts, output_size=total) + within,
+                ]
+            )
+            token_rows = torch.cat(
+                [
+                    segment_rows[:num_decodes],
+                    torch.repeat_interleave(segment_rows[num_decodes:], counts, output_size=total),
+                ]
+            )
+        else:
+            positions, token_rows = segment_starts, segment_rows
+        block_index = torch.div(positions, block_size, rounding_mode="floor")
+        slot_mapping = self.table[token_rows, block_index].long() * block_size + (
+            positions - block_index * block_size
+        )
+
+        block_tables = seq_lens = None
+        if decodes:
+            decode_positions = positions[:num_decodes]
+            width = -(-(max(starts[:num_decodes]) + 1) // block_size)
+            block_tables = self.table[:, :width].index_select(0, segment_rows[:num_decodes])
+            seq_lens = (decode_positions + 1).to(torch.int32)
+        # Prompt log-prob rows come after the sampled ones.
+        logits_indices = self._to_device(logit_rows + prompt_logit_rows) if prefills else None
+        batch = ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            prefills=prefills,
+            logits_indices=logits_indices,
+        )
+        return BuiltBatch(batch, sampled, prompt_rows), (late if late.rows else None)
+
+
+def apply_pending(batch: ForwardBatch, late: PendingTokens, tokens: torch.Tensor) -> None:
+    """Feed the tokens the previous step sampled on the device into ``batch`` (in stream
+    order, after that step)."""
+    device = batch.input_ids.device
+    rows = torch.tensor(late.rows, dtype=torch.long).to(device, non_blocking=True)
+    sources = torch.tensor(late.sources, dtype=torch.long).to(device, non_blocking=True)
+    batch.input_ids.index_copy_(0, rows, tokens.index_select(0, sources))

@@ -43,6 +43,9 @@ class TokenUpdate:
     tokens: list[int]
     logprobs: list[float] | None = None  # one per token, only when return_log_probs
     finish_reason: str | None = None  # "stop" (EOS / termination id / stop string) or "length"
+    # The tokens' text where the runner decoded it already (requests with stop strings, see
+    # ``sequences.StopText``); None: the engine server decodes it.
+    text: str | None = None
     # Per token its top_logprobs alternatives (token, log-prob), when the request asked.
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # prompt_logprobs: the prompt's tokens after the first (log-prob, alternatives), in the

@@ -116,15 +116,19 @@ class Scheduler(Generic[S]):
 
     def schedule(self) -> StepPlan[S]:
         plan: StepPlan[S] = StepPlan()
+        decodes = plan.decodes
+        block_size = self.block_size
         for sequence in list(self.running):
-            if sequence in plan.preempted:  # made room for an older one in this loop
+            if plan.preempted and sequence in plan.preempted:  # made room for an older one
                 continue
-            if sequence.context_length() - sequence.num_cached == 1 and self._reserve(
-                sequence, plan
-            ):
-                plan.decodes.append(sequence)
+            cached = sequence.num_cached
+            if sequence.context_length() - cached != 1:
+                continue
+            # A new block only when the fed token starts one (every block_size tokens).
+            if cached < len(sequence.blocks) * block_size or self._reserve(sequence, plan):
+                decodes.append(sequence)
         budget = self.max_num_batched_tokens - len(plan.decodes)
-        for sequence in self.running:
+        for sequence in self.running if len(decodes) < len(self.running) else ():
             remaining = sequence.context_length() - sequence.num_cached
             if remaining > 1 and budget > 0:
                 chunk = PrefillChunk(sequence, sequence.num_cached, min(remaining, budget))

@@ -8,27 +8,117 @@ boundaries). While the decoded tail could still become a stop string, those toke
 back rather than streamed, so nothing ever has to be taken back. ``ignore_eos`` turns the stop
 tokens into ordinary tokens; before ``min_tokens`` tokens neither stop tokens nor stop strings
 end a request (a stop token is then returned like any other).
+
+Stop strings are looked for in the request's text as its ``IncrementalDetokenizer`` produces
+it (``StopText``), one token at a time: that text is also what the engine sends with the
+tokens (``TokenUpdate.text``), so it is decoded once. ``decode_new_tokens`` decodes the new
+token of every such sequence of a step in one ``decode_batch`` call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
+from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher as GrammarMatcher
 
 TopEntry = tuple[int, float]
 
-# Tokens before the first undecided one that are decoded with it when checking stop strings:
-# detokenizers need a little left context (leading spaces, multi-byte characters).
-_STOP_STRING_CONTEXT_TOKENS = 4
 
-Decode = Callable[[list[int]], str]
+class StopText:
+    """The text of a request with stop strings, from the detokenizer whose deltas are sent."""
+
+    __slots__ = (
+        "_ends",
+        "_longest",
+        "_next_delta",
+        "_sent_tail",
+        "_unsent",
+        "detokenizer",
+        "stops",
+    )
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, stops: Iterable[str]) -> None:
+        self.detokenizer = detokenizer
+        self.stops = tuple(stops)
+        self._longest = max(map(len, self.stops))
+        self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
+        self._unsent = ""  # the text of the tokens not returned yet
+        self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
+        self._next_delta: str | None = None  # decoded ahead by ``decode_new_tokens``
+
+    def add(self, token: int) -> None:
+        delta = self._next_delta
+        if delta is None:
+            delta = self.detokenizer.push([token])
+        self._next_delta = None
+        self._unsent += delta
+        self._ends.append(len(self._unsent))
+
+    def scan(self) -> tuple[int, bool]:
+        """How many of the tokens not returned yet may be returned, and whether a stop string
+        (one that ends in the newest token's text) ends the request before them."""
+        window = self._sent_tail + self._unsent
+        base = len(self._sent_tail)
+        newest_from = base + (self._ends[-2] if len(self._ends) > 1 else 0)
+        match_at = min(
+            (
+                i
+                for i in (
+                    window.find(stop, max(0, newest_from - len(stop) + 1)) for stop in self.stops
+                )
+                if i >= 0
+            ),
+            default=-1,
+        )
+        if match_at >= 0:
+            return bisect_right(self._ends, match_at - base), True
+        # Hold back a tail that is the beginning of a stop string: it may complete next step.
+        held = max(
+            (
+                n
+                for stop in self.stops
+                for n in range(len(stop) - 1, 0, -1)
+                if window.endswith(stop[:n])
+            ),
+            default=0,
+        )
+        return bisect_right(self._ends, len(window) - held - base), False
+
+    def release(self, count: int, final: bool) -> str:
+        """The text of the next ``count`` tokens, now returned; with ``final`` (the request
+        ends without a stop string) whatever the detokenizer still held back too."""
+        cut = self._ends[count - 1] if count else 0
+        text = self._unsent[:cut]
+        self._unsent = self._unsent[cut:]
+        self._ends = [end - cut for end in self._ends[count:]]
+        self._sent_tail = (self._sent_tail + text)[-self._longest :]
+        if final:
+            text += self._unsent + self.detokenizer.push([], final=True)
+        return text
+
+
+def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
+    """Decode the text each sequence with stop strings gets from its new token, for all of them
+    in one ``decode_batch`` call (``accept`` then finds it decoded)."""
+    texts = [
+        (sequence.stop_text, token)
+        for sequence, token in zip(sequences, tokens, strict=True)
+        if sequence.stop_text is not None and sequence.keeps(token)
+    ]
+    if not texts:
+        return
+    tokenizer = texts[0][0].detokenizer.tokenizer
+    deltas = push_batch(tokenizer, [(text.detokenizer, [token], False) for text, token in texts])
+    for (text, _), delta in zip(texts, deltas, strict=True):
+        text._next_delta = delta
 
 
 @dataclass(eq=False, slots=True)
@@ -39,6 +129,14 @@ class Sequence:
     stop_ids: frozenset[int]  # empty with ignore_eos
     tokens: list[int] = field(default_factory=list)  # generated so far, resume tokens included
     logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
+    emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
+    # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    # Tokens sampled on the device but not accepted yet (the overlapped step in flight): part
+    # of the context, not of ``tokens``.
+    pending: int = 0
+    stop_text: StopText | None = None  # with stop strings: the text they are looked for in
     top_logprobs: list[list[TopEntry]] = field(default_factory=list)  # parallel to logprobs
     # prompt_logprobs: the prompt's tokens after the first, filled as prefill chunks run;
     # reported with the first update.
@@ -48,10 +146,6 @@ class Sequence:
     # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
     matcher: GrammarMatcher | None = None
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
-    emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
-    # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
-    blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0
 
     @property
     def request_id(self) -> int:
@@ -63,6 +157,19 @@ class Sequence:
 
     def prompt_length(self) -> int:
         return len(self.request.prompt_tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logits are needed at every prompt position, not only the last. A sequence like this
+        must compute its whole prompt: it must not take cached prefix blocks (the prefix cache
+        checks this flag before sharing blocks with it)."""
+        return self.params.prompt_logprobs and not self.prompt_logprobs_sent
+
+    @property
+    def needs_host_state(self) -> bool:
+        """Sampling it reads its accepted tokens on the host (penalty counts, grammar state):
+        its step's result must be taken in before its next step is built."""
+        return self.matcher is not None or self.params.has_penalties
 
     def record_prompt_logprobs(
         self, start: int, logprobs: list[float], top: list[list[TopEntry]] | None
@@ -76,11 +183,14 @@ class Sequence:
             self.prompt_top_logprobs.extend(top)
 
     def context_length(self) -> int:
-        return len(self.request.prompt_tokens) + len(self.tokens)
+        return len(self.request.prompt_tokens) + len(self.tokens) + self.pending
 
     def token_at(self, position: int) -> int:
         prompt = self.request.prompt_tokens
         return prompt[position] if position < len(prompt) else self.tokens[position - len(prompt)]
+
+    def last_token(self) -> int:
+        return self.tokens[-1] if self.tokens else self.request.prompt_tokens[-1]
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         prompt = self.request.prompt_tokens
@@ -88,25 +198,17 @@ class Sequence:
             return prompt[start:end]
         return self.context()[start:end]
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Logits are needed at every prompt position, not only the last. A sequence like this
-        must compute its whole prompt: it must not take cached prefix blocks (the prefix cache
-        checks this flag before sharing blocks with it)."""
-        return self.params.prompt_logprobs and not self.prompt_logprobs_sent
+    def keeps(self, token: int) -> bool:
+        """False when ``token`` ends the sequence as a stop token (and is not returned)."""
+        return token not in self.stop_ids or len(self.tokens) < self.params.min_tokens
 
     def accept(
-        self,
-        token: int,
-        logprob: float | None,
-        decode: Decode,
-        top: list[TopEntry] | None = None,
+        self, token: int, logprob: float | None, top: list[TopEntry] | None = None
     ) -> TokenUpdate | None:
         """Apply the finishing rules to a sampled token; the update to report, if any (one
         with a ``finish_reason`` when the sequence is done)."""
         finish: str | None = None
-        early = len(self.tokens) < self.params.min_tokens
-        if token in self.stop_ids and not early:
+        if not self.keeps(token):
             finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
             ready = len(self.tokens)
             self.stop_token = token
@@ -117,19 +219,24 @@ class Sequence:
                 if self.params.top_logprobs:
                     self.top_logprobs.append(top or [])
             ready = len(self.tokens)
-            if self.params.stop_strings and len(self.tokens) > self.params.min_tokens:
-                ready, matched = self._scan_stop_strings(decode)
-                if matched:
-                    finish = "stop"
-                    del self.tokens[ready:]
-            if finish is None and len(self.tokens) >= self.max_generated:
+            text = self.stop_text
+            if text is not None:
+                text.add(token)
+                if len(self.tokens) > self.params.min_tokens:
+                    releasable, matched = text.scan()
+                    ready = self.emitted + releasable
+                    if matched:
+                        del self.tokens[ready:]
+                        return self.emit(ready, "stop", cut=True)
+            if len(self.tokens) >= self.max_generated:
                 finish = "length"
                 ready = len(self.tokens)
         if ready > self.emitted or finish is not None:
             return self.emit(ready, finish)
         return None
 
-    def emit(self, ready: int, finish: str | None) -> TokenUpdate:
+    def emit(self, ready: int, finish: str | None, cut: bool = False) -> TokenUpdate:
+        """Report tokens up to ``ready``; ``cut``: the rest was dropped at a stop string."""
         start = self.emitted
         self.emitted = ready
         logprobs = top = None
@@ -139,7 +246,12 @@ class Sequence:
             logprobs = self.logprobs[start - offset : ready - offset]
             if self.params.top_logprobs:
                 top = self.top_logprobs[start - offset : ready - offset]
-        update = TokenUpdate(self.request_id, self.tokens[start:ready], logprobs, finish, top)
+        text = None
+        if self.stop_text is not None:
+            text = self.stop_text.release(ready - start, final=finish is not None and not cut)
+        update = TokenUpdate(
+            self.request_id, self.tokens[start:ready], logprobs, finish, text, top_logprobs=top
+        )
         if finish is not None:
             update.stop_token = self.stop_token
         if self.params.prompt_logprobs and not self.prompt_logprobs_sent:
@@ -149,53 +261,3 @@ class Sequence:
                 self.prompt_top_logprobs if self.params.top_logprobs else None
             )
         return update
-
-    def _scan_stop_strings(self, decode: Decode) -> tuple[int, bool]:
-        """How many tokens may be returned now, and whether a stop string appeared. Only the
-        tail after the returned tokens (plus a little context) is decoded."""
-        stops = self.params.stop_strings
-        tokens = self.tokens
-        anchor = max(0, self.emitted - _STOP_STRING_CONTEXT_TOKENS)
-        head = decode(tokens[anchor : self.emitted])
-        text = decode(tokens[anchor:])
-        base = _common_prefix_length(head, text)
-        # Only a stop string that ends in the text not returned yet counts (one that ended
-        # earlier did so before min_tokens); it may start inside the returned text.
-        match_at = min(
-            (
-                i
-                for i in (text.find(stop, max(0, base - len(stop) + 1)) for stop in stops)
-                if i >= 0
-            ),
-            default=-1,
-        )
-        if match_at >= 0:
-            return self._tokens_within(anchor, match_at, decode), True
-        # Hold back a tail that is the beginning of a stop string: it may complete next step.
-        held = max(
-            (n for stop in stops for n in range(len(stop) - 1, 0, -1) if text.endswith(stop[:n])),
-            default=0,
-        )
-        if held == 0:
-            return len(tokens), False
-        return self._tokens_within(anchor, len(text) - held, decode), False
-
-    def _tokens_within(self, anchor: int, text_limit: int, decode: Decode) -> int:
-        """The most tokens (at least those already returned) whose decoded text from ``anchor``
-        fits in the first ``text_limit`` characters."""
-        ready = self.emitted
-        while ready < len(self.tokens):
-            text = decode(self.tokens[anchor : ready + 1]).rstrip("\ufffd")
-            if len(text) > text_limit:
-                break
-            ready += 1
-        return ready
-
-
-def _common_prefix_length(first: str, second: str) -> int:
-    length = 0
-    for a, b in zip(first, second, strict=False):
-        if a != b:
-            break
-        length += 1
-    return length

@@ -47,7 +47,7 @@ from dpserve.protocol import (
     RegisterAck,
 )
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer
+from dpserve.tokenizer import IncrementalDetokenizer, push_batch
 
 log = logging.getLogger("dpserve.engine")
 
@@ -77,6 +77,10 @@ class _Held:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: bytes | None = None  # packed, sent with the next entry
+    stop_token: int | None = None  # the stop token that ended it, sent with the last entry
+    # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
+    # ``text`` is not used.
+    decoded: list[str] | None = None
 
 
 class EngineServer:
@@ -343,6 +347,7 @@ class EngineServer:
 
     def _absorb(self, updates: list[TokenUpdate]) -> None:
         now = time.monotonic()
+        finished: list[tuple[int, _Held, str | None]] = []
         for update in updates:
             held = self._held.get(update.request_id)
             if held is None:
@@ -350,6 +355,10 @@ class EngineServer:
             if held.ttft is None and update.tokens:
                 held.ttft = now - held.received_at
             held.tokens.extend(update.tokens)
+            if update.text is not None:
+                if held.decoded is None:
+                    held.decoded = []
+                held.decoded.append(update.text)
             if update.logprobs is not None:
                 if held.logprobs is None:
                     held.logprobs = []
@@ -365,39 +374,52 @@ class EngineServer:
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
-                self._outbox.append(
-                    self._entry(update.request_id, held, update.finish_reason, update.stop_token)
-                )
+                held.stop_token = update.stop_token
+                finished.append((update.request_id, held, update.finish_reason))
             elif held.stream:
                 self._stream_dirty.add(update.request_id)
+        if finished:
+            self._outbox += self._entries(finished)
 
-    @staticmethod
-    def _entry(
-        request_id: int, held: _Held, finish_reason: str | None, stop_token: int | None = None
-    ) -> EngineUpdate:
-        entry = EngineUpdate(
-            request_id,
-            protocol.pack_tokens(held.tokens),
-            None
-            if held.logprobs is None
-            else protocol.pack_logprobs(held.logprobs, held.top_logprobs),
-            finish_reason,
-            None,
-            held.ttft,
-            held.text.push(held.tokens, final=finish_reason is not None),
-            held.prompt_logprobs,
-            stop_token,
-        )
-        held.prompt_logprobs = None
-        held.tokens = []
-        held.logprobs = None if held.logprobs is None else []
-        held.top_logprobs = None if held.top_logprobs is None else []
-        return entry
+    def _entries(self, items: list[tuple[int, _Held, str | None]]) -> list[EngineUpdate]:
+        """The ENGINE_REPLY entries of these requests (what they produced since their last
+        entry); the text the runner did not decode comes from one ``decode_batch`` for all."""
+        undecoded = [
+            (held.text, held.tokens, finish is not None)
+            for _, held, finish in items
+            if held.decoded is None
+        ]
+        pushed = iter(push_batch(self._text.tokenizer, undecoded) if undecoded else [])
+        entries: list[EngineUpdate] = []
+        for request_id, held, finish_reason in items:
+            text = next(pushed) if held.decoded is None else "".join(held.decoded)
+            entries.append(
+                EngineUpdate(
+                    request_id,
+                    protocol.pack_tokens(held.tokens),
+                    None
+                    if held.logprobs is None
+                    else protocol.pack_logprobs(held.logprobs, held.top_logprobs),
+                    finish_reason,
+                    None,
+                    held.ttft,
+                    text,
+                    held.prompt_logprobs,
+                    held.stop_token if finish_reason is not None else None,
+                )
+            )
+            held.prompt_logprobs = None
+            held.tokens = []
+            held.logprobs = None if held.logprobs is None else []
+            held.top_logprobs = None if held.top_logprobs is None else []
+            if held.decoded is not None:
+                held.decoded = []
+        return entries
 
     def _flush(self, now: float) -> None:
         if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
-            for request_id in self._stream_dirty:
-                self._outbox.append(self._entry(request_id, self._held[request_id], None))
+            held = self._held
+            self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now
         if self._outbox and self.registered:
@@ -446,9 +468,9 @@ class EngineServer:
         """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
         re-dispatches the requests after exactly those tokens, so no step may run until it
         answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
-        for request_id, held in self._held.items():
-            if held.tokens:
-                self._outbox.append(self._entry(request_id, held, None))
+        self._outbox += self._entries(
+            [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
+        )
         self._stream_dirty.clear()
         if self._outbox:
             self.connection.send(EngineReply(self._outbox))

@@ -15,8 +15,9 @@ import zmq.asyncio
 from dpserve import protocol
 from dpserve.protocol import ControlState
 from dpserve.sampling import SamplingParams
-from tests.integration.runtime import eventually, free_port, wait_for_engines
+from tests.integration.runtime import free_port, wait_for_engines
 from tests.integration.test_runtime import expected_tokens, start
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 

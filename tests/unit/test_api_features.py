@@ -194,3 +194,34 @@ def test_an_invalid_grammar_is_refused_with_its_reason(runner: ModelRunner) -> N
         runner.add(RunnerRequest(40, PROMPT, params))
     assert refused.value.code == "bad_request"
     assert "does not compile" in refused.value.message
+
+
+def test_overlapped_steps_give_the_same_outputs(runner: ModelRunner, tiny_model_path: Path) -> None:
+    """With overlap (step N+1 prepared while step N runs), sequences whose sampling reads host
+    state (penalties, grammars) or that record prompt log-probs are taken in before their next
+    step: their outputs equal the sequential engine's."""
+    overlapped = ModelRunner(
+        str(tiny_model_path), max_num_seqs=8, max_num_batched_tokens=16, device="cpu",
+        overlap=True,
+    )  # fmt: skip
+    requests = [
+        (SamplingParams(temperature=0.0, num_tokens_to_generate=10, ignore_eos=True,
+                        frequency_penalty=1.5, repetition_penalty=1.3)),
+        (SamplingParams(temperature=1.0, seed=4, num_tokens_to_generate=60,
+                        guided_json=json.dumps(SCHEMA))),
+        (SamplingParams(temperature=0.0, num_tokens_to_generate=3, return_log_probs=True,
+                        top_logprobs=2, prompt_logprobs=True)),
+        (SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True)),
+    ]  # fmt: skip
+    outputs = []
+    for engine, base in ((runner, 50), (overlapped, 60)):
+        updates = run_all(
+            engine, [RunnerRequest(base + i, PROMPT, p) for i, p in enumerate(requests)]
+        )
+        outputs.append(
+            [
+                (tokens_of(updates[base + i]), updates[base + i][0].prompt_logprobs)
+                for i in range(len(requests))
+            ]
+        )
+    assert outputs[0] == outputs[1]

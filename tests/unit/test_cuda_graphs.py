@@ -13,7 +13,6 @@ import torch
 from dpserve.engine.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged_backend import PagedBackend
-from dpserve.engine.paged_batch import build_forward_batch
 from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
@@ -54,7 +53,8 @@ def test_padded_static_inputs_give_each_row_its_own_logits(tiny_model_path: Path
         assert paged.model is not None and paged.cache is not None
         plan = paged.scheduler.schedule()
         assert len(plan.decodes) == count and not plan.prefills
-        batch = build_forward_batch(plan, paged.cache.block_size, paged.device).batch
+        assert paged.inputs is not None
+        batch = paged.inputs.build(plan)[0].batch
         if inputs is None:
             inputs = StaticDecodeInputs(16, max_blocks_per_sequence=64, device=paged.device)
         with torch.inference_mode():

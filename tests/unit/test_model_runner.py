@@ -253,6 +253,10 @@ def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
     following = full[: len(outcome.tokens) + len(stop) + 1]
     assert stop in tokenizer.decode(following, skip_special_tokens=True)
     assert len(outcome.logprobs) == len(outcome.tokens)
+    # The text the stop string was looked for in is the text sent (decoded once, here).
+    sent = "".join(update.text or "" for update in outcome.updates)
+    assert sent == tokenizer.decode(outcome.tokens, skip_special_tokens=True)
+    assert all(update.text is not None for update in outcome.updates)
 
 
 def test_held_back_tokens_are_released_when_no_stop_string_follows(
