@@ -24,6 +24,10 @@ REQUEST_LIMIT_HELP: Final = {
     "max_stop_strings": "stop strings per request",
     "max_stop_string_chars": "characters of one stop string",
     "max_json_depth": "nesting depth of an HTTP JSON body",
+    "max_top_logprobs": "alternatives per token a request may ask for (logprobs / top_logprobs)",
+    "max_choices": "n (and best_of): completions generated for one prompt",
+    "max_prompts": "prompts in one completions request (a list of prompts)",
+    "max_request_sequences": "sequences one HTTP request may start (n or best_of x prompts)",
 }
 HTTP_LIMIT_HELP: Final = {
     "request_timeout": "seconds one generation request may take before it is cancelled (504)",

@@ -32,6 +32,11 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1_000
     max_json_depth: int = 64  # nesting of the HTTP JSON body
+    max_top_logprobs: int = 20  # alternatives per token (logprobs / top_logprobs), as vLLM
+    max_choices: int = 16  # n (and best_of): completions generated for one prompt
+    max_prompts: int = 256  # prompts in one completions request (a list of prompts)
+    # n (or best_of) x prompts: the requests one HTTP request may start
+    max_request_sequences: int = 512
 
     @property
     def max_message_bytes(self) -> int:

@@ -12,6 +12,7 @@ Token ids travel as packed little-endian int32 bytes (``pack_tokens``): decoding
 
 from __future__ import annotations
 
+import struct
 import sys
 import types
 import typing
@@ -221,6 +222,12 @@ class EngineUpdate(NamedTuple):
     # Prompt tokens the engine found in its prefix cache (sent with the finishing update).
     # Optional: added after protocol version 1.
     cached_tokens: int | None = None
+    # pack_logprobs of the prompt's tokens after the first (sampling param prompt_logprobs),
+    # in the request's first update only. Optional: added after protocol version 1.
+    prompt_logprobs: bytes | None = None
+    # The stop token that ended the request (finish_reason "stop"; not in tokens). Optional:
+    # added after protocol version 1.
+    stop_token: int | None = None
 
 
 class EngineReply(NamedTuple):
@@ -235,12 +242,14 @@ class ClientResult(NamedTuple):
     generated_tokens: bytes
     text: str
     finish_reason: str
-    logprobs: bytes | None
+    logprobs: bytes | None  # pack_logprobs: with top_logprobs alternatives when asked for
     ttft: float | None  # seconds from the coordinator receiving it to the first token
     engine_rank: int
     # Prompt tokens served from the engine's prefix cache (OpenAI's usage cached_tokens).
     # Optional: added after protocol version 1.
     cached_tokens: int | None = None
+    prompt_logprobs: bytes | None = None  # as EngineUpdate's; optional (after version 1)
+    stop_token: int | None = None  # as EngineUpdate's; optional (after version 1)
 
 
 class Results(NamedTuple):
@@ -253,6 +262,8 @@ class ClientChunk(NamedTuple):
     client_request_id: int
     tokens: bytes
     text: str
+    # pack_logprobs of these tokens when the request asked for them; optional (after version 1)
+    logprobs: bytes | None = None
 
 
 class Stream(NamedTuple):
@@ -568,3 +579,45 @@ def pack_floats(values: Sequence[float]) -> bytes:
 
 def unpack_floats(data: bytes | bytearray) -> list[float]:
     return _unpack("f", "floats", data)
+
+
+def pack_logprobs(
+    logprobs: Sequence[float], top: Sequence[Sequence[tuple[int, float]]] | None
+) -> bytes:
+    """Log-probs and, with ``top``, each token's alternatives: per token a float32 log-prob then
+    ``k`` (int32 token, float32 log-prob) pairs, ``k`` the request's ``top_logprobs``. With no
+    alternatives this is ``pack_floats``; entries concatenate (updates append to each other)."""
+    if not top:
+        return pack_floats(logprobs)
+    if len(top) != len(logprobs):
+        raise ValueError(f"{len(top)} alternative lists for {len(logprobs)} log-probs")
+    k = len(top[0])
+    if any(len(entry) != k for entry in top):
+        raise ValueError("every token needs the same number of alternatives")
+    flat: list[float | int] = []
+    for logprob, entry in zip(logprobs, top, strict=True):
+        flat.append(logprob)
+        for token, alternative in entry:
+            flat += (token, alternative)
+    packed = struct.pack("<" + ("f" + "if" * k) * len(logprobs), *flat)
+    return packed
+
+
+def unpack_logprobs(
+    data: bytes | bytearray, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Inverse of ``pack_logprobs`` for ``k`` alternatives per token (``ProtocolError`` if the
+    length does not fit)."""
+    if k == 0:
+        return unpack_floats(data), None
+    size = 4 + 8 * k
+    if len(data) % size:
+        raise ProtocolError(f"packed log-probs with {k} alternatives must be {size}k bytes")
+    count = len(data) // size
+    values = struct.unpack("<" + ("f" + "if" * k) * count, data)
+    logprobs, top = [], []
+    stride = 1 + 2 * k
+    for start in range(0, len(values), stride):
+        logprobs.append(values[start])
+        top.append([(values[start + 1 + 2 * i], values[start + 2 + 2 * i]) for i in range(k)])
+    return logprobs, top

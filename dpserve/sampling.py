@@ -37,12 +37,30 @@ class SamplingParams:
     # vLLM's name: requests with different salts never share prefix-cache blocks (one tenant
     # cannot learn another's prompts from timing); None or "" shares with every unsalted one.
     cache_salt: str | None = None
+    # With return_log_probs: this many most likely alternatives per generated token too.
+    top_logprobs: int = 0
+    # The prompt's tokens' log-probs (and top_logprobs alternatives), all but the first token's:
+    # the engine computes logits at every prompt position for this sequence only.
+    prompt_logprobs: bool = False
+    # OpenAI's penalties on the generated tokens' counts (subtracted from the logits), and
+    # vLLM's multiplicative penalty on every token seen (prompt and generated); 1 disables it.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Structured output (vLLM's names): at most one; the engine masks every token that would
+    # leave the language. guided_json is a JSON schema as JSON text; guided_json_object any
+    # JSON object.
+    guided_json: str | None = None
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
         # the object stays hashable and immutable.
-        if isinstance(self.stop_strings, list):
-            object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        for name in ("stop_strings", "guided_choice"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
 
     @property
@@ -97,6 +115,9 @@ class SamplingParams:
             most = DEFAULT_PREFIX_CACHE_LIMITS.max_cache_salt_chars
             if len(self.cache_salt) > most:
                 raise InvalidSamplingParams(f"cache_salt may have at most {most} characters")
+        self._validate_logprobs()
+        self._validate_penalties()
+        self._validate_guided()
         for flag in ("return_log_probs", "stream", "ignore_eos"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSamplingParams(f"{flag} must be true or false")
@@ -104,6 +125,71 @@ class SamplingParams:
             _require_int("seed", self.seed)
             if not 0 <= self.seed < 2**63:
                 raise InvalidSamplingParams("seed must be in [0, 2**63)")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def guided(self) -> bool:
+        return (
+            self.guided_json is not None
+            or self.guided_json_object
+            or self.guided_regex is not None
+            or bool(self.guided_choice)
+        )
+
+    def _validate_logprobs(self) -> None:
+        _require_int("top_logprobs", self.top_logprobs)
+        limit = DEFAULT_REQUEST_LIMITS.max_top_logprobs
+        if not 0 <= self.top_logprobs <= limit:
+            raise InvalidSamplingParams(
+                f"top_logprobs must be in [0, {limit}], got {self.top_logprobs}"
+            )
+        if self.top_logprobs and not self.return_log_probs:
+            raise InvalidSamplingParams("top_logprobs needs return_log_probs")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise InvalidSamplingParams("prompt_logprobs must be true or false")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidSamplingParams(f"{name} must be in [-2, 2], got {value}")
+        _require_number("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0):
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+            )
+
+    def _validate_guided(self) -> None:
+        chosen = [
+            name
+            for name, on in (
+                ("guided_json", self.guided_json is not None),
+                ("guided_json_object", self.guided_json_object),
+                ("guided_regex", self.guided_regex is not None),
+                ("guided_choice", bool(self.guided_choice)),
+            )
+            if on
+        ]
+        if len(chosen) > 1:
+            raise InvalidSamplingParams(f"at most one of {', '.join(chosen)} may be given")
+        for name in ("guided_json", "guided_regex"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise InvalidSamplingParams(f"{name} must be a non-empty string")
+        if not isinstance(self.guided_json_object, bool):
+            raise InvalidSamplingParams("guided_json_object must be true or false")
+        if not isinstance(self.guided_choice, tuple) or not all(
+            isinstance(choice, str) and choice for choice in self.guided_choice
+        ):
+            raise InvalidSamplingParams("guided_choice must be a list of non-empty strings")
 
     def serialize(self) -> dict[str, Any]:
         """A msgpack/JSON-friendly dict with only the fields that differ from the defaults."""

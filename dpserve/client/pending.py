@@ -31,7 +31,7 @@ from dpserve.client.records import (
     WirePrompt,
     cached_wire_params,
 )
-from dpserve.protocol import Cancel, Results, Stream, SubmitRequest
+from dpserve.protocol import Cancel, Results, Stream, SubmitRequest, unpack_logprobs
 from dpserve.sampling import SamplingParams
 
 _RESULT_REQUIRED = protocol.required_fields(protocol.ClientResult)
@@ -145,21 +145,32 @@ class PendingTable:
             pending = self._forget(result.client_request_id)
             if pending is None:
                 continue  # a duplicate from a resubmission, or cancelled
+            k = _alternatives(pending)
+            log_probs, top = (
+                (None, None) if result.logprobs is None else unpack_logprobs(result.logprobs, k)
+            )
+            prompt_log_probs, prompt_top = (
+                (None, None)
+                if result.prompt_logprobs is None
+                else unpack_logprobs(result.prompt_logprobs, k)
+            )
             record = RequestRecord(
                 request_id=result.client_request_id,
                 prompt_tokens=protocol.unpack_tokens(result.prompt_tokens),
                 generated_tokens=protocol.unpack_tokens(result.generated_tokens),
                 generated_text=result.text,
                 finish_reason=result.finish_reason,
-                log_probs=None
-                if result.logprobs is None
-                else protocol.unpack_floats(result.logprobs),
+                log_probs=log_probs,
                 ttft=result.ttft
                 if pending.first_token_at is None
                 else pending.first_token_at - pending.submitted_at,
                 latency=now - pending.submitted_at,
                 engine_rank=result.engine_rank,
                 cached_tokens=result.cached_tokens,
+                top_logprobs=top,
+                prompt_logprobs=prompt_log_probs,
+                prompt_top_logprobs=prompt_top,
+                stop_token=result.stop_token,
             )
             if not pending.future.done():
                 pending.future.set_result(record)
@@ -169,12 +180,17 @@ class PendingTable:
             pending = self.requests.get(chunk.client_request_id)
             if pending is None or pending.chunks is None:
                 continue
+            log_probs, top = (
+                (None, None)
+                if chunk.logprobs is None
+                else unpack_logprobs(chunk.logprobs, _alternatives(pending))
+            )
             if pending.first_token_at is None:
                 pending.first_token_at = time.monotonic()
             if pending.received is not None:
                 pending.received += chunk.tokens
             tokens = protocol.unpack_tokens(chunk.tokens)
-            pending.chunks.put_nowait(StreamChunk(tokens, chunk.text))
+            pending.chunks.put_nowait(StreamChunk(tokens, chunk.text, log_probs, top))
 
     def fail(self, ref: int, error: RequestFailed) -> None:
         """Fail the request or control call ``ref``, if there is one."""
@@ -213,6 +229,12 @@ class PendingTable:
         self.requests.clear()
         self.futures.clear()
         self.fail_controls(error)
+
+
+def _alternatives(pending: PendingRequest) -> int:
+    """How many alternatives per token the request's packed log-probs carry."""
+    k = pending.params.get("top_logprobs", 0)
+    return k if isinstance(k, int) and not isinstance(k, bool) else 0
 
 
 def fail_pending(pending: PendingRequest, error: Exception) -> None:

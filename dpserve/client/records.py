@@ -62,12 +62,25 @@ class RequestRecord:
     engine_rank: int
     # Prompt tokens the engine served from its prefix cache (None: not reported).
     cached_tokens: int | None = None
+    # With top_logprobs: per generated token its most likely alternatives (token, log-prob),
+    # most likely first; aligned like log_probs.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs: the prompt's tokens after the first (the first has no context);
+    # with top_logprobs also their alternatives.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The EOS / termination_id token that ended it (finish_reason "stop"): generated, counted
+    # in usage, not in generated_tokens or the text. None for stop strings and "length".
+    stop_token: int | None = None
 
 
 @dataclass(slots=True)
 class StreamChunk:
     tokens: list[int]
     text: str
+    # When the request asked for them: one per token, and with top_logprobs the alternatives.
+    log_probs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -123,7 +136,7 @@ class RequestStream:
             rest_tokens = record.generated_tokens[sent_tokens:]
             rest_text = record.generated_text[sent_text:]
             if rest_tokens or rest_text:
-                yield StreamChunk(rest_tokens, rest_text)
+                yield StreamChunk(rest_tokens, rest_text, *_last(record, len(rest_tokens)))
             yield record
         finally:
             self.cancel()  # the consumer left early (or was cancelled): stop the engine's work
@@ -144,6 +157,17 @@ class RequestStream:
                     getter.cancel()
             if getter.done() and not getter.cancelled():
                 return getter.result()
+
+
+def _last(
+    record: RequestRecord, count: int
+) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """The log-probs (and alternatives) of the record's last ``count`` tokens."""
+    if record.log_probs is None:
+        return None, None
+    start = max(0, len(record.log_probs) - count)
+    top = None if record.top_logprobs is None else record.top_logprobs[start:]
+    return record.log_probs[start:], top
 
 
 def coordinator_address(address: int | str) -> str:

@@ -23,6 +23,7 @@ class InflightRequest:
     # Tokens streamed back so far: a re-dispatched request continues after them.
     generated: bytearray = field(default_factory=bytearray)
     logprobs: bytearray | None = None
+    prompt_logprobs: bytes | None = None  # packed, from the engine's first update
     # The text of ``generated``, in the deltas the engines sent with the tokens.
     text: list[str] = field(default_factory=list)
     # Only for engines that send no text: the coordinator decodes their tokens itself.

@@ -33,10 +33,10 @@ class ResultRouter:
         self.shared = shared
         self.dispatcher = dispatcher
         self._finished: list[InflightRequest] = []
-        self._streaming: list[tuple[InflightRequest, bytes, str]] = []
+        self._streaming: list[tuple[InflightRequest, bytes, str, bytes | None]] = []
         # Told each finished request's cached prompt tokens (the router's accuracy numbers).
         self.on_cached_tokens: Callable[[InflightRequest, int | None], None] = lambda r, n: None
-        self._finish_info: dict[int, tuple[str, float | None, int, int | None]] = {}
+        self._finish_info: dict[int, tuple[str, float | None, int, int | None, int | None]] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
         by_id, identity = self.shared.requests.by_id, engine.identity
@@ -65,6 +65,9 @@ class ResultRouter:
                 if request.logprobs is None:
                     request.logprobs = bytearray()
                 request.logprobs += update.logprobs
+            if update.prompt_logprobs is not None:
+                # A resumed request sends them again: the last engine's are kept.
+                request.prompt_logprobs = update.prompt_logprobs
             if finish_reason is not None:
                 cached = update.cached_tokens
                 engine.outstanding.discard(update.request_id)
@@ -74,11 +77,12 @@ class ResultRouter:
                     None if update.ttft is None else queued_for + update.ttft,
                     engine.rank,
                     cached,
+                    update.stop_token,
                 )
                 self.on_cached_tokens(request, cached)
                 self._finished.append(request)
             elif request.stream and tokens:
-                self._streaming.append((request, tokens, text))
+                self._streaming.append((request, tokens, text, update.logprobs))
 
     def _text_here(self, request: InflightRequest, tokens: bytes, final: bool) -> str:
         """The text of an update from an engine that sent none."""
@@ -99,7 +103,7 @@ class ResultRouter:
         finished, self._finished = self._finished, []
         per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
         for request in finished:
-            reason, ttft, rank, cached = self._finish_info.pop(request.request_id)
+            reason, ttft, rank, cached, stop_token = self._finish_info.pop(request.request_id)
             per_client[request.client].append(
                 ClientResult(
                     request.client_request_id,
@@ -111,6 +115,8 @@ class ResultRouter:
                     ttft,
                     rank,
                     cached,
+                    request.prompt_logprobs,
+                    stop_token,
                 )
             )
             self.dispatcher.forget(request)
@@ -122,9 +128,9 @@ class ResultRouter:
         streaming, self._streaming = self._streaming, []
         by_id = self.shared.requests.by_id
         per_client: dict[bytes, list[ClientChunk]] = defaultdict(list)
-        for request, tokens, text in streaming:
+        for request, tokens, text, logprobs in streaming:
             if request.request_id in by_id:
-                chunk = ClientChunk(request.client_request_id, tokens, text)
+                chunk = ClientChunk(request.client_request_id, tokens, text, logprobs)
                 per_client[request.client].append(chunk)
         for client, chunks in per_client.items():
             self.shared.transport.send(client, protocol.encode(Stream(chunks)))

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dpserve.engine import sampler
+from dpserve.engine import grammar, sampler
 from dpserve.engine.sequences import Sequence
 
 
@@ -27,16 +27,36 @@ class Sampled:
     sequences: list[Sequence]
     tokens: list[int]
     logprobs: list[float] | None  # one per token when some sequence asked for them
+    # Per token its top_logprobs alternatives, when some sequence asked ([] for one that did not).
+    top: list[list[tuple[int, float]]] | None = None
+
+
+def host_inputs(
+    sequences: list[Sequence], vocab_size: int, device: torch.device
+) -> tuple[list[sampler.TokenHistory] | None, torch.Tensor | None]:
+    """What sampling reads from the host: each row's token history when a row has penalties,
+    and the grammar masks when a row has structured output."""
+    histories = None
+    if any(sequence.params.has_penalties for sequence in sequences):
+        histories = [
+            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
+            for sequence in sequences
+        ]
+    allowed = grammar.allowed([sequence.matcher for sequence in sequences], vocab_size, device)
+    return histories, allowed
 
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
-    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities,
-    with one device-to-host copy. A seeded row's noise depends on the position of the token it
-    samples, so a preempted or resumed sequence draws the same tokens again."""
+    """One token per row of ``logits`` and, when a row asks for them, the log-probabilities
+    (and alternatives), with one device-to-host copy. A seeded row's noise depends on the
+    position of the token it samples, so a preempted or resumed sequence draws the same tokens
+    again. Penalties count each row's prompt and generated tokens; a structured row's matcher
+    masks what its grammar does not allow."""
     params = [sequence.params for sequence in sequences]
     positions = [sequence.context_length() for sequence in sequences]
-    tokens, logprobs = sampler.sample(logits, params, positions).tolist()
-    return Sampled(sequences, tokens, logprobs)
+    histories, allowed = host_inputs(sequences, logits.shape[1], logits.device)
+    host = sampler.sample(logits, params, positions, histories, allowed).to_host()
+    return Sampled(sequences, host.tokens, host.logprobs, host.top)
 
 
 class Backend(Protocol):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpserve.engine.sampler import SampleOutput
+from dpserve.engine.sampler import HostSample, SampleOutput
 
 
 @dataclass(slots=True)
@@ -40,11 +40,11 @@ class Launched:
         """The sampled ids where they were sampled (blocks until the job was enqueued)."""
         return self._future.result().output.tokens
 
-    def wait(self) -> tuple[list[int], list[float] | None]:
+    def wait(self) -> HostSample:
         copied = self._future.result()
         if copied.event is not None:
             copied.event.synchronize()
-        return copied.host.tolist()
+        return copied.host.to_host()
 
 
 class DeviceQueue:
@@ -83,6 +83,9 @@ class DeviceQueue:
             host = SampleOutput(
                 _pinned_copy(output.tokens),
                 None if output.logprobs is None else _pinned_copy(output.logprobs),
+                None if output.top_ids is None else _pinned_copy(output.top_ids),
+                None if output.top_logprobs is None else _pinned_copy(output.top_logprobs),
+                output.top_counts,
             )
             event = torch.cuda.Event()
             event.record()

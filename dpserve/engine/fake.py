@@ -127,7 +127,18 @@ class FakeRunner:
         tokens = [_token_at(self._bases[i], len(s.tokens)) for i, s in self._running.items()]
         decode_new_tokens(list(self._running.values()), tokens)
         for (request_id, sequence), token in zip(self._running.items(), tokens, strict=True):
-            update = sequence.accept(token, -1.0)
+            params = sequence.params
+            if params.prompt_logprobs and not sequence.prompt_logprobs:
+                prompt = sequence.request.prompt_tokens
+                prompt_top = [[(t, -1.0)] * params.top_logprobs for t in prompt[1:]]
+                sequence.record_prompt_logprobs(
+                    0, [-1.0] * (len(prompt) - 1), prompt_top if params.top_logprobs else None
+                )
+            # The fake token is the most likely of its alternatives (as under greedy).
+            top = [(token, -1.0)] + [
+                ((token + i) % 256, -2.0) for i in range(1, params.top_logprobs)
+            ]
+            update = sequence.accept(token, -1.0, top)
             if update is not None:
                 updates.append(update)
                 if update.finish_reason is not None:

@@ -34,6 +34,7 @@ from dpserve.engine.defaults import (
     DEFAULT_HF_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
+from dpserve.engine.grammar import GrammarError, Grammars, advance
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.llama import unsupported_reason
@@ -133,6 +134,8 @@ class ModelRunner:
         self.context_size: int = self.backend.context_size
         facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
         log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
+        # Built on the first structured request (xgrammar reads the whole vocabulary once).
+        self._grammars: Grammars | None = None
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._released = False
         self._tokens_generated = 0
@@ -229,10 +232,23 @@ class ModelRunner:
         if params.stop_strings:
             detokenizer = IncrementalDetokenizer(self._text_tokenizer, request.resume_tokens)
             sequence.stop_text = StopText(detokenizer, params.stop_strings)
+        if params.guided:
+            sequence.matcher = self._matcher(sequence)
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
         else:
             self.backend.add(sequence)
+
+    def _matcher(self, sequence: Sequence) -> Any:
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            matcher = self._grammars.matcher(sequence.params)
+        except GrammarError as exc:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
+        for token in sequence.tokens:  # generated elsewhere before a resume
+            advance(matcher, token)
+        return matcher
 
     def _validate(self, request: RunnerRequest) -> None:
         prompt_length = len(request.prompt_tokens)
@@ -254,6 +270,14 @@ class ModelRunner:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST,
                 f"token ids must be in [0, {self.vocab_size}) for this model",
+            )
+        if request.params.prompt_logprobs and not getattr(
+            self.backend, "computes_prompt_logprobs", False
+        ):
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                "prompt log-probs (echo with logprobs) need the Llama executor; this model runs "
+                "on the transformers fallback",
             )
 
     def cancel(self, request_id: int) -> None:
@@ -308,7 +332,10 @@ class ModelRunner:
                 for row, sequence in enumerate(sampled.sequences):
                     before = len(sequence.tokens)
                     logprob = sampled.logprobs[row] if sampled.logprobs is not None else None
-                    update = sequence.accept(sampled.tokens[row], logprob)
+                    top = sampled.top[row] if sampled.top is not None else None
+                    if sequence.matcher is not None:
+                        advance(sequence.matcher, sampled.tokens[row])
+                    update = sequence.accept(sampled.tokens[row], logprob, top)
                     self._tokens_generated += len(sequence.tokens) > before
                     if update is not None:
                         updates.append(update)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 
 from dpserve.block_hash import BlockHash
 from dpserve.engine import sampler
-from dpserve.engine.backend import Sampled
+from dpserve.engine.backend import Sampled, host_inputs
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -80,10 +80,16 @@ class PagedConfig:
 class _InFlight:
     sequences: list[Sequence]  # the rows of its sampled tokens
     launched: Launched
+    # (sequence, first position, count) of prompt log-prob rows, and where the device step
+    # leaves their log-probs (filled before the step's result is ready).
+    prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prompt_out: list[sampler.SampleOutput] = field(default_factory=list)
 
 
 class PagedBackend:
     """Implements ``backend.Backend`` for Llama-family models."""
+
+    computes_prompt_logprobs = True  # logits at prompt positions (build_forward_batch)
 
     def __init__(self, model: Any, config: PagedConfig) -> None:
         self.config = config
@@ -282,6 +288,18 @@ class PagedBackend:
                 pending = {s: row for row, s in enumerate(previous.sequences) if s.pending}
             built, late = self.inputs.build(plan, pending)
             sampled = built.sampled
+            assert self.model is not None
+            # Penalty counts and grammar masks are read from the host now; such sequences
+            # have no token in flight (see ``keep`` below).
+            histories, allowed = host_inputs(sampled, self.model.vocab_size, self.device)
+            prompt_targets = None
+            if built.prompt_rows:
+                prompt_targets = [
+                    token
+                    for sequence, start, count in built.prompt_rows
+                    for token in sequence.tokens_between(start + 1, start + 1 + count)
+                ]
+            prompt_out: list[sampler.SampleOutput] = []
             job = partial(
                 self._device_step,
                 built.batch,
@@ -289,6 +307,11 @@ class PagedBackend:
                 previous.launched if previous is not None and late is not None else None,
                 [sequence.params for sequence in sampled],
                 [sequence.context_length() for sequence in sampled],
+                histories,
+                allowed,
+                prompt_targets,
+                max((s.params.top_logprobs for s, _, _ in built.prompt_rows), default=0),
+                prompt_out,
             )
             submitted = self._queue.submit(job)
             self.scheduler.commit(plan)
@@ -296,8 +319,12 @@ class PagedBackend:
             for sequence in sampled:
                 sequence.pending += 1
             # Tracked even without sampled rows, so that its errors surface here.
-            self._in_flight.append(_InFlight(sampled, submitted))
-            launched = True
+            self._in_flight.append(_InFlight(sampled, submitted, built.prompt_rows, prompt_out))
+            # A sequence whose sampling reads host state (penalties, a grammar) or that
+            # records prompt log-probs is taken in before the next step is built.
+            launched = not built.prompt_rows and not any(
+                sequence.needs_host_state for sequence in sampled
+            )
         # With overlap the step just submitted stays in flight while the runner takes in the
         # one before it; the next call prepares its successor.
         keep = 1 if launched and self._queue.overlap else 0
@@ -313,19 +340,31 @@ class PagedBackend:
         previous: Launched | None,
         params: list[SamplingParams],
         positions: list[int],
+        histories: list[sampler.TokenHistory] | None = None,
+        allowed: torch.Tensor | None = None,
+        prompt_targets: list[int] | None = None,
+        prompt_k: int = 0,
+        prompt_out: list[sampler.SampleOutput] | None = None,
     ) -> sampler.SampleOutput:
         """The device's part of a step; reads no sequence (the host has moved on)."""
         if late is not None and previous is not None:
             apply_pending(batch, late, previous.device_tokens())
         logits = self._forward(batch)
+        if prompt_targets is not None and prompt_out is not None:
+            # The rows after the sampled ones are prompt positions (paged_batch).
+            targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device)
+            prompt_out.append(sampler.log_probs_of(logits[len(params) :], targets, prompt_k))
+            logits = logits[: len(params)]
         if not params:
             return sampler.SampleOutput(logits.new_zeros(0, dtype=torch.long))
-        return sampler.sample(logits, params, positions)
+        return sampler.sample(logits, params, positions, histories, allowed)
 
     def _collect(self, in_flight: _InFlight) -> list[Sampled]:
         """The sampled tokens of a step, for the sequences still tracked (one that finished
         or was cancelled since has its extra token dropped)."""
-        tokens, logprobs = in_flight.launched.wait()
+        host = in_flight.launched.wait()
+        if in_flight.prompt_rows:
+            _record_prompt_logprobs(in_flight.prompt_rows, in_flight.prompt_out[0].to_host())
         for sequence in in_flight.sequences:
             sequence.pending -= 1
         rows = [
@@ -335,13 +374,14 @@ class PagedBackend:
         ]
         if not rows:
             return []
-        if len(rows) == len(tokens):
-            return [Sampled(in_flight.sequences, tokens, logprobs)]
+        if len(rows) == len(host.tokens):
+            return [Sampled(in_flight.sequences, host.tokens, host.logprobs, host.top)]
         return [
             Sampled(
                 [in_flight.sequences[row] for row in rows],
-                [tokens[row] for row in rows],
-                None if logprobs is None else [logprobs[row] for row in rows],
+                [host.tokens[row] for row in rows],
+                None if host.logprobs is None else [host.logprobs[row] for row in rows],
+                None if host.top is None else [host.top[row] for row in rows],
             )
         ]
 
@@ -354,3 +394,19 @@ class PagedBackend:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model.forward(batch, self.cache)
+
+
+def _record_prompt_logprobs(
+    prompt_rows: list[tuple[Sequence, int, int]], host: sampler.HostSample
+) -> None:
+    """Hand each sequence the log-probs (and alternatives) of its prompt rows, computed for all
+    of them with one log-softmax, one top-k and one copy to the host."""
+    assert host.logprobs is not None
+    row = 0
+    for sequence, start, count in prompt_rows:
+        own_k = sequence.params.top_logprobs
+        top = None
+        if own_k and host.top is not None:
+            top = [entries[:own_k] for entries in host.top[row : row + count]]
+        sequence.record_prompt_logprobs(start, host.logprobs[row : row + count], top)
+        row += count

@@ -16,7 +16,7 @@ prefix-cache hit) is handled like any chunk: its cached part is read through its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import torch
@@ -32,6 +32,11 @@ class TokenSequence(PagedSequence, Protocol):
 
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
+
+    def prompt_length(self) -> int: ...
+
 
 T = TypeVar("T", bound=TokenSequence)
 
@@ -39,7 +44,10 @@ T = TypeVar("T", bound=TokenSequence)
 @dataclass(slots=True)
 class BuiltBatch(Generic[T]):
     batch: ForwardBatch
-    sampled: list[T]  # the sequences the logits' rows belong to, in order
+    sampled: list[T]  # the sequences the logits' first rows belong to, in order
+    # After those, rows at prompt positions of sequences that want prompt log-probs:
+    # (sequence, first position, count); position p's row predicts prompt token p + 1.
+    prompt_rows: list[tuple[T, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,6 +152,8 @@ class BatchBuilder(Generic[T]):
         num_decodes = len(decodes)
         sampled = list(decodes)
         logit_rows = list(range(num_decodes))
+        prompt_rows: list[tuple[T, int, int]] = []
+        prompt_logit_rows: list[int] = []
         lengths: list[int] = []
         prefills: list[PrefillSlice] = []
         offset = num_decodes
@@ -159,6 +169,11 @@ class BatchBuilder(Generic[T]):
                 row = row_of[sequence]
                 blocks = self.table[row, : -(-end // block_size)].long()
             prefills.append(PrefillSlice(offset, chunk.length, chunk.start, blocks))
+            if sequence.wants_prompt_logprobs:
+                count = min(end, sequence.prompt_length() - 1) - chunk.start
+                if count > 0:
+                    prompt_rows.append((sequence, chunk.start, count))
+                    prompt_logit_rows += range(offset, offset + count)
             offset += chunk.length
             if chunk.completes_prefill:
                 logit_rows.append(offset - 1)
@@ -201,7 +216,8 @@ class BatchBuilder(Generic[T]):
             width = -(-(max(starts[:num_decodes]) + 1) // block_size)
             block_tables = self.table[:, :width].index_select(0, segment_rows[:num_decodes])
             seq_lens = (decode_positions + 1).to(torch.int32)
-        logits_indices = self._to_device(logit_rows) if prefills else None
+        # Prompt log-prob rows come after the sampled ones.
+        logits_indices = self._to_device(logit_rows + prompt_logit_rows) if prefills else None
         batch = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
@@ -212,7 +228,7 @@ class BatchBuilder(Generic[T]):
             prefills=prefills,
             logits_indices=logits_indices,
         )
-        return BuiltBatch(batch, sampled), (late if late.rows else None)
+        return BuiltBatch(batch, sampled, prompt_rows), (late if late.rows else None)
 
 
 def apply_pending(batch: ForwardBatch, late: PendingTokens, tokens: torch.Tensor) -> None:

@@ -48,6 +48,15 @@ class TokenUpdate:
     text: str | None = None
     # Context tokens the engine found in its prefix cache when it admitted the request.
     cached_tokens: int | None = None
+    # Per token its top_logprobs alternatives (token, log-prob), when the request asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # prompt_logprobs: the prompt's tokens after the first (log-prob, alternatives), in the
+    # request's first update.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With finish_reason "stop": the EOS / termination_id token that ended the request (not in
+    # tokens, but generated: usage counts it, as vLLM and llama.cpp do).
+    stop_token: int | None = None
 
 
 class Runner(Protocol):

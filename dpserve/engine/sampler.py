@@ -14,6 +14,13 @@ caller copies them to the host once (``SampleOutput.tolist``).
   float; scores are shifted so the row maximum is 0 before dividing by the temperature (no
   overflow for any valid temperature); the noise is finite; a row with no finite logit at all
   falls back to token 0 through the greedy path. Nothing non-finite reaches an argmax as NaN.
+* Penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``) are applied to
+  the rows that ask for them from per-row token counts built with one ``scatter_add`` over the
+  batch; a structured-output row's disallowed tokens (``allowed``) are -inf. Both change the
+  scores tokens are chosen from, not the reported log-probs, which stay the model's own
+  distribution (vLLM's default, "raw" log-probs).
+* Top log-probs: one ``topk`` over the whole batch's log-softmax with the largest k any row
+  asked for; each row keeps its own k when copied to the host.
 """
 
 from __future__ import annotations
@@ -35,28 +42,78 @@ _GOLDEN_64 = 0x9E3779B97F4A7C15
 _LOWEST_LOGPROB = torch.finfo(torch.float32).min
 
 
+# A token and its log-probability: one of a position's most likely alternatives.
+TopEntry = tuple[int, float]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a row's penalties count: its prompt and the tokens generated so far."""
+
+    prompt: Sequence[int]
+    generated: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    tokens: list[int]
+    logprobs: list[float] | None  # None when no row asked for log-probs
+    # Per row its top_logprobs most likely (token, log-prob), most likely first; None when no
+    # row asked for alternatives ([] for a row that did not).
+    top: list[list[TopEntry]] | None
+
+
 @dataclass(frozen=True, slots=True)
 class SampleOutput:
     tokens: torch.Tensor  # [batch] int64, on the logits' device
     # [batch] fp32: each chosen token's log-probability under the model's own distribution
-    # (before temperature and filtering); None when no row asked for logprobs.
+    # (before temperature, penalties and filtering); None when no row asked for logprobs.
     logprobs: torch.Tensor | None = None
+    # [batch, k] the k most likely tokens and their log-probs (k the largest any row asked for)
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_counts: tuple[int, ...] = ()  # each row's own k
 
     def tolist(self) -> tuple[list[int], list[float] | None]:
         """Tokens and logprobs as Python lists, with one device-to-host copy."""
+        host = self.to_host()
+        return host.tokens, host.logprobs
+
+    def to_host(self) -> HostSample:
+        """Everything as Python lists with one device-to-host copy: float64 holds every token
+        id exactly, so all of it travels as one tensor."""
+        columns = [self.tokens.double().unsqueeze(1)]
+        if self.logprobs is not None:
+            columns.append(self.logprobs.double().unsqueeze(1))
+        if self.top_ids is not None and self.top_logprobs is not None:
+            columns += [self.top_ids.double(), self.top_logprobs.double()]
+        rows = torch.cat(columns, dim=1).tolist()
+        tokens = [int(row[0]) for row in rows]
         if self.logprobs is None:
-            return self.tokens.tolist(), None
-        # float64 holds every token id exactly: one tensor, one copy.
-        both = torch.stack((self.tokens.double(), self.logprobs.double())).tolist()
-        return [int(token) for token in both[0]], both[1]
+            return HostSample(tokens, None, None)
+        logprobs = [row[1] for row in rows]
+        if self.top_ids is None:
+            return HostSample(tokens, logprobs, None)
+        k = self.top_ids.shape[1]
+        top = [
+            [(int(row[2 + i]), row[2 + k + i]) for i in range(count)]
+            for row, count in zip(rows, self.top_counts, strict=True)
+        ]
+        return HostSample(tokens, logprobs, top)
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    histories: Sequence[TokenHistory] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> SampleOutput:
     """One token per row of ``logits`` (``[batch, vocab]``, any float dtype). ``positions[i]``
     is the index in its sequence of the token row ``i`` samples (prompt plus tokens so far): with
-    a seed it selects the noise, so the same (seed, position, logits) give the same token."""
+    a seed it selects the noise, so the same (seed, position, logits) give the same token.
+    ``histories`` (one per row) are needed when a row has penalties; ``allowed`` (bool
+    ``[batch, vocab]``, on the logits' device) restricts the rows of structured requests."""
     if len(positions) != len(params):
         raise ValueError(f"{len(positions)} positions for {len(params)} params")
     keys = [
@@ -64,7 +121,7 @@ def sample(
         for p, position in zip(params, positions, strict=True)
     ]
     want_logprobs = any(p.return_log_probs for p in params)
-    return _sample(logits, params, keys, want_logprobs)
+    return _sample(logits, params, keys, want_logprobs, histories, allowed)
 
 
 def _sample(
@@ -72,6 +129,8 @@ def _sample(
     params: Sequence[SamplingParams],
     keys: Sequence[int | None],
     want_logprobs: bool,
+    histories: Sequence[TokenHistory] | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> SampleOutput:
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(keys) != len(params):
         raise ValueError(
@@ -80,18 +139,87 @@ def _sample(
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     clean = _finite_above(logits)
-    tokens = clean.argmax(dim=-1)  # a row of all -inf gives 0
+    scores = clean
+    penalized = [row for row, p in enumerate(params) if p.has_penalties]
+    if penalized:
+        if histories is None or len(histories) != len(params):
+            raise ValueError("penalties need one token history per row")
+        scores = _apply_penalties(scores, penalized, params, histories)
+    if allowed is not None:
+        if allowed.shape != scores.shape:
+            raise ValueError(f"allowed {tuple(allowed.shape)} does not match the logits")
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    tokens = scores.argmax(dim=-1)  # a row of all -inf gives 0
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         index = torch.tensor(sampled_rows, device=logits.device)
         chosen = _sample_rows(
-            clean.index_select(0, index),
+            scores.index_select(0, index),
             [params[row] for row in sampled_rows],
             [keys[row] for row in sampled_rows],
         )
         tokens = tokens.index_copy(0, index, chosen)
-    logprobs = _chosen_logprobs(clean, tokens) if want_logprobs else None
-    return SampleOutput(tokens, logprobs)
+    if not want_logprobs:
+        return SampleOutput(tokens)
+    log_probs = _log_softmax(clean)
+    chosen_logprobs = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    counts = tuple(p.top_logprobs if p.return_log_probs else 0 for p in params)
+    k = min(max(counts), log_probs.shape[1])
+    if k == 0:
+        return SampleOutput(tokens, chosen_logprobs)
+    top_logprobs, top_ids = log_probs.topk(k, dim=-1)
+    return SampleOutput(
+        tokens, chosen_logprobs, top_ids, top_logprobs, tuple(min(c, k) for c in counts)
+    )
+
+
+def _apply_penalties(
+    scores: torch.Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+) -> torch.Tensor:
+    """vLLM's penalties for ``rows``: ``repetition_penalty`` divides a positive score (multiplies
+    a negative one) of every token in the prompt or the output; ``frequency_penalty`` x the
+    token's count in the output and ``presence_penalty`` (once) are subtracted."""
+    device = scores.device
+    vocab = scores.shape[1]
+    index = torch.tensor(rows, device=device)
+    settings = torch.tensor(
+        [
+            [params[r].presence_penalty, params[r].frequency_penalty, params[r].repetition_penalty]
+            for r in rows
+        ],
+        dtype=torch.float32,
+    ).to(device)
+    generated = _token_counts([histories[r].generated for r in rows], vocab, device)
+    seen = generated > 0
+    if any(params[r].repetition_penalty != 1.0 for r in rows):
+        seen |= _token_counts([histories[r].prompt for r in rows], vocab, device) > 0
+    part = scores.index_select(0, index)
+    repetition = settings[:, 2:3]
+    repeated = torch.where(part > 0, part / repetition, part * repetition)
+    part = torch.where(seen, repeated, part)
+    part = part - settings[:, 1:2] * generated - settings[:, 0:1] * (generated > 0).float()
+    return scores.index_copy(0, index, part)
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``[rows, vocab]`` fp32: how often each token occurs in each row's list (one scatter_add
+    over a padded tensor; the padding lands in a spare column that is dropped)."""
+    width = max((len(tokens) for tokens in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
+    for row, tokens in enumerate(token_lists):  # filling a host buffer, not per-row tensor ops
+        if tokens:
+            padded[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _sample_rows(
@@ -194,10 +322,24 @@ def _row_key(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def _chosen_logprobs(clean: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    chosen = torch.log_softmax(clean, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-    # A row without a finite logit has no distribution: report the lowest finite logprob.
-    return torch.nan_to_num(chosen, nan=_LOWEST_LOGPROB, neginf=_LOWEST_LOGPROB)
+def _log_softmax(clean: torch.Tensor) -> torch.Tensor:
+    """Log-probs with -inf and NaN (a row without a finite logit has no distribution) reported
+    as the lowest finite float: JSON has no -inf."""
+    return torch.nan_to_num(
+        torch.log_softmax(clean, dim=-1), nan=_LOWEST_LOGPROB, neginf=_LOWEST_LOGPROB
+    )
+
+
+def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOutput:
+    """The log-probs of given ``tokens`` (``[rows]``) under ``logits`` and each row's ``k`` most
+    likely alternatives: what prompt log-probs report for the prompt's own tokens."""
+    log_probs = _log_softmax(_finite_above(logits))
+    chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k = min(k, log_probs.shape[1])
+    if k == 0:
+        return SampleOutput(tokens, chosen)
+    top_logprobs, top_ids = log_probs.topk(k, dim=-1)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs, (k,) * tokens.shape[0])
 
 
 def _finite_above(logits: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,9 @@ class Scheduler(Generic[S]):
     def _admit(self, sequence: S) -> bool:
         pool, length = self.pool, sequence.context_length()
         hit: list[int] = []
-        if pool.enable_caching:
+        # A sequence that wants its prompt's log-probs needs logits at every prompt position,
+        # so it computes its whole prompt (its blocks are still stored for others).
+        if pool.enable_caching and not getattr(sequence, "wants_prompt_logprobs", False):
             # Whole blocks only, and never the last token: its logits are needed.
             # Tokens still on the device (overlap) cannot be hashed yet.
             known = length - getattr(sequence, "pending", 0)

@@ -20,10 +20,16 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer, push_batch
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher as GrammarMatcher
+
+TopEntry = tuple[int, float]
 
 
 class StopText:
@@ -137,6 +143,15 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     cache_extra: bytes = b""
     cached_prompt_tokens: int | None = None
+    top_logprobs: list[list[TopEntry]] = field(default_factory=list)  # parallel to logprobs
+    # prompt_logprobs: the prompt's tokens after the first, filled as prefill chunks run;
+    # reported with the first update.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TopEntry]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
+    matcher: GrammarMatcher | None = None
+    stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
 
     @property
     def request_id(self) -> int:
@@ -145,6 +160,33 @@ class Sequence:
     def context(self) -> list[int]:
         """Everything the model must have seen before sampling the next token."""
         return self.request.prompt_tokens + self.tokens
+
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logits are needed at every prompt position, not only the last. A sequence like this
+        must compute its whole prompt: it must not take cached prefix blocks (the prefix cache
+        checks this flag before sharing blocks with it)."""
+        return self.params.prompt_logprobs and not self.prompt_logprobs_sent
+
+    @property
+    def needs_host_state(self) -> bool:
+        """Sampling it reads its accepted tokens on the host (penalty counts, grammar state):
+        its step's result must be taken in before its next step is built."""
+        return self.matcher is not None or self.params.has_penalties
+
+    def record_prompt_logprobs(
+        self, start: int, logprobs: list[float], top: list[list[TopEntry]] | None
+    ) -> None:
+        """Log-probs of prompt tokens ``start + 1 ...`` (computed at positions ``start ...``); a
+        prefill computed again after a preemption overwrites what it had."""
+        del self.prompt_logprobs[start:]
+        self.prompt_logprobs.extend(logprobs)
+        if top is not None:
+            del self.prompt_top_logprobs[start:]
+            self.prompt_top_logprobs.extend(top)
 
     def context_length(self) -> int:
         return len(self.request.prompt_tokens) + len(self.tokens) + self.pending
@@ -166,17 +208,22 @@ class Sequence:
         """False when ``token`` ends the sequence as a stop token (and is not returned)."""
         return token not in self.stop_ids or len(self.tokens) < self.params.min_tokens
 
-    def accept(self, token: int, logprob: float | None) -> TokenUpdate | None:
+    def accept(
+        self, token: int, logprob: float | None, top: list[TopEntry] | None = None
+    ) -> TokenUpdate | None:
         """Apply the finishing rules to a sampled token; the update to report, if any (one
         with a ``finish_reason`` when the sequence is done)."""
         finish: str | None = None
         if not self.keeps(token):
             finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
             ready = len(self.tokens)
+            self.stop_token = token
         else:
             self.tokens.append(token)
             if logprob is not None and self.params.return_log_probs:
                 self.logprobs.append(logprob)
+                if self.params.top_logprobs:
+                    self.top_logprobs.append(top or [])
             ready = len(self.tokens)
             text = self.stop_text
             if text is not None:
@@ -198,19 +245,26 @@ class Sequence:
         """Report tokens up to ``ready``; ``cut``: the rest was dropped at a stop string."""
         start = self.emitted
         self.emitted = ready
-        logprobs = None
+        logprobs = top = None
         if self.params.return_log_probs:
             # logprobs has no entries for resume tokens: shift indices by their count.
             offset = len(self.request.resume_tokens)
             logprobs = self.logprobs[start - offset : ready - offset]
+            if self.params.top_logprobs:
+                top = self.top_logprobs[start - offset : ready - offset]
         text = None
         if self.stop_text is not None:
             text = self.stop_text.release(ready - start, final=finish is not None and not cut)
-        return TokenUpdate(
-            self.request_id,
-            self.tokens[start:ready],
-            logprobs,
-            finish,
-            text,
-            self.cached_prompt_tokens,
+        update = TokenUpdate(
+            self.request_id, self.tokens[start:ready], logprobs, finish, text, top_logprobs=top,
+            cached_tokens=self.cached_prompt_tokens,
         )
+        if finish is not None:
+            update.stop_token = self.stop_token
+        if self.params.prompt_logprobs and not self.prompt_logprobs_sent:
+            self.prompt_logprobs_sent = True
+            update.prompt_logprobs = self.prompt_logprobs
+            update.prompt_top_logprobs = (
+                self.prompt_top_logprobs if self.params.top_logprobs else None
+            )
+        return update

@@ -77,6 +77,9 @@ class _Held:
     ttft: float | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: bytes | None = None  # packed, sent with the next entry
+    stop_token: int | None = None  # the stop token that ended it, sent with the last entry
     # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
     # ``text`` is not used.
     decoded: list[str] | None = None
@@ -398,9 +401,18 @@ class EngineServer:
                 if held.logprobs is None:
                     held.logprobs = []
                 held.logprobs.extend(update.logprobs)
+                if update.top_logprobs is not None:
+                    if held.top_logprobs is None:
+                        held.top_logprobs = []
+                    held.top_logprobs.extend(update.top_logprobs)
+            if update.prompt_logprobs is not None:
+                held.prompt_logprobs = protocol.pack_logprobs(
+                    update.prompt_logprobs, update.prompt_top_logprobs
+                )
             if update.finish_reason is not None:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
+                held.stop_token = update.stop_token
                 finished.append((update.request_id, held, update.finish_reason))
             elif held.stream or first:
                 # A request's first tokens go out at once even when it does not stream: the
@@ -426,16 +438,22 @@ class EngineServer:
                 EngineUpdate(
                     request_id,
                     protocol.pack_tokens(held.tokens),
-                    None if held.logprobs is None else protocol.pack_floats(held.logprobs),
+                    None
+                    if held.logprobs is None
+                    else protocol.pack_logprobs(held.logprobs, held.top_logprobs),
                     finish_reason,
                     None,
                     held.ttft,
                     text,
                     held.cached_tokens if finish_reason is not None else None,
+                    held.prompt_logprobs,
+                    held.stop_token if finish_reason is not None else None,
                 )
             )
+            held.prompt_logprobs = None
             held.tokens = []
             held.logprobs = None if held.logprobs is None else []
+            held.top_logprobs = None if held.top_logprobs is None else []
             if held.decoded is not None:
                 held.decoded = []
         return entries

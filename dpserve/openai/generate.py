@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -17,6 +18,7 @@ from dpserve.client import (
     InferenceClient,
     RequestFailed,
     RequestRecord,
+    RequestStream,
     StreamChunk,
 )
 from dpserve.openai.errors import (
@@ -31,12 +33,16 @@ from dpserve.openai.metrics import FrontMetrics
 from dpserve.openai.requests import GenerationRequest
 from dpserve.openai.responses import (
     SSE_DONE,
+    Choice,
     ResponseFormat,
     ResponseIds,
+    TokenLogprob,
+    records_usage,
     sse_event,
     sse_response,
     usage,
 )
+from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
 
@@ -80,24 +86,131 @@ class Generator:
         finally:
             self.metrics.inflight.dec()
 
+    # ----------------------------------------------------------------------- fan-out
+
+    def _candidates(self, job: GenerationRequest) -> list[tuple[str | list[int], SamplingParams]]:
+        """Every sequence the request starts, prompt-major: ``best_of`` per prompt, candidate
+        ``i`` seeded ``seed + i`` (candidate 0 is exactly the single request)."""
+        out = []
+        for prompt in job.all_prompts:
+            for i in range(job.best_of):
+                params = job.params
+                if i and params.seed is not None:
+                    params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+                out.append((prompt, params))
+        return out
+
     async def _complete(
         self, fmt: ResponseFormat, job: GenerationRequest, ids: ResponseIds, started: float
     ) -> web.Response:
+        futures = []
         try:
-            future = self.client.add_request(job.prompt, job.params)
-            # wait_for cancels the future on timeout and when this handler is cancelled (the
-            # client disconnected): the client then cancels the request on its engine.
-            record: RequestRecord = await asyncio.wait_for(future, self.request_timeout)
+            # Submitted together, so they batch (and share the prompt's cached blocks).
+            for prompt, params in self._candidates(job):
+                futures.append(self.client.add_request(prompt, params))
+            records: list[RequestRecord] = await asyncio.wait_for(
+                asyncio.gather(*futures), self.request_timeout
+            )
         except TimeoutError:
             return timeout_error(self.request_timeout).response()
         except RequestFailed as exc:
             return request_failed_error(exc).response()
         except ClientError as exc:
             return unavailable_error(exc).response()
-        self.metrics.add_generated(len(record.generated_tokens))
-        self.metrics.finished(fmt.endpoint, record, record.ttft, time.monotonic() - started)
-        token_texts = self._token_texts(record) if job.params.return_log_probs else None
-        return web.json_response(fmt.response(ids, record, token_texts))
+        finally:
+            for future in futures:
+                future.cancel()  # a no-op for the finished; the rest stop on their engines
+        per_prompt = [
+            records[p * job.best_of : (p + 1) * job.best_of] for p in range(len(job.all_prompts))
+        ]
+        for record in records:
+            self.metrics.add_generated(len(record.generated_tokens))
+        self.metrics.finished(fmt.endpoint, records[0], records[0].ttft, time.monotonic() - started)
+        choices = []
+        returned = []
+        for p, candidates in enumerate(per_prompt):
+            if job.best_of > job.n:
+                candidates = sorted(candidates, key=_cumulative_logprob, reverse=True)
+            returned.append(candidates[: job.n])
+            for i, record in enumerate(returned[-1]):
+                choices.append(self._choice(job, p * job.n + i, record))
+        used = records_usage(returned)
+        if job.drop_generated:
+            used = usage(used["prompt_tokens"], 0)
+        return web.json_response(fmt.response(ids, choices, used))
+
+    def _choice(self, job: GenerationRequest, index: int, record: RequestRecord) -> Choice:
+        show_logprobs = job.params.return_log_probs and not job.hide_logprobs
+        entries: list[TokenLogprob] | None = None
+        prompt_text = ""
+        if job.echo:
+            prompt_text = self._prompt_text(record)
+            if show_logprobs:
+                entries = self._prompt_entries(record, prompt_text)
+        generated_text = record.generated_text
+        finish_reason: str = record.finish_reason
+        if job.drop_generated:
+            generated_text, finish_reason = "", "length"
+        elif show_logprobs:
+            entries = (entries or []) + self._entries(
+                record.generated_tokens, generated_text, record.log_probs, record.top_logprobs
+            )
+        return Choice(
+            index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
+        )
+
+    def _prompt_text(self, record: RequestRecord) -> str:
+        [text] = self.tokenizer.decode_batch([record.prompt_tokens])
+        return text
+
+    def _prompt_entries(self, record: RequestRecord, text: str) -> list[TokenLogprob]:
+        tokens = record.prompt_tokens
+        if not tokens:
+            return []
+        logprobs: list[float | None] = [None, *(record.prompt_logprobs or [])]
+        top: list[list[tuple[int, float]] | None] = [None, *(record.prompt_top_logprobs or [])]
+        pieces = token_pieces(self.tokenizer, tokens, text)
+        names = self._token_names(top)
+        return [
+            TokenLogprob(
+                piece,
+                logprobs[i] if i < len(logprobs) else None,
+                _named(top[i] if i < len(top) else None, names),
+            )
+            for i, piece in enumerate(pieces)
+        ]
+
+    def _entries(
+        self,
+        tokens: list[int],
+        text: str,
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None,
+    ) -> list[TokenLogprob]:
+        """Generated tokens with their log-probs; tokens from before a resume have none (they
+        come first, so the log-probs align with the end)."""
+        pieces = token_pieces(self.tokenizer, tokens, text)
+        count = len(pieces)
+        values = list(logprobs or [])[-count:] if count else []
+        padded: list[float | None] = [None] * (count - len(values)) + list(values)
+        alternatives = list(top or [])[-count:] if count else []
+        top_padded: list[list[tuple[int, float]] | None] = [None] * (
+            count - len(alternatives)
+        ) + list(alternatives)
+        names = self._token_names(top_padded)
+        return [
+            TokenLogprob(
+                piece, padded[i], _named(top_padded[i], names) if top is not None else None
+            )
+            for i, piece in enumerate(pieces)
+        ]
+
+    def _token_names(self, top: list[list[tuple[int, float]] | None]) -> dict[int, str]:
+        """Each alternative token's own text, decoded once per distinct token."""
+        ids = sorted({token for entry in top if entry for token, _ in entry})
+        return dict(zip(ids, self.tokenizer.decode_batch([[i] for i in ids]), strict=True))
+
+    # ----------------------------------------------------------------------- streaming
 
     async def _stream(
         self,
@@ -108,29 +221,55 @@ class Generator:
         started: float,
         outcome: Outcome,
     ) -> web.StreamResponse:
+        handles = []
         try:
-            handle = self.client.stream(job.prompt, job.params)
+            for prompt, params in self._candidates(job):
+                handles.append(self.client.stream(prompt, params))
         except ClientError as exc:
+            for handle in handles:
+                handle.cancel()
             return unavailable_error(exc).response()
         prompt_tokens = self._prompt_token_count(job) if job.continuous_usage else None
-        sse = _SseStream(request, fmt, ids, prompt_tokens)
+        sse = _SseStream(request, fmt, ids, prompt_tokens, len(handles))
+        show_logprobs = job.params.return_log_probs and not job.hide_logprobs
+        events: asyncio.Queue[tuple[int, StreamChunk | RequestRecord | BaseException]] = (
+            asyncio.Queue()
+        )
+        pumps = [
+            asyncio.ensure_future(_pump(index, handle, events))
+            for index, handle in enumerate(handles)
+        ]
+        records: dict[int, RequestRecord] = {}
         try:
             try:
-                async with (
-                    asyncio.timeout(self.request_timeout),
-                    contextlib.aclosing(handle.events()) as events,
-                ):
-                    async for event in events:
+                async with asyncio.timeout(self.request_timeout):
+                    while len(records) < len(handles):
+                        index, event = await events.get()
+                        if isinstance(event, BaseException):
+                            raise event
                         await sse.open()
                         if isinstance(event, StreamChunk):
                             self.metrics.add_generated(len(event.tokens))
-                            await sse.chunk(event)
+                            if job.echo and not sse.echoed[index]:
+                                await sse.echo(index, self._echo_text(job, index))
+                            entries = None
+                            if show_logprobs and event.log_probs is not None:
+                                entries = self._entries(
+                                    event.tokens, event.text, event.log_probs, event.top_logprobs
+                                )
+                            await sse.chunk(index, event, entries, job.params.top_logprobs > 0)
                             continue
-                        await sse.finish(event, job.include_usage)
-                        ttft = None if sse.first_token_at is None else sse.first_token_at - started
-                        self.metrics.finished(fmt.endpoint, event, ttft, time.monotonic() - started)
-                        return sse.opened
-                raise RuntimeError("the stream ended without a result")  # events() yields one
+                        records[index] = event
+                        await sse.finish(index, event)
+                    per_prompt = [
+                        [records[p * job.best_of + i] for i in range(job.best_of)]
+                        for p in range(len(job.all_prompts))
+                    ]
+                    await sse.done(records_usage(per_prompt) if job.include_usage else None)
+                    first = records[0]
+                    ttft = None if sse.first_token_at is None else sse.first_token_at - started
+                    self.metrics.finished(fmt.endpoint, first, ttft, time.monotonic() - started)
+                    return sse.opened
             except ConnectionResetError:
                 outcome.value = "cancelled"  # the client left; there is nobody to tell
                 return sse.opened
@@ -144,21 +283,58 @@ class Generator:
                 return error.response()
             return await _end_stream_with(sse.response, error, outcome)
         finally:
-            handle.cancel()
+            for pump in pumps:
+                pump.cancel()
+            for handle in handles:
+                handle.cancel()
+
+    def _echo_text(self, job: GenerationRequest, index: int) -> str:
+        prompt = job.all_prompts[index // job.best_of]
+        if isinstance(prompt, str):
+            return prompt
+        [text] = self.tokenizer.decode_batch([prompt])
+        return text
 
     def _prompt_token_count(self, job: GenerationRequest) -> int:
-        if isinstance(job.prompt, list):
-            return len(job.prompt)
-        return len(self.tokenizer.encode_batch([job.prompt])[0])
+        total = 0
+        for prompt in job.all_prompts:
+            if isinstance(prompt, list):
+                total += len(prompt)
+            else:
+                total += len(self.tokenizer.encode_batch([prompt])[0])
+        return total
 
-    def _token_texts(self, record: RequestRecord) -> list[str]:
-        return token_pieces(self.tokenizer, record.generated_tokens, record.generated_text)
+
+async def _pump(
+    index: int,
+    handle: RequestStream,
+    events: asyncio.Queue[tuple[int, StreamChunk | RequestRecord | BaseException]],
+) -> None:
+    """One choice's stream into the request's queue, tagged with the choice's index."""
+    try:
+        async with contextlib.aclosing(handle.events()) as stream:
+            async for event in stream:
+                events.put_nowait((index, event))
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # handed to the consumer, which raises it
+        events.put_nowait((index, exc))
+
+
+def _cumulative_logprob(record: RequestRecord) -> float:
+    return sum(record.log_probs or [])
+
+
+def _named(
+    entry: list[tuple[int, float]] | None, names: dict[int, str]
+) -> list[tuple[str, float]] | None:
+    return None if entry is None else [(names[token], logprob) for token, logprob in entry]
 
 
 class _SseStream:
-    """One SSE response. Headers go out with the first event, so a request refused before
-    its first token still gets a real status. With ``prompt_tokens`` (continuous usage
-    stats), every chunk carries the usage so far."""
+    """One SSE response for all of a request's choices. Headers go out with the first event,
+    so a request refused before its first token still gets a real status. With
+    ``prompt_tokens`` (continuous usage stats), every chunk carries the usage so far."""
 
     def __init__(
         self,
@@ -166,14 +342,17 @@ class _SseStream:
         fmt: ResponseFormat,
         ids: ResponseIds,
         prompt_tokens: int | None,
+        choices: int,
     ) -> None:
         self.request = request
         self.fmt = fmt
         self.ids = ids
         self.prompt_tokens = prompt_tokens
+        self.choices = choices
         self.completion_tokens = 0
         self.response: web.StreamResponse | None = None
         self.first_token_at: float | None = None
+        self.echoed = [False] * choices
 
     @property
     def opened(self) -> web.StreamResponse:
@@ -184,23 +363,30 @@ class _SseStream:
         if self.response is None:
             self.response = sse_response()
             await self.response.prepare(self.request)
-            for opening in self.fmt.opening_chunks(self.ids):
+            for opening in self.fmt.opening_chunks(self.ids, range(self.choices)):
                 await self._write(opening)
 
-    async def chunk(self, chunk: StreamChunk) -> None:
+    async def echo(self, index: int, text: str) -> None:
+        self.echoed[index] = True
+        await self._write(self.fmt.chunk(self.ids, Choice(index, text, None)))
+
+    async def chunk(
+        self, index: int, chunk: StreamChunk, entries: list[TokenLogprob] | None, top: bool
+    ) -> None:
         if chunk.tokens and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.completion_tokens += len(chunk.tokens)
-        if chunk.text:
-            await self._write(self.fmt.chunk(self.ids, chunk.text))
+        if chunk.text or entries:
+            await self._write(
+                self.fmt.chunk(self.ids, Choice(index, chunk.text, None, entries, top))
+            )
 
-    async def finish(self, record: RequestRecord, include_usage: bool) -> None:
-        if self.prompt_tokens is not None:
-            self.prompt_tokens = len(record.prompt_tokens)  # the coordinator's count is exact
-            self.completion_tokens = len(record.generated_tokens)
-        await self._write(self.fmt.final_chunk(self.ids, record.finish_reason))
-        if include_usage:
-            await self._write(self.fmt.usage_chunk(self.ids, record))
+    async def finish(self, index: int, record: RequestRecord) -> None:
+        await self._write(self.fmt.chunk(self.ids, Choice(index, "", record.finish_reason)))
+
+    async def done(self, final_usage: dict[str, int] | None) -> None:
+        if final_usage is not None:
+            await self._write(self.fmt.usage_chunk(self.ids, final_usage))
         await self.opened.write(SSE_DONE)
         await self.opened.write_eof()
 

@@ -16,6 +16,21 @@ _MESSAGE_NO_OPS: Final[dict[str, tuple[object, ...]]] = {
 }
 
 
+def parse_prompts(prompt: object, max_prompts: int) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either (several prompts: each its own
+    choices, in order)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(item, str | list) for item in prompt):
+        if len(prompt) > max_prompts:
+            raise InvalidRequest(
+                f"the request has {len(prompt)} prompts, more than max_prompts={max_prompts} "
+                "(flag --max-prompts)",
+                param="prompt",
+                code="max_prompts",
+            )
+        return [parse_prompt([item]) for item in prompt]
+    return [parse_prompt(prompt)]
+
+
 def parse_prompt(prompt: object) -> str | list[int]:
     """One string or one list of token ids (a one-element list of either is unwrapped)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):

@@ -18,7 +18,8 @@ from typing import Any, Final
 from dpserve import protocol
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.openai.errors import InvalidRequest
-from dpserve.openai.prompts import parse_messages, parse_prompt
+from dpserve.openai.guided import parse_guided
+from dpserve.openai.prompts import parse_messages, parse_prompts
 from dpserve.openai.values import (
     is_int,
     read_bool,
@@ -76,34 +77,37 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
         "vLLM extension: SamplingParams.cache_salt; requests with different salts never share "
         "prefix-cache blocks (docs/security.md)"
     ),
-    "logprobs": _honoured("the sampled tokens' log-probs; not with stream"),
-    "n": _no_op("one choice per request", 1),
-    "best_of": _no_op("one candidate per request", 1),
-    "presence_penalty": _no_op("penalties are not implemented", 0),
-    "frequency_penalty": _no_op("penalties are not implemented", 0),
-    "repetition_penalty": _no_op("vLLM extension; penalties are not implemented", 1),
+    "logprobs": _honoured("the sampled tokens' log-probs (completions: and k alternatives)"),
+    "n": _honoured("choices per prompt, each its own random stream (seed + i with a seed)"),
+    "presence_penalty": _honoured("SamplingParams.presence_penalty, in [-2, 2]"),
+    "frequency_penalty": _honoured("SamplingParams.frequency_penalty, in [-2, 2]"),
+    "repetition_penalty": _honoured("vLLM extension: SamplingParams.repetition_penalty (> 0)"),
+    "response_format": _honoured("text, json_object or json_schema: the output is constrained"),
+    "guided_json": _honoured("vLLM extension: a JSON schema the output follows"),
+    "guided_regex": _honoured("vLLM extension: a regular expression the output matches"),
+    "guided_choice": _honoured("vLLM extension: the output is one of these strings"),
     "logit_bias": _no_op("not implemented", {}),
     "min_p": _no_op("vLLM extension; not implemented", 0),
     "stop_token_ids": _no_op("vLLM extension; not implemented", []),
     "include_stop_str_in_output": _no_op("vLLM extension; stop strings are cut", False),
     "skip_special_tokens": _no_op("vLLM extension; special tokens are always skipped", True),
     "spaces_between_special_tokens": _no_op("vLLM extension", True),
-    "response_format": _no_op("plain text only", {"type": "text"}),
     "priority": _no_op("vLLM extension; no priorities", 0),
     "store": _no_op("nothing is stored", False),
     "metadata": _no_op("nothing is stored", {}),
 }
 COMPLETION_FIELDS: Final[dict[str, Field]] = {
     **COMMON_FIELDS,
-    "prompt": _honoured("one string or one list of token ids"),
-    "echo": _no_op("the prompt is not repeated", False),
+    "prompt": _honoured("a string, a list of token ids, or a list of either (several prompts)"),
+    "best_of": _honoured("candidates per prompt; the n with the highest log-prob are returned"),
+    "echo": _honoured("the prompt before the completion; with logprobs its tokens' log-probs"),
     "suffix": _no_op("no insertion", ""),
 }
 CHAT_FIELDS: Final[dict[str, Field]] = {
     **COMMON_FIELDS,
     "messages": _honoured("role + text content, rendered with the model's chat template"),
     "max_completion_tokens": _honoured("OpenAI's newer name of max_tokens; wins over it"),
-    "top_logprobs": _no_op("alternatives are not computed: logprobs gives the sampled token", 0),
+    "top_logprobs": _honoured("alternatives per token, with logprobs: true (at most 20)"),
     "tools": _no_op("no tool calling", []),
     "functions": _no_op("no tool calling", []),
     "tool_choice": _no_op("no tool calling", "none"),
@@ -121,11 +125,22 @@ STREAM_OPTIONS: Final = frozenset({"include_usage", "continuous_usage_stats"})
 class GenerationRequest:
     """A validated completion or chat request, ready for the client."""
 
-    prompt: str | list[int]
+    prompt: str | list[int]  # the first (usually only) prompt
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a final chunk with token counts
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # candidates generated per prompt (>= n); the n most likely are returned
+    echo: bool = False  # the prompt's text (and log-probs) before each choice
+    prompts: tuple[str | list[int], ...] = ()  # every prompt (completions may send a list)
+    # The client did not ask for log-probs: they were turned on to rank best_of candidates.
+    hide_logprobs: bool = False
+    drop_generated: bool = False  # max_tokens 0 with echo: one token is generated, not shown
+
+    @property
+    def all_prompts(self) -> tuple[str | list[int], ...]:
+        return self.prompts or (self.prompt,)
 
 
 def parse_completion_request(
@@ -133,11 +148,61 @@ def parse_completion_request(
 ) -> GenerationRequest:
     """Validate a ``/v1/completions`` body."""
     _check_fields(body, COMPLETION_FIELDS)
-    prompt = parse_prompt(body.get("prompt"))
-    _check_prompt_size(prompt, limits)
-    return_log_probs = _completion_logprobs(body.get("logprobs"))
-    return _generation_request(
-        body, prompt, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, return_log_probs, limits
+    prompts = parse_prompts(body.get("prompt"), limits.max_prompts)
+    for prompt in prompts:
+        _check_prompt_size(prompt, limits)
+    top_logprobs = _completion_logprobs(body.get("logprobs"), limits)
+    echo = read_bool(body, "echo", default=False)
+    max_tokens = body.get("max_tokens")
+    drop_generated = echo and is_int(max_tokens) and max_tokens == 0
+    if drop_generated:
+        body = {**body, "max_tokens": 1}  # the prompt's log-probs come with the first token
+    request = _generation_request(
+        body,
+        prompts[0],
+        "max_tokens",
+        DEFAULT_COMPLETION_MAX_TOKENS,
+        top_logprobs is not None,
+        limits,
+        top_logprobs or 0,
+    )
+    n = request.n
+    best_of = read_positive_int(body, "best_of", n)
+    if best_of < n:
+        raise InvalidRequest(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if best_of > limits.max_choices:
+        raise _over_limit("best_of", best_of, "candidates", "max_choices", limits, "best_of")
+    if best_of > n and request.stream:
+        raise InvalidRequest("best_of > n cannot be streamed", param="best_of")
+    if echo and request.stream and (drop_generated or top_logprobs is not None):
+        raise InvalidRequest(
+            "echo with logprobs or max_tokens 0 cannot be streamed (the prompt's log-probs come "
+            "with the whole response)",
+            param="echo",
+        )
+    if best_of * len(prompts) > limits.max_request_sequences:
+        raise _over_limit(
+            "best_of (or n) x prompts",
+            best_of * len(prompts),
+            "sequences",
+            "max_request_sequences",
+            limits,
+            "n",
+        )
+    params = request.params
+    hide = best_of > n and not params.return_log_probs
+    if hide:
+        params = dataclasses.replace(params, return_log_probs=True)
+    if echo and params.return_log_probs:
+        params = dataclasses.replace(params, prompt_logprobs=True)
+    return dataclasses.replace(
+        request,
+        params=params,
+        best_of=best_of,
+        echo=echo,
+        prompts=tuple(prompts),
+        hide_logprobs=hide,
+        drop_generated=drop_generated,
     )
 
 
@@ -153,10 +218,16 @@ def parse_chat_request(
     if chars > limits.max_prompt_chars:
         raise _over_limit("the messages' text", chars, "characters", "max_prompt_chars", limits)
     return_log_probs = read_bool(body, "logprobs", default=False)
+    top_logprobs = read_int(body, "top_logprobs", 0)
+    if top_logprobs and not return_log_probs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    _check_top_logprobs(top_logprobs, limits, "top_logprobs")
     # max_completion_tokens is the newer name; max_tokens is deprecated but still sent.
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     # Parameters first: rendering a template costs more than checking a few fields.
-    request = _generation_request(body, "", key, DEFAULT_CHAT_MAX_TOKENS, return_log_probs, limits)
+    request = _generation_request(
+        body, "", key, DEFAULT_CHAT_MAX_TOKENS, return_log_probs, limits, top_logprobs
+    )
     try:
         prompt = tokenizer.apply_chat_template(messages)
     except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
@@ -233,17 +304,20 @@ def _generation_request(
     default_max_tokens: int,
     return_log_probs: bool,
     limits: RequestLimits,
+    top_logprobs: int = 0,
 ) -> GenerationRequest:
     max_tokens = read_positive_int(body, max_tokens_key, default_max_tokens)
+    n = read_positive_int(body, "n", 1)
+    if n > limits.max_choices:
+        raise _over_limit("n", n, "choices", "max_choices", limits, "n")
     if max_tokens > limits.max_new_tokens:
         raise _over_limit(
             max_tokens_key, max_tokens, "tokens", "max_new_tokens", limits, max_tokens_key
         )
     stream = read_bool(body, "stream", default=False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
-    if stream and return_log_probs:
-        raise InvalidRequest("logprobs are not available for streamed responses", param="logprobs")
     top_k = read_int(body, "top_k", 0)
+    guided = parse_guided(body)
     try:
         params = SamplingParams(
             temperature=read_number(body, "temperature", 1.0),
@@ -257,10 +331,17 @@ def _generation_request(
             ignore_eos=read_bool(body, "ignore_eos", default=False),
             min_tokens=read_int(body, "min_tokens", 0),
             cache_salt=_cache_salt(body.get("cache_salt")),
+            top_logprobs=top_logprobs,
+            presence_penalty=read_number(body, "presence_penalty", 0.0),
+            frequency_penalty=read_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=read_number(body, "repetition_penalty", 1.0),
+            **guided,
         )
     except InvalidSamplingParams as exc:  # SamplingParams owns the value rules
         raise InvalidRequest(str(exc), param=_param_named_in(str(exc), max_tokens_key)) from None
-    return GenerationRequest(prompt, params, stream, include_usage, continuous_usage)
+    return GenerationRequest(
+        prompt, params, stream, include_usage, continuous_usage, n=n, best_of=n
+    )
 
 
 # SamplingParams' field names as the API spells them.
@@ -274,6 +355,12 @@ _API_NAMES: Final = {
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
     "cache_salt": "cache_salt",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "guided_choice": "guided_choice",
+    "guided_regex": "guided_regex",
+    "guided_json": "guided_json",
 }
 
 
@@ -307,18 +394,24 @@ def _stop_strings(stop: object, limits: RequestLimits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _completion_logprobs(value: object) -> bool:
-    # Legacy completions take an int: how many alternatives per token besides the sampled one.
-    # 0 (or true) asks for the sampled tokens' log-probs, which is what this server returns.
+def _completion_logprobs(value: object, limits: RequestLimits) -> int | None:
+    """Legacy completions take an int: how many alternatives per token besides the sampled
+    one (None: no log-probs; true counts as 0)."""
     if value is None or value is False:
-        return False
-    if value is True or (is_int(value) and value == 0):
-        return True
-    raise InvalidRequest(
-        "logprobs must be 0 or true: the sampled tokens' log-probs are returned, alternatives "
-        "are not computed",
-        param="logprobs",
-    )
+        return None
+    if value is True:
+        return 0
+    if not is_int(value):
+        raise InvalidRequest("logprobs must be an integer", param="logprobs")
+    _check_top_logprobs(value, limits, "logprobs")
+    return value
+
+
+def _check_top_logprobs(value: int, limits: RequestLimits, param: str) -> None:
+    if value < 0:
+        raise InvalidRequest(f"{param} must be >= 0, got {value}", param=param)
+    if value > limits.max_top_logprobs:
+        raise _over_limit(param, value, "alternatives", "max_top_logprobs", limits, param)
 
 
 def _stream_options(options: object, stream: bool) -> tuple[bool, bool]:
@@ -352,7 +445,8 @@ def check_message_size(job: GenerationRequest, max_message_bytes: int) -> None:
     """Refuse a request whose SUBMIT message would exceed the coordinator's message limit: it
     would be dropped on the wire. (Token ids travel packed, 4 bytes each: a JSON list of
     small ids is smaller than its message.)"""
-    prompt = job.prompt if isinstance(job.prompt, str) else protocol.pack_tokens(job.prompt)
+    largest = max(job.all_prompts, key=len)  # every prompt is its own SUBMIT message
+    prompt = largest if isinstance(largest, str) else protocol.pack_tokens(largest)
     # The largest request id the client can send, so the estimate never falls short.
     message = protocol.encode(SubmitRequest(2**63 - 1, prompt, job.params.serialize()))
     if len(message) > max_message_bytes:

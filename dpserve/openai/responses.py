@@ -10,7 +10,6 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 
 from dpserve.client import RequestRecord
-from dpserve.openai.logprobs import token_logprob_pairs
 
 COMPLETIONS_ENDPOINT: Final = "/v1/completions"
 CHAT_ENDPOINT: Final = "/v1/chat/completions"
@@ -37,12 +36,40 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def record_usage(record: RequestRecord) -> dict[str, Any]:
-    counts: dict[str, Any] = usage(len(record.prompt_tokens), len(record.generated_tokens))
-    if record.cached_tokens is not None:
-        # OpenAI's field: prompt tokens served from the prefix cache (a resumed request's
-        # cached context may include generated tokens: never more than the prompt).
-        cached = min(record.cached_tokens, len(record.prompt_tokens))
-        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return with_cached_tokens(
+        usage(len(record.prompt_tokens), completion_tokens(record)), [[record]]
+    )
+
+
+def completion_tokens(record: RequestRecord) -> int:
+    """Generated tokens, the stop token included when EOS / termination_id ended the request
+    (as vLLM and llama.cpp count: the model did generate it; it is not in the text)."""
+    return len(record.generated_tokens) + (record.stop_token is not None)
+
+
+def records_usage(per_prompt: list[list[RequestRecord]]) -> dict[str, Any]:
+    """One request's usage over its returned choices: every prompt once (its n choices share
+    it), every choice's generated tokens (as vLLM's serving_completion counts)."""
+    prompt_tokens = sum(len(records[0].prompt_tokens) for records in per_prompt if records)
+    generated = sum(completion_tokens(r) for records in per_prompt for r in records)
+    return with_cached_tokens(usage(prompt_tokens, generated), per_prompt)
+
+
+def with_cached_tokens(
+    counts: dict[str, Any], per_prompt: list[list[RequestRecord]]
+) -> dict[str, Any]:
+    """OpenAI's ``prompt_tokens_details.cached_tokens``: prompt tokens served from the prefix
+    cache, each prompt once (a resumed request's cached context may include generated tokens:
+    never more than the prompt). Absent when no engine reported it."""
+    reported = [
+        records[0] for records in per_prompt if records and records[0].cached_tokens is not None
+    ]
+    if reported:
+        counts["prompt_tokens_details"] = {
+            "cached_tokens": sum(
+                min(r.cached_tokens or 0, len(r.prompt_tokens)) for r in reported
+            )
+        }
     return counts
 
 
@@ -60,6 +87,25 @@ def sse_response() -> web.StreamResponse:
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One token of a choice with its log-prob (None: the prompt's first token, or a token
+    generated before a resume) and its alternatives (token text, log-prob), when asked for."""
+
+    text: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Choice:
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    top_asked: bool = False  # alternatives were asked for (completions: a dict per token)
+
+
 class ResponseFormat(Protocol):
     """How one endpoint shapes its responses and stream chunks."""
 
@@ -67,16 +113,52 @@ class ResponseFormat(Protocol):
     id_prefix: str
 
     def response(
-        self, ids: ResponseIds, record: RequestRecord, token_texts: list[str] | None
+        self, ids: ResponseIds, choices: list[Choice], usage: dict[str, int]
     ) -> dict[str, Any]: ...
 
-    def opening_chunks(self, ids: ResponseIds) -> list[dict[str, Any]]: ...
+    def opening_chunks(self, ids: ResponseIds, indices: range) -> list[dict[str, Any]]: ...
 
-    def chunk(self, ids: ResponseIds, text: str) -> dict[str, Any]: ...
+    def chunk(self, ids: ResponseIds, choice: Choice) -> dict[str, Any]: ...
 
-    def final_chunk(self, ids: ResponseIds, finish_reason: str) -> dict[str, Any]: ...
+    def usage_chunk(self, ids: ResponseIds, usage: dict[str, int]) -> dict[str, Any]: ...
 
-    def usage_chunk(self, ids: ResponseIds, record: RequestRecord) -> dict[str, Any]: ...
+
+def _completion_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    offsets, position = [], 0
+    for entry in choice.logprobs:
+        offsets.append(position)
+        position += len(entry.text)
+    return {
+        "tokens": [entry.text for entry in choice.logprobs],
+        "token_logprobs": [entry.logprob for entry in choice.logprobs],
+        "top_logprobs": [
+            None if entry.top is None else dict(entry.top) for entry in choice.logprobs
+        ]
+        if choice.top_asked
+        else None,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    return {
+        "content": [
+            {
+                "token": entry.text,
+                "logprob": entry.logprob,
+                "bytes": list(entry.text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+                    for text, logprob in entry.top or []
+                ],
+            }
+            for entry in choice.logprobs
+        ]
+    }
 
 
 class CompletionFormat:
@@ -85,44 +167,31 @@ class CompletionFormat:
     object_name = "text_completion"
 
     def response(
-        self, ids: ResponseIds, record: RequestRecord, token_texts: list[str] | None
+        self, ids: ResponseIds, choices: list[Choice], usage: dict[str, int]
     ) -> dict[str, Any]:
-        logprobs = None
-        if token_texts is not None and record.log_probs is not None:
-            pairs = token_logprob_pairs(token_texts, record.log_probs)
-            offsets, position = [], 0
-            for text in token_texts:
-                offsets.append(position)
-                position += len(text)
-            logprobs = {
-                "tokens": token_texts,
-                "token_logprobs": [lp for _, lp in pairs],
-                "top_logprobs": None,  # alternatives are not computed
-                "text_offset": offsets,
-            }
-        choice = {
-            "index": 0,
-            "text": record.generated_text,
-            "finish_reason": record.finish_reason,
-            "logprobs": logprobs,
+        return {
+            **self._envelope(ids),
+            "choices": [self._choice(choice) for choice in choices],
+            "usage": usage,
         }
-        return {**self._envelope(ids), "choices": [choice], "usage": record_usage(record)}
 
-    def opening_chunks(self, ids: ResponseIds) -> list[dict[str, Any]]:
+    def opening_chunks(self, ids: ResponseIds, indices: range) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, ids: ResponseIds, text: str) -> dict[str, Any]:
-        return self._chunk(ids, text, None)
+    def chunk(self, ids: ResponseIds, choice: Choice) -> dict[str, Any]:
+        return {**self._envelope(ids), "choices": [self._choice(choice)]}
 
-    def final_chunk(self, ids: ResponseIds, finish_reason: str) -> dict[str, Any]:
-        return self._chunk(ids, "", finish_reason)
+    def usage_chunk(self, ids: ResponseIds, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(ids), "choices": [], "usage": usage}
 
-    def usage_chunk(self, ids: ResponseIds, record: RequestRecord) -> dict[str, Any]:
-        return {**self._envelope(ids), "choices": [], "usage": record_usage(record)}
-
-    def _chunk(self, ids: ResponseIds, text: str, finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        return {**self._envelope(ids), "choices": [choice]}
+    @staticmethod
+    def _choice(choice: Choice) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "finish_reason": choice.finish_reason,
+            "logprobs": _completion_logprobs(choice),
+        }
 
     def _envelope(self, ids: ResponseIds) -> dict[str, Any]:
         return {
@@ -138,53 +207,49 @@ class ChatFormat:
     id_prefix = "chatcmpl-"
 
     def response(
-        self, ids: ResponseIds, record: RequestRecord, token_texts: list[str] | None
+        self, ids: ResponseIds, choices: list[Choice], usage: dict[str, int]
     ) -> dict[str, Any]:
-        logprobs = None
-        if token_texts is not None and record.log_probs is not None:
-            logprobs = {
-                "content": [
-                    {
-                        "token": text,
-                        "logprob": logprob,
-                        "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": [],  # alternatives are not computed
-                    }
-                    for text, logprob in token_logprob_pairs(token_texts, record.log_probs)
-                ]
-            }
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": record.generated_text},
-            "finish_reason": record.finish_reason,
-            "logprobs": logprobs,
-        }
         return {
             **self._envelope(ids, "chat.completion"),
-            "choices": [choice],
-            "usage": record_usage(record),
+            "choices": [
+                {
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": choice.text},
+                    "finish_reason": choice.finish_reason,
+                    "logprobs": _chat_logprobs(choice),
+                }
+                for choice in choices
+            ],
+            "usage": usage,
         }
 
-    def opening_chunks(self, ids: ResponseIds) -> list[dict[str, Any]]:
-        return [self._chunk(ids, {"role": "assistant", "content": ""}, None)]
+    def opening_chunks(self, ids: ResponseIds, indices: range) -> list[dict[str, Any]]:
+        return [
+            self._chunk(ids, index, {"role": "assistant", "content": ""}, None, None)
+            for index in indices
+        ]
 
-    def chunk(self, ids: ResponseIds, text: str) -> dict[str, Any]:
-        return self._chunk(ids, {"content": text}, None)
+    def chunk(self, ids: ResponseIds, choice: Choice) -> dict[str, Any]:
+        delta = {"content": choice.text} if choice.text or choice.finish_reason is None else {}
+        return self._chunk(ids, choice.index, delta, choice.finish_reason, _chat_logprobs(choice))
 
-    def final_chunk(self, ids: ResponseIds, finish_reason: str) -> dict[str, Any]:
-        return self._chunk(ids, {}, finish_reason)
-
-    def usage_chunk(self, ids: ResponseIds, record: RequestRecord) -> dict[str, Any]:
-        return {
-            **self._envelope(ids, "chat.completion.chunk"),
-            "choices": [],
-            "usage": record_usage(record),
-        }
+    def usage_chunk(self, ids: ResponseIds, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(ids, "chat.completion.chunk"), "choices": [], "usage": usage}
 
     def _chunk(
-        self, ids: ResponseIds, delta: dict[str, str], finish_reason: str | None
+        self,
+        ids: ResponseIds,
+        index: int,
+        delta: dict[str, str],
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs,
+        }
         return {**self._envelope(ids, "chat.completion.chunk"), "choices": [choice]}
 
     @staticmethod

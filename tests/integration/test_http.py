@@ -29,7 +29,8 @@ from dpserve.openai.errors import InvalidRequest, failure_status
 from dpserve.openai.health import readiness
 from dpserve.openai.logprobs import token_logprob_pairs
 from dpserve.openai.metrics import TokenRate
-from dpserve.openai.requests import parse_chat_request, parse_completion_request, parse_prompt
+from dpserve.openai.prompts import parse_prompt
+from dpserve.openai.requests import parse_chat_request, parse_completion_request
 from dpserve.openai.server import FrontConfig, run_http_front
 from dpserve.tokenizer import ByteTokenizer
 from tests.integration.http_support import (
@@ -332,17 +333,17 @@ async def test_invalid_json_is_an_openai_error(
     ("endpoint", "body", "param"),
     [
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
         ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
-        ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
+        ("/v1/completions", {"prompt": ["one", 5]}, "prompt"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "stream": True, "logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "stream": True, "best_of": 2}, "best_of"),
         ("/v1/chat/completions", {"max_tokens": 3}, "messages"),
         ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ],
 )
 async def test_invalid_parameters_are_400(
@@ -554,10 +555,13 @@ def test_completion_parameters_map_to_sampling_params() -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"echo": True}, "echo"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"best_of": 2}, "best_of"),
+        ({"echo": "yes"}, "echo"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"best_of": 17}, "best_of"),
         ({"max_tokens": 10**30}, "max_tokens"),
         ({"temperature": 10**400}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
@@ -576,6 +580,31 @@ def test_unsupported_or_invalid_parameters(extra: dict[str, Any], param: str) ->
 def test_no_op_values_of_unsupported_parameters_are_accepted() -> None:
     body = {"prompt": "p", "echo": False, "presence_penalty": 0.0, "n": 1, "best_of": 1}
     assert parse_completion_request(body).prompt == "p"
+
+
+def test_new_fields_reach_sampling_params() -> None:
+    request = parse_completion_request(
+        {
+            "prompt": ["a", [5, 6]],
+            "n": 2,
+            "best_of": 3,
+            "logprobs": 4,
+            "echo": True,
+            "max_tokens": 0,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "guided_choice": ["x", "y"],
+        }
+    )
+    params = request.params
+    assert request.all_prompts == ("a", [5, 6]) and (request.n, request.best_of) == (2, 3)
+    assert params.return_log_probs and params.top_logprobs == 4 and params.prompt_logprobs
+    assert request.echo and request.drop_generated and params.num_tokens_to_generate == 1
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1)
+    assert params.repetition_penalty == 1.2 and params.guided_choice == ("x", "y")
+    hidden = parse_completion_request({"prompt": "p", "n": 1, "best_of": 2})
+    assert hidden.params.return_log_probs and hidden.hide_logprobs
 
 
 def test_chat_request_renders_the_template_and_prefers_max_completion_tokens() -> None:

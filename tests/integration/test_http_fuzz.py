@@ -77,19 +77,50 @@ def bodies(wild: bool) -> tuple[st.SearchStrategy, st.SearchStrategy]:
         "logprobs": field(st.booleans() | st.integers(min_value=-1, max_value=2)),
         "ignore_eos": field(st.booleans()),
         "min_tokens": field(st.integers(min_value=-1, max_value=8)),
-        "n": field(st.integers(min_value=0, max_value=2) if wild else st.just(1)),
+        "n": field(st.integers(min_value=0, max_value=3)),
         "user": field(texts),
+        "presence_penalty": field(st.floats(min_value=-3, max_value=3)),
+        "frequency_penalty": field(st.floats(min_value=-3, max_value=3)),
+        "repetition_penalty": field(numbers),
+        "response_format": field(
+            st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "yaml"}])
+            | st.builds(
+                lambda schema: {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": schema},
+                },
+                st.sampled_from(
+                    [{"type": "object"}, {"type": "integer", "minimum": 0}, {"type": 5}]
+                )
+                | json_values,
+            )
+        ),
+        "guided_choice": field(st.lists(texts, max_size=3)),
+        "guided_regex": field(st.sampled_from(["[0-9]+", "(a|b", "x{2,}"])),
     }
-    extra = {"unknown_field": json_values, "presence_penalty": numbers} if wild else {}
+    extra = {"unknown_field": json_values} if wild else {}
     prompts = st.text(min_size=0 if wild else 1, max_size=30) | st.lists(
         st.integers(min_value=-1 if wild else 0, max_value=300), min_size=0 if wild else 1
     )
     completion = st.fixed_dictionaries(
-        {"prompt": field(prompts)}, optional={**fields, **extra, "echo": field(st.booleans())}
+        {"prompt": field(prompts | st.lists(prompts, max_size=3))},
+        optional={
+            **fields,
+            **extra,
+            "echo": field(st.booleans()),
+            "best_of": field(st.integers(min_value=0, max_value=4)),
+            "logprobs": field(st.booleans() | st.integers(min_value=-1, max_value=21)),
+        },
     )
     chat = st.fixed_dictionaries(
         {"messages": field(message_lists(texts | json_values if wild else texts))},
-        optional={**fields, **extra, "max_completion_tokens": fields["max_tokens"]},
+        optional={
+            **fields,
+            **extra,
+            "max_completion_tokens": fields["max_tokens"],
+            "logprobs": field(st.booleans()),
+            "top_logprobs": field(st.integers(min_value=-1, max_value=21)),
+        },
     )
     return completion, chat
 

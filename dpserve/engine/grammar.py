@@ -1,0 +1,111 @@
+"""Structured output: a grammar per request, applied as a token mask in the batched sampler.
+
+Built on llguidance (chosen over xgrammar on this CPU, ``bench/grammar_mask.py`` and
+BENCHMARKS.md "Structured output": on random walks over the tiny model's byte-level vocabulary
+xgrammar let through byte sequences that are not UTF-8, so 8 of 10 outputs failed to decode or
+validate, while every llguidance output validated; llguidance also compiles a schema in ~10 ms
+instead of ~1.2 s for SmolLM2's vocabulary and fills its masks about 2x faster there). A
+request's ``guided_json`` / ``guided_json_object`` / ``guided_regex`` / ``guided_choice``
+becomes a grammar, each sequence gets its own matcher, and every step the matchers of the
+sampled rows fill one packed bitmask for the batch in parallel (llguidance's executor runs them
+on its own threads, outside the GIL), which becomes the sampler's ``allowed`` tensor. JSON is
+generated compact (no free whitespace), so a random model cannot pad an answer with whitespace
+until it runs out of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from dpserve.sampling import SamplingParams
+
+Matcher = llguidance.LLMatcher
+
+
+class GrammarError(ValueError):
+    """A request's grammar does not compile; the message names the problem."""
+
+
+def grammar_of(params: SamplingParams) -> str:
+    """The llguidance grammar of a request's structured-output constraint."""
+    if params.guided_json is not None:
+        return str(
+            Matcher.grammar_from_json_schema(
+                params.guided_json, defaults={"whitespace_flexible": False}
+            )
+        )
+    if params.guided_json_object:
+        return str(
+            Matcher.grammar_from_json_schema(
+                '{"type": "object"}', defaults={"whitespace_flexible": False}
+            )
+        )
+    if params.guided_regex is not None:
+        return str(Matcher.grammar_from_regex(params.guided_regex))
+    if params.guided_choice:
+        # Lark string literals take JSON's escapes.
+        alternatives = " | ".join(json.dumps(choice) for choice in params.guided_choice)
+        return str(Matcher.grammar_from_lark(f"start: {alternatives}"))
+    raise ValueError("the request has no structured-output constraint")
+
+
+class Grammars:
+    """Builds matchers for one tokenizer and fills the batch's masks."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
+        )
+
+    def matcher(self, params: SamplingParams) -> Matcher:
+        """A fresh matcher for a request (raises ``GrammarError``)."""
+        try:
+            grammar = grammar_of(params)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise GrammarError(
+                f"the structured-output constraint does not compile: {exc}"
+            ) from None
+        matcher = Matcher(self._tokenizer, grammar)
+        if matcher.is_error():
+            raise GrammarError(
+                f"the structured-output constraint does not compile: {matcher.get_error()}"
+            )
+        return matcher
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def allowed(
+    matchers: Sequence[Matcher | None], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """``[rows, vocab]`` bool: the tokens each row's matcher allows (every token for a row
+    without one); None when no row has a matcher. The masks are filled in parallel by
+    llguidance's executor (its own threads, outside the GIL)."""
+    global _executor
+    rows = [(matcher, row) for row, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return None
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    llguidance.torch.fill_next_token_bitmask_par(_executor, rows, bitmask)
+    # int32 words, bit i of word w = token 32 w + i.
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
+    return unpacked.reshape(len(matchers), -1)[:, :vocab_size].bool().to(device)
+
+
+def advance(matcher: Matcher, token: int) -> None:
+    """Feed a sampled token (one the mask allowed). Once the grammar is complete only stop
+    tokens are allowed, and the request ends on one."""
+    if not matcher.is_stopped():
+        matcher.consume_token(token)
