@@ -111,6 +111,8 @@ async def test_completion_matches_the_engine_and_counts_usage(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 9,
         "total_tokens": prompt_tokens + 9,
+        # The fake engines simulate a prefix cache: nothing was cached for these prompts.
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -122,7 +124,12 @@ async def test_token_id_prompt(cluster: Cluster, session: aiohttp.ClientSession)
         assert response.status == 200
         result = await response.json()
     assert result["choices"][0]["text"] == expected_text(prompt, 4)
-    assert result["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert result["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_completion_stream_concatenates_to_the_full_text(
@@ -156,6 +163,7 @@ async def test_completion_stream_concatenates_to_the_full_text(
         "prompt_tokens": len(prompt),
         "completion_tokens": max_tokens,
         "total_tokens": len(prompt) + max_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -220,6 +228,7 @@ async def test_chat_completion(cluster: Cluster, session: aiohttp.ClientSession)
         "prompt_tokens": len(rendered.encode()),
         "completion_tokens": 6,
         "total_tokens": len(rendered.encode()) + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -27,6 +27,9 @@ HEAVY_IMPORTS = {
     "tokenizers": "tokenizers",
     "safetensors": "safetensors",
     "gguf": "gguf",
+    # Structured output: the engine compiles grammars, the HTTP front checks schemas.
+    "llguidance": "llguidance",
+    "jsonschema": "jsonschema",
 }
 
 
