@@ -446,7 +446,9 @@ def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Fl
         assert said and f"pod {name}-" in said[0]["message"], events
         row = flow.kubectl("get", "infd", name, "-n", FAULTS_NAMESPACE).stdout.splitlines()[1]
         assert "Degraded" in row.split(), row
-    flow.kubectl("delete", "namespace", FAULTS_NAMESPACE, "--wait=false")
+    # Wait for it: the operator must still be there to remove the faulty deployments'
+    # finalizers, or deleting the CRD after `helm uninstall` would wait forever.
+    flow.kubectl("delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s")
 
 
 def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
