@@ -335,7 +335,8 @@ def _verdict(
     if reconciled and rollout_done and running == desired and engines_serving:
         reason = "ScaledToZero" if desired == 0 else "AllEnginesRegistered"
         message = (
-            "no engines requested (dataParallelSize 0): nothing serves until engines return"
+            "no engines requested (dataParallelSize 0): requests wait in the coordinator's queue"
+            " (up to queueTimeout) until engines are added, by an edit or by the autoscaler"
             if desired == 0
             else engines_text
         )
