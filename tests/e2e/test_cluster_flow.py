@@ -448,11 +448,13 @@ def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Fl
         assert "Degraded" in row.split(), row
     # Wait for it: the operator must still be there to remove the faulty deployments'
     # finalizers, or deleting the CRD after `helm uninstall` would wait forever.
-    flow.kubectl("delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s")
+    flow.kubectl(
+        "delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s", timeout=200
+    )  # fmt: skip
 
 
 def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
-    flow.kubectl("delete", "infd", NAME, "-n", NAMESPACE, "--timeout=120s")
+    flow.kubectl("delete", "infd", NAME, "-n", NAMESPACE, "--timeout=120s", timeout=140)
 
     def children_gone() -> bool:
         for kind, name, _ in CHILDREN:
@@ -477,4 +479,4 @@ def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
     flow.kubectl("delete", "crd", CRD_NAME, "--timeout=60s")
     # Helm leaves the namespace --create-namespace made (the docs say so): delete it too.
     assert flow.kubectl("get", "namespace", OPERATOR_NS, check=False).returncode == 0
-    flow.kubectl("delete", "namespace", OPERATOR_NS, "--timeout=120s")
+    flow.kubectl("delete", "namespace", OPERATOR_NS, "--timeout=120s", timeout=140)
