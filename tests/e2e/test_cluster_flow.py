@@ -385,6 +385,14 @@ def engine_memory(quantity: str) -> JSON:
                                      "limits": {"memory": quantity}}}}  # fmt: skip
 
 
+# The fault cases share the node with the running example (two engines at 500m each, on a
+# 2-core CI node): they ask for almost no CPU, so the scheduler judges only the fault under
+# test (one CI run's OOM case was Unschedulable for want of CPU instead).
+FAULT_CASE_CPU = {
+    "engine": {"resources": {"requests": {"cpu": "10m"}}},
+    "coordinator": {"resources": {"requests": {"cpu": "10m"}}},
+}
+
 FAULTS = {
     # name: (what to change in the published example, the Degraded reason it must give)
     "oom": (engine_memory("48Mi"), "OOMKilled"),  # the engine cannot even import torch
@@ -414,43 +422,52 @@ def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Fl
     for name, (change, _reason) in FAULTS.items():
         faulty = example()
         faulty["metadata"]["name"] = name
-        faulty["spec"] = merged(faulty["spec"], {**change, "dataParallelSize": 1})
+        small = merged(faulty["spec"], FAULT_CASE_CPU)
+        faulty["spec"] = merged(small, {**change, "dataParallelSize": 1})
         manifests.append(faulty)
     manifest = flow.workdir / "faults.yaml"
     manifest.write_text(yaml.safe_dump_all(manifests))
     flow.kubectl("apply", "-f", str(manifest), "-n", FAULTS_NAMESPACE)
+
+    try:
+        for name, (_change, reason) in FAULTS.items():
+            expect_degraded(flow, name, reason)
+    finally:
+        # Wait for it, pass or fail: the operator must still be there to remove the faulty
+        # deployments' finalizers, or deleting the CRD after `helm uninstall` would wait forever.
+        flow.kubectl(
+            "delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s", timeout=200
+        )  # fmt: skip
+
+
+def expect_degraded(flow: Flow, name: str, reason: str) -> None:
+    """The deployment `name` says Degraded with `reason`, in its condition, its Warning
+    event and its `kubectl get` row."""
+
+    def degraded() -> JSON | None:
+        status = flow.kubectl.json("get", "infd", name, "-n", FAULTS_NAMESPACE).get("status")
+        conditions = {c["type"]: c for c in (status or {}).get("conditions") or []}
+        condition = conditions.get("Degraded") or {}
+        if status and status.get("phase") == "Degraded" and condition.get("reason") == reason:
+            return condition
+        return None
 
     def diagnostics() -> str:
         described = flow.kubectl("describe", "infd", "-n", FAULTS_NAMESPACE, check=False).stdout
         pods = flow.kubectl("get", "pods", "-n", FAULTS_NAMESPACE, check=False).stdout
         return f"{pods}\n{described}"
 
-    for name, (_change, reason) in FAULTS.items():
-
-        def degraded(name: str = name, reason: str = reason) -> JSON | None:
-            status = flow.kubectl.json("get", "infd", name, "-n", FAULTS_NAMESPACE).get("status")
-            conditions = {c["type"]: c for c in (status or {}).get("conditions") or []}
-            condition = conditions.get("Degraded") or {}
-            if status and status.get("phase") == "Degraded" and condition.get("reason") == reason:
-                return condition
-            return None
-
-        condition = wait_for(degraded, 180, f"{name}: Degraded {reason}", diagnostics=diagnostics)
-        assert condition["status"] == "True"
-        assert f"pod {name}-" in condition["message"], condition
-        involved = f"involvedObject.kind=InferenceDeployment,involvedObject.name={name}"
-        events = flow.kubectl.json(
-            "get", "events", "-n", FAULTS_NAMESPACE, "--field-selector", involved
-        )["items"]
-        said = [e for e in events if e.get("reason") == reason and e.get("type") == "Warning"]
-        assert said and f"pod {name}-" in said[0]["message"], events
-        row = flow.kubectl("get", "infd", name, "-n", FAULTS_NAMESPACE).stdout.splitlines()[1]
-        assert "Degraded" in row.split(), row
-    # Wait for it: the operator must still be there to remove the faulty deployments'
-    # finalizers, or deleting the CRD after `helm uninstall` would wait forever.
-    flow.kubectl(
-        "delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s", timeout=200
-    )  # fmt: skip
+    condition = wait_for(degraded, 180, f"{name}: Degraded {reason}", diagnostics=diagnostics)
+    assert condition["status"] == "True"
+    assert f"pod {name}-" in condition["message"], condition
+    involved = f"involvedObject.kind=InferenceDeployment,involvedObject.name={name}"
+    events = flow.kubectl.json(
+        "get", "events", "-n", FAULTS_NAMESPACE, "--field-selector", involved
+    )["items"]
+    said = [e for e in events if e.get("reason") == reason and e.get("type") == "Warning"]
+    assert said and f"pod {name}-" in said[0]["message"], events
+    row = flow.kubectl("get", "infd", name, "-n", FAULTS_NAMESPACE).stdout.splitlines()[1]
+    assert "Degraded" in row.split(), row
 
 
 def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
