@@ -58,6 +58,7 @@ class _Sink:
 
     rank = 0
     address = "bench"
+    instance = "bench"
 
     def __init__(self) -> None:
         self.bytes_sent = 0

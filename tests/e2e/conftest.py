@@ -101,8 +101,10 @@ def node_kubectl(local_node: LocalNode) -> Kubectl:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if TIMINGS:
         terminalreporter.section("one-node cluster timings")
-        for what, seconds in TIMINGS.items():
-            terminalreporter.write_line(f"{what}: {seconds:.1f} s")
+        for what, value in TIMINGS.items():
+            # Memory figures name their unit ("... MiB"); everything else is seconds.
+            unit = "" if what.endswith("MiB") else " s"
+            terminalreporter.write_line(f"{what}: {value:.1f}{unit}")
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ delete → replacement registered) and the measured peaks are printed in the ter
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -300,8 +301,31 @@ def test_patch_and_scale_change_the_registered_engines(flow: Flow) -> None:
     TIMINGS["kubectl scale 2 -> 3: new engine registered"] = flow.wait_registered(
         3, "the third engine registered again after kubectl scale"
     )
+    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl scale 2 -> 3")
     flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
     flow.wait_registered(2, "two engines after scaling back")
+
+
+def record_start_timeline(flow: Flow, pod: str, step: str) -> None:
+    """Where a new engine's start went: the pod's creation -> its container running (Kubernetes:
+    scheduling, sandbox, container start) -> the engine's "registered" log line (Python
+    imports, loading the model). Kubernetes timestamps have one-second resolution."""
+    status = flow.get("get", "pod", pod)
+    created = parse_time(status["metadata"]["creationTimestamp"])
+    running = status["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    logs = flow.kubectl("logs", pod, "-n", NAMESPACE, "--timestamps").stdout.splitlines()
+    line = next(line for line in logs if "registered with coordinator" in line)
+    registered = parse_time(line.split(" ", 1)[0])
+    TIMINGS[f"{step}: pod created -> container running"] = parse_time(running) - created
+    TIMINGS[f"{step}: container running -> engine registered"] = registered - parse_time(running)
+
+
+def parse_time(stamp: str) -> float:
+    """Seconds since the epoch of an RFC 3339 time as the API server and `kubectl logs
+    --timestamps` write it (the latter with nanoseconds, which `fromisoformat` cannot read)."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    moment = datetime.datetime.fromisoformat(whole).replace(tzinfo=datetime.UTC)
+    return moment.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
 
 
 def completion(port: int, token: str) -> Callable[[int], tuple[int, str]]:
