@@ -4,6 +4,8 @@ the same model, under the same guidellm load.
     python bench/serving_cpu.py                                  # dpserve (default) + peers found
     python bench/serving_cpu.py --dpserve default --dpserve "--data-parallel-size 1"
     python bench/serving_cpu.py --levels 1,4 --burst 0 --max-seconds 30   # a quick look
+    python bench/serving_cpu.py --skip vllm --skip llama.cpp --prefix-tokens 512 \
+        --prefix-count 4 --dpserve "--routing round-robin" --dpserve "--routing prefix-aware"
 
 Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens, greedy
 (``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
@@ -161,13 +163,7 @@ def run_level(
             },
             "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
             "profile": {"kind": "concurrent", "streams": [streams]},
-            "data": [
-                {
-                    "kind": "synthetic_text",
-                    "prompt_tokens": args.prompt_tokens,
-                    "output_tokens": args.output_tokens,
-                }
-            ],
+            "data": [synthetic_data(args)],
             "constraints": [
                 {"kind": "max_requests", "count": requests},
                 {"kind": "max_duration", "seconds": seconds},
@@ -191,6 +187,19 @@ def run_level(
     return _summary(json.loads(out.read_text()))
 
 
+def synthetic_data(args: argparse.Namespace) -> dict[str, Any]:
+    """guidellm's synthetic text; with ``--prefix-tokens``, each prompt starts with one of
+    ``--prefix-count`` shared prefixes (guidellm's own shared-prefix workload)."""
+    data: dict[str, Any] = {
+        "kind": "synthetic_text",
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+    }
+    if args.prefix_tokens:
+        data.update(prefix_tokens=args.prefix_tokens, prefix_count=args.prefix_count)
+    return data
+
+
 def _summary(report: dict[str, Any]) -> dict[str, float]:
     benchmark = report["benchmarks"][0]
     metrics = benchmark["metrics"]
@@ -198,9 +207,11 @@ def _summary(report: dict[str, Any]) -> dict[str, float]:
     output = metrics["output_token_count"]["successful"]["total_sum"] or 0.0
     duration = float(benchmark["duration"]) or float("nan")
     itl = metrics["inter_token_latency_ms"]["successful"]
+    ttft = metrics["time_to_first_token_ms"]["successful"]
     return {
         "tok_s": output / duration,
         "itl_p50_ms": float(itl["median"]) if itl["count"] else float("nan"),
+        "ttft_p50_ms": float(ttft["median"]) if ttft["count"] else float("nan"),
         "completed": float(totals["successful"]),
         "failed": float(totals["errored"]),
         "incomplete": float(totals["incomplete"]),
@@ -300,7 +311,10 @@ def print_table(servers: list[Server], columns: list[str], skipped: list[str]) -
             if result is None:
                 cells.append("n/a")
                 continue
-            text = f"{result['tok_s']:.1f} tok/s, ITL {result['itl_p50_ms']:.0f} ms"
+            text = (
+                f"{result['tok_s']:.1f} tok/s, ITL {result['itl_p50_ms']:.0f} ms, "
+                f"TTFT {result['ttft_p50_ms']:.0f} ms"
+            )
             if result["failed"]:
                 text += f", {result['failed']:.0f} failed"
             cells.append(text)
@@ -317,7 +331,8 @@ def print_table(servers: list[Server], columns: list[str], skipped: list[str]) -
             if mine and theirs and theirs["tok_s"]:
                 ratios.append(
                     f"{column}: {mine['tok_s'] / theirs['tok_s']:.2f}x tok/s, "
-                    f"ITL {mine['itl_p50_ms'] / theirs['itl_p50_ms']:.2f}x"
+                    f"ITL {mine['itl_p50_ms'] / theirs['itl_p50_ms']:.2f}x, "
+                    f"TTFT {mine['ttft_p50_ms'] / theirs['ttft_p50_ms']:.2f}x"
                 )
         print(f"{base.name} vs {other.name}: " + "; ".join(ratios))
     for line in skipped:
@@ -341,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prefix-tokens", type=int, default=0, help="a shared prefix of this many tokens"
+    )
+    parser.add_argument("--prefix-count", type=int, default=1, help="distinct shared prefixes")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     args.gguf = args.gguf or args.peers / "smollm2-135m-instruct-f32.gguf"

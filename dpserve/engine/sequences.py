@@ -40,6 +40,7 @@ class StopText:
         "_longest",
         "_next_delta",
         "_sent_tail",
+        "_stop_chars",
         "_unsent",
         "detokenizer",
         "stops",
@@ -49,6 +50,7 @@ class StopText:
         self.detokenizer = detokenizer
         self.stops = tuple(stops)
         self._longest = max(map(len, self.stops))
+        self._stop_chars = frozenset("".join(self.stops))
         self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
@@ -65,9 +67,16 @@ class StopText:
     def scan(self) -> tuple[int, bool]:
         """How many of the tokens not returned yet may be returned, and whether a stop string
         (one that ends in the newest token's text) ends the request before them."""
+        newest_start = self._ends[-2] if len(self._ends) > 1 else 0
+        newest = self._unsent[newest_start:]
+        if newest and self._stop_chars.isdisjoint(newest):
+            # The common case, decided without building the window: a stop string that ends
+            # in the newest text, or a held-back tail that begins one, would have a character
+            # of a stop string there. Nothing is held and everything may go.
+            return len(self._ends), False
         window = self._sent_tail + self._unsent
         base = len(self._sent_tail)
-        newest_from = base + (self._ends[-2] if len(self._ends) > 1 else 0)
+        newest_from = base + newest_start
         match_at = min(
             (
                 i
