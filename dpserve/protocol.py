@@ -228,6 +228,10 @@ class EngineUpdate(NamedTuple):
     # The stop token that ended the request (finish_reason "stop"; not in tokens). Optional:
     # added after protocol version 1.
     stop_token: int | None = None
+    # pack_logprobs of that stop token alone (with its alternatives), when log-probs were
+    # asked for: clients that score text (lm-evaluation-harness) read one entry per generated
+    # token, the stop token included, as vLLM returns them. Optional: after version 1.
+    stop_logprob: bytes | None = None
 
 
 class EngineReply(NamedTuple):
@@ -250,6 +254,7 @@ class ClientResult(NamedTuple):
     cached_tokens: int | None = None
     prompt_logprobs: bytes | None = None  # as EngineUpdate's; optional (after version 1)
     stop_token: int | None = None  # as EngineUpdate's; optional (after version 1)
+    stop_logprob: bytes | None = None  # as EngineUpdate's; optional (after version 1)
 
 
 class Results(NamedTuple):

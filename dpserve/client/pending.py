@@ -154,6 +154,11 @@ class PendingTable:
                 if result.prompt_logprobs is None
                 else unpack_logprobs(result.prompt_logprobs, k)
             )
+            stop_logprob, stop_top = (
+                (None, None)
+                if result.stop_logprob is None
+                else unpack_logprobs(result.stop_logprob, k)
+            )
             record = RequestRecord(
                 request_id=result.client_request_id,
                 prompt_tokens=protocol.unpack_tokens(result.prompt_tokens),
@@ -171,6 +176,8 @@ class PendingTable:
                 prompt_logprobs=prompt_log_probs,
                 prompt_top_logprobs=prompt_top,
                 stop_token=result.stop_token,
+                stop_logprob=None if stop_logprob is None else stop_logprob[0],
+                stop_top_logprobs=None if stop_top is None else stop_top[0],
             )
             if not pending.future.done():
                 pending.future.set_result(record)

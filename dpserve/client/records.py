@@ -72,6 +72,9 @@ class RequestRecord:
     # The EOS / termination_id token that ended it (finish_reason "stop"): generated, counted
     # in usage, not in generated_tokens or the text. None for stop strings and "length".
     stop_token: int | None = None
+    # With log_probs: the stop token's log-prob (and with top_logprobs its alternatives).
+    stop_logprob: float | None = None
+    stop_top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)

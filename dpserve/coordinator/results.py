@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from typing import NamedTuple
 
 from dpserve import protocol
 from dpserve.coordinator.dispatch import Dispatcher
@@ -20,12 +21,22 @@ from dpserve.protocol import (
     ClientChunk,
     ClientResult,
     EngineReply,
+    EngineUpdate,
     ErrorCode,
     ProtocolError,
     Results,
     Stream,
 )
 from dpserve.tokenizer import IncrementalDetokenizer
+
+
+class _Finish(NamedTuple):
+    """How a request finished, kept until its result is flushed."""
+
+    reason: str
+    ttft: float | None  # from the coordinator receiving it
+    rank: int
+    update: EngineUpdate  # the finishing update: cached tokens, the stop token and log-prob
 
 
 class ResultRouter:
@@ -36,7 +47,7 @@ class ResultRouter:
         self._streaming: list[tuple[InflightRequest, bytes, str, bytes | None]] = []
         # Told each finished request's cached prompt tokens (the router's accuracy numbers).
         self.on_cached_tokens: Callable[[InflightRequest, int | None], None] = lambda r, n: None
-        self._finish_info: dict[int, tuple[str, float | None, int, int | None, int | None]] = {}
+        self._finish_info: dict[int, _Finish] = {}
 
     def on_engine_reply(self, engine: Engine, reply: EngineReply) -> None:
         by_id, identity = self.shared.requests.by_id, engine.identity
@@ -69,17 +80,15 @@ class ResultRouter:
                 # A resumed request sends them again: the last engine's are kept.
                 request.prompt_logprobs = update.prompt_logprobs
             if finish_reason is not None:
-                cached = update.cached_tokens
                 engine.outstanding.discard(update.request_id)
                 queued_for = (request.dispatched_at or request.received_at) - request.received_at
-                self._finish_info[update.request_id] = (
+                self._finish_info[update.request_id] = _Finish(
                     finish_reason,
                     None if update.ttft is None else queued_for + update.ttft,
                     engine.rank,
-                    cached,
-                    update.stop_token,
+                    update,
                 )
-                self.on_cached_tokens(request, cached)
+                self.on_cached_tokens(request, update.cached_tokens)
                 self._finished.append(request)
             elif request.stream and tokens:
                 self._streaming.append((request, tokens, text, update.logprobs))
@@ -103,20 +112,22 @@ class ResultRouter:
         finished, self._finished = self._finished, []
         per_client: dict[bytes, list[ClientResult]] = defaultdict(list)
         for request in finished:
-            reason, ttft, rank, cached, stop_token = self._finish_info.pop(request.request_id)
+            finish = self._finish_info.pop(request.request_id)
+            last = finish.update
             per_client[request.client].append(
                 ClientResult(
                     request.client_request_id,
                     request.prompt_tokens,
                     bytes(request.generated),
                     "".join(request.text),
-                    reason,
+                    finish.reason,
                     None if request.logprobs is None else bytes(request.logprobs),
-                    ttft,
-                    rank,
-                    cached,
+                    finish.ttft,
+                    finish.rank,
+                    last.cached_tokens,
                     request.prompt_logprobs,
-                    stop_token,
+                    last.stop_token,
+                    last.stop_logprob,
                 )
             )
             self.dispatcher.forget(request)

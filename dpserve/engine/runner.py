@@ -57,6 +57,9 @@ class TokenUpdate:
     # With finish_reason "stop": the EOS / termination_id token that ended the request (not in
     # tokens, but generated: usage counts it, as vLLM and llama.cpp do).
     stop_token: int | None = None
+    # Its log-prob and alternatives, when the request asked for log-probs.
+    stop_logprob: float | None = None
+    stop_top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Runner(Protocol):

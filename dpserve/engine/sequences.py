@@ -161,6 +161,8 @@ class Sequence:
     # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
     matcher: GrammarMatcher | None = None
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
+    # Its log-prob and alternatives (with return_log_probs), reported with it.
+    stop_logprob: tuple[float, list[TopEntry] | None] | None = None
 
     @property
     def request_id(self) -> int:
@@ -227,6 +229,8 @@ class Sequence:
             finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
             ready = len(self.tokens)
             self.stop_token = token
+            if logprob is not None and self.params.return_log_probs:
+                self.stop_logprob = (logprob, top if self.params.top_logprobs else None)
         else:
             self.tokens.append(token)
             if logprob is not None and self.params.return_log_probs:
@@ -265,11 +269,18 @@ class Sequence:
         if self.stop_text is not None:
             text = self.stop_text.release(ready - start, final=finish is not None and not cut)
         update = TokenUpdate(
-            self.request_id, self.tokens[start:ready], logprobs, finish, text, top_logprobs=top,
+            self.request_id,
+            self.tokens[start:ready],
+            logprobs,
+            finish,
+            text,
+            top_logprobs=top,
             cached_tokens=self.cached_prompt_tokens,
         )
         if finish is not None:
             update.stop_token = self.stop_token
+            if self.stop_logprob is not None:
+                update.stop_logprob, update.stop_top_logprobs = self.stop_logprob
         if self.params.prompt_logprobs and not self.prompt_logprobs_sent:
             self.prompt_logprobs_sent = True
             update.prompt_logprobs = self.prompt_logprobs

@@ -80,6 +80,7 @@ class _Held:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: bytes | None = None  # packed, sent with the next entry
     stop_token: int | None = None  # the stop token that ended it, sent with the last entry
+    stop_logprob: bytes | None = None  # packed: its log-prob, sent with it
     # The tokens' text as the runner decoded it (stop strings: ``TokenUpdate.text``); then
     # ``text`` is not used.
     decoded: list[str] | None = None
@@ -413,6 +414,11 @@ class EngineServer:
                 del self._held[update.request_id]
                 self._stream_dirty.discard(update.request_id)
                 held.stop_token = update.stop_token
+                if update.stop_logprob is not None:
+                    top = update.stop_top_logprobs
+                    held.stop_logprob = protocol.pack_logprobs(
+                        [update.stop_logprob], None if top is None else [top]
+                    )
                 finished.append((update.request_id, held, update.finish_reason))
             elif held.stream or first:
                 # A request's first tokens go out at once even when it does not stream: the
@@ -448,6 +454,7 @@ class EngineServer:
                     held.cached_tokens if finish_reason is not None else None,
                     held.prompt_logprobs,
                     held.stop_token if finish_reason is not None else None,
+                    held.stop_logprob if finish_reason is not None else None,
                 )
             )
             held.prompt_logprobs = None

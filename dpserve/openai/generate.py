@@ -155,6 +155,16 @@ class Generator:
             entries = (entries or []) + self._entries(
                 record.generated_tokens, generated_text, record.log_probs, record.top_logprobs
             )
+            if record.stop_logprob is not None:
+                # The stop token is generated (usage counts it) but adds no text: its entry
+                # has an empty string, as the text must still be the strings joined.
+                top = record.stop_top_logprobs
+                names = self._token_names([top])
+                entries.append(
+                    TokenLogprob(
+                        "", record.stop_logprob, _named(top, names) if top is not None else None
+                    )
+                )
         return Choice(
             index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
         )

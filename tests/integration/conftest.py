@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -7,7 +10,7 @@ import aiohttp
 import pytest
 
 from dpserve.client import InferenceClient
-from tests.integration.runtime import Processes, free_port
+from tests.integration.runtime import DPSERVE, Processes, free_port, wait_for_banner
 
 
 @pytest.fixture
@@ -42,3 +45,33 @@ async def session(session_timeout: float) -> AsyncIterator[aiohttp.ClientSession
     timeout = aiohttp.ClientTimeout(total=session_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as instance:
         yield instance
+
+
+@pytest.fixture(scope="module")
+def tiny_serve_url(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """``dpserve serve`` (one engine) on the tiny model for a module's tests: its
+    OpenAI-compatible base URL, ``http://127.0.0.1:PORT/v1``."""
+    port, http_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(
+            [
+                DPSERVE, "serve", "--data-parallel-size", "1", "--port", str(port),
+                "--http-port", str(http_port), "--model", str(tiny_model_path),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+    try:
+        wait_for_banner(serve, log, within=180)
+        yield f"http://127.0.0.1:{http_port}/v1"
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(60)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()

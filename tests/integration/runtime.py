@@ -79,3 +79,15 @@ async def wait_for_engines(client: InferenceClient, count: int, within: float = 
             return status
         await asyncio.sleep(0.05)
     raise AssertionError(f"expected {count} engines, status: {status}")
+
+
+def wait_for_banner(process: subprocess.Popen, log: Path, within: float) -> str:
+    """The log of a `dpserve serve` once it printed its ready banner (it must not exit first)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "Press Ctrl-C to stop." in text:
+            return text
+        assert process.poll() is None, f"dpserve serve exited early:\n{text[-3000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no banner in {within} s:\n{log.read_text()[-3000:]}")

@@ -4,10 +4,6 @@ structured output parsed into a pydantic model."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -15,41 +11,12 @@ import pydantic
 import pytest
 import torch
 
-from tests.integration.runtime import DPSERVE, free_port
-from tests.integration.test_serve import wait_for_banner
-
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port, http_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("sdk") / "serve.log"
-    with open(log, "wb") as out:
-        serve = subprocess.Popen(
-            [
-                DPSERVE, "serve", "--data-parallel-size", "1", "--port", str(port),
-                "--http-port", str(http_port), "--model", str(tiny_model_path),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )  # fmt: skip
-    try:
-        wait_for_banner(serve, log, within=180)
-        yield f"http://127.0.0.1:{http_port}/v1"
-    finally:
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(api_key="unused", base_url=base_url, max_retries=0, timeout=120)
+def client(tiny_serve_url: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key="unused", base_url=tiny_serve_url, max_retries=0, timeout=120)
 
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -208,9 +175,13 @@ def test_guided_choice_counts_the_stop_token(client: openai.OpenAI) -> None:
     choice = response.choices[0]
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
     assert choice.logprobs is not None and choice.logprobs.tokens is not None
-    # The grammar's end forces EOS, which is generated and counted (as vLLM and llama.cpp).
+    # The grammar's end forces EOS, which is generated and counted (as vLLM and llama.cpp),
+    # and has the last log-prob entry, with no text.
     assert response.usage is not None
-    assert response.usage.completion_tokens == len(choice.logprobs.tokens) + 1
+    assert response.usage.completion_tokens == len(choice.logprobs.tokens)
+    assert choice.logprobs.tokens[-1] == "" and "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.token_logprobs is not None
+    assert choice.logprobs.token_logprobs[-1] is not None
 
 
 def test_an_invalid_schema_is_a_400_naming_the_problem(client: openai.OpenAI) -> None:

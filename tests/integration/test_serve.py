@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.runtime import DPSERVE, free_port
+from tests.integration.runtime import DPSERVE, free_port, wait_for_banner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,17 +40,6 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
-
-
-def wait_for_banner(process: subprocess.Popen, log: Path, within: float) -> str:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        if "Press Ctrl-C to stop." in text:
-            return text
-        assert process.poll() is None, f"dpserve serve exited early:\n{text[-3000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no banner in {within} s:\n{log.read_text()[-3000:]}")
 
 
 def http_json(url: str, body: dict) -> dict:

@@ -50,7 +50,7 @@ def test_batched_messages_decode_into_entry_records() -> None:
     reply = protocol.encode(protocol.EngineReply([update]))
     assert msgpack.unpackb(reply) == [
         int(Header.ENGINE_REPLY),
-        [[3, b"", None, "stop", None, None, "text", None, None, None]],
+        [[3, b"", None, "stop", None, None, "text", None, None, None, None]],
     ]
     (decoded,) = protocol.decode(reply).updates
     assert type(decoded) is EngineUpdate and decoded == update
@@ -119,12 +119,12 @@ def _reply(*updates: object) -> bytes:
 def test_entries_of_batched_messages_are_checked() -> None:
     # An engine that predates the text field writes six fields: the text is then None.
     (without_text,) = protocol.decode(_reply([1, b"", None, "length", None, 0.1])).updates
-    assert without_text == EngineUpdate(1, b"", None, "length", None, 0.1, None, None, None, None)
+    assert without_text == EngineUpdate(1, b"", None, "length", None, 0.1)
     (with_text,) = protocol.decode(
         _reply([1, b"a\x00\x00\x00", None, None, None, 0.1, "a"])
     ).updates
     assert with_text.text == "a"
-    with pytest.raises(ProtocolError, match="ENGINE_REPLY entry takes 6-10 field"):
+    with pytest.raises(ProtocolError, match="ENGINE_REPLY entry takes 6-11 field"):
         protocol.decode(_reply([1, b""]))
     with pytest.raises(ProtocolError, match="must be an array"):
         protocol.decode(_reply(5))
@@ -132,7 +132,7 @@ def test_entries_of_batched_messages_are_checked() -> None:
         protocol.decode(_reply([1, "x", None, None, None, None]))
     with pytest.raises(ProtocolError, match="field 7 must be str/nil"):
         protocol.decode(_reply([1, b"", None, None, None, None, 5]))
-    with pytest.raises(ProtocolError, match="RESULTS entry takes 8-11 field"):
+    with pytest.raises(ProtocolError, match="RESULTS entry takes 8-12 field"):
         protocol.decode(msgpack.packb([int(Header.RESULTS), [[1, b"", b"", "", "stop"]]]))
     with pytest.raises(ProtocolError, match="STREAM entry field 3 must be str"):
         protocol.decode(msgpack.packb([int(Header.STREAM), [[1, b"", None]]]))
