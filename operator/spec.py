@@ -243,10 +243,10 @@ class _Reader:
 
     def default(self, key: str) -> Any:
         """The CRD's default of ``key``."""
-        try:
-            return self.field(key)["default"]
-        except KeyError:
-            raise KeyError(f"{self.at(key)} has no default in the CRD's schema") from None
+        field = self.field(key)
+        if "default" not in field:
+            raise KeyError(f"{self.at(key)} has no default in the CRD's schema")
+        return field["default"]
 
     def string(self, key: str) -> str | None:
         """The string at ``key``; the CRD's default (or None) when absent or invalid."""
