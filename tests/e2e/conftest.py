@@ -30,10 +30,11 @@ from kubernetes.client.exceptions import ApiException
 from tests.e2e.cluster import (
     ControlPlane,
     Kubectl,
+    create_namespace,
     default_bin_dir,
+    delete_namespace,
     find_kubectl,
     missing_binaries,
-    wait_for,
 )
 from tests.e2e.local_node import TIMINGS, LocalNode, LocalNodeError
 from tests.e2e.node_agent import NodeAgent
@@ -147,21 +148,7 @@ def kube_namespace(
     core = k8s.CoreV1Api(k8s_client)
     slug = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"e2e-{slug}-{secrets.token_hex(3)}"
-    core.create_namespace({"metadata": {"name": name, "labels": {"dpserve-e2e": "true"}}})
-
-    # ServiceAccount admission rejects Pods until the controller-manager has
-    # created the namespace's default ServiceAccount and its token Secret.
-    def default_account_has_token() -> bool:
-        account = json.loads(
-            core.read_namespaced_service_account("default", name, _preload_content=False).data
-        )
-        return bool(account.get("secrets"))
-
-    wait_for(
-        default_account_has_token,
-        NAMESPACE_READY_TIMEOUT,
-        f"the default ServiceAccount token in namespace {name}",
-    )
+    create_namespace(core, name, NAMESPACE_READY_TIMEOUT)
     errors_before = len(node_agent.errors)
     yield name
 
@@ -169,22 +156,10 @@ def kube_namespace(
     if report is not None and report.failed:
         # Shown by pytest under "Captured stdout teardown".
         print(namespace_diagnostics(core, name, node_agent))
-    try:
-        core.delete_namespace(name)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-
-    # Wait for the Pods (and so the agent's processes) to be gone, so that the
-    # next test does not find this one's servers on its ports.
-    def pods_gone() -> bool:
-        listing = json.loads(core.list_namespaced_pod(name, _preload_content=False).data)
-        return not listing.get("items")
-
-    wait_for(
-        pods_gone,
+    delete_namespace(
+        core,
+        name,
         NAMESPACE_CLEANUP_TIMEOUT,
-        f"the Pods of namespace {name} to be deleted",
         diagnostics=lambda: namespace_diagnostics(core, name, node_agent),
     )
     # A crashed pod worker means the agent, not the code under test, is broken.

@@ -37,6 +37,7 @@ import helm_python
 import pytest
 import yaml
 
+from tests.e2e import manifests
 from tests.e2e.cluster import Kubectl, wait_for
 from tests.e2e.local_node import TIMINGS, LocalNode, PortForward, cluster_opt_in
 from tests.e2e.test_operator import (
@@ -222,18 +223,9 @@ def stream_prompt(index: int) -> str:
 
 
 def test_idle_at_zero_no_engine_pod_and_the_coordinator_ready_to_hold(scaling: Scaling) -> None:
-    scaling.kubectl("create", "namespace", NAMESPACE)
-    scaling.wait(
-        lambda: (
-            scaling.kubectl("get", "sa", "default", "-n", NAMESPACE, check=False).returncode == 0
-        ),
-        30,
-        "the default ServiceAccount",
-    )
+    scaling.kubectl.create_namespace(NAMESPACE)
     manifest = scaling.workdir / "autoscaled.yaml"
-    resource = {"apiVersion": "dpserve.io/v1alpha1", "kind": "InferenceDeployment",
-                "metadata": {"name": NAME}, "spec": SPEC}  # fmt: skip
-    manifest.write_text(yaml.safe_dump(resource))
+    manifest.write_text(yaml.safe_dump(manifests.inference_deployment(NAME, SPEC)))
     scaling.kubectl("apply", "-f", str(manifest), "-n", NAMESPACE)
 
     def coordinator_ready() -> bool:

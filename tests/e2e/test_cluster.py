@@ -111,15 +111,7 @@ spec:
 def test_pods_run_and_resolve_cluster_dns(node_kubectl: Kubectl) -> None:
     kubectl = node_kubectl
     namespace = "dns-check"
-    kubectl("create", "namespace", namespace)
-    wait_for(
-        lambda: (
-            kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode
-            == 0
-        ),
-        30,
-        "the default ServiceAccount",
-    )
+    kubectl.create_namespace(namespace)
     # The Service first, so that its record exists when the shell pod looks it up.
     manifests = SHELL_POD % {"image": BASE_IMAGE, "pause": PAUSE_IMAGE, "ns": namespace}
     service, *pods = manifests.split("---")[::-1]

@@ -169,12 +169,7 @@ def test_helm_install_runs_the_operator_as_a_pod(flow: Flow) -> None:
 
 
 def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
-    flow.kubectl("create", "namespace", NAMESPACE)
-    wait_for(
-        lambda: flow.kubectl("get", "sa", "default", "-n", NAMESPACE, check=False).returncode == 0,
-        30,
-        "the default ServiceAccount",
-    )
+    flow.kubectl.create_namespace(NAMESPACE)
     # As published: the real runtime image and SmolLM2, the example's own resources.
     started = time.monotonic()
     flow.kubectl("apply", "-f", str(EXAMPLE), "-n", NAMESPACE)
@@ -433,15 +428,7 @@ def merged(base: JSON, override: JSON) -> JSON:
 
 
 def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Flow) -> None:
-    flow.kubectl("create", "namespace", FAULTS_NAMESPACE)
-    wait_for(
-        lambda: (
-            flow.kubectl("get", "sa", "default", "-n", FAULTS_NAMESPACE, check=False).returncode
-            == 0
-        ),
-        30,
-        "the default ServiceAccount",
-    )
+    flow.kubectl.create_namespace(FAULTS_NAMESPACE)
     manifests = []
     for name, (change, _reason) in FAULTS.items():
         faulty = example()

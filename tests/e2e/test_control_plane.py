@@ -20,6 +20,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from tests.e2e import manifests
 from tests.e2e.cluster import (
     DEFAULT_NODE_NAME,
     LOOPBACK,
@@ -151,44 +152,17 @@ def test_deployment_service_and_service_proxy(
     core = k8s.CoreV1Api(k8s_client)
     (port,) = free_ports(1)
     labels = {"app": "web"}
+    http = manifests.container(
+        "http",
+        ["python", "-m", "http.server", str(port)],
+        args=["--bind", LOOPBACK],
+        ports=[{"name": "http", "containerPort": port}],
+        readinessProbe={"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+    )
     kubectl.apply(
         [
-            {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "metadata": {"name": "web"},
-                "spec": {
-                    "replicas": 1,
-                    "selector": {"matchLabels": labels},
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "containers": [
-                                {
-                                    "name": "http",
-                                    "image": "python:3.11",
-                                    "command": ["python", "-m", "http.server", str(port)],
-                                    "args": ["--bind", LOOPBACK],
-                                    "ports": [{"name": "http", "containerPort": port}],
-                                    "readinessProbe": {
-                                        "httpGet": {"path": "/", "port": "http"},
-                                        "periodSeconds": 1,
-                                    },
-                                }
-                            ]
-                        },
-                    },
-                },
-            },
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": "web"},
-                "spec": {
-                    "selector": labels,
-                    "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
-                },
-            },
+            manifests.deployment("web", labels, http),
+            manifests.service("web", labels, [{"name": "http", "port": 80, "targetPort": "http"}]),
         ],
         namespace=kube_namespace,
     )
@@ -257,22 +231,11 @@ def test_readiness_gates_ready_condition(
         print("listening", flush=True)
         time.sleep(3600)
     """
+    probe = {"tcpSocket": {"port": port}, "periodSeconds": 1}
     kubectl.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "late"},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "python:3.11",
-                        "command": python_script(script),
-                        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1},
-                    }
-                ]
-            },
-        },
+        manifests.pod(
+            "late", manifests.container("main", python_script(script), readinessProbe=probe)
+        ),
         namespace=kube_namespace,
     )
     pod = wait_pod(
@@ -337,71 +300,42 @@ def test_statefulset_env_field_refs_and_graceful_scale_down(
         """
     )
     labels = {"app": "sleeper"}
+    sleeper = manifests.container(
+        "main",
+        python_script(script),
+        args=[
+            "--who=$(POD_NAME)",
+            "--escaped=$$(POD_NAME)",
+            f"--peer=sleeper-0.peers.{ns}.svc.cluster.local:7000",
+        ],
+        env=[
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_IP", "status.podIP"),
+            field_env("NODE_NAME", "spec.nodeName"),
+            {"name": "GREETING", "value": "hello-$(POD_NAME)"},
+            {"name": "PEER_URL", "value": "http://peers:7000/x"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+            {
+                "name": "MODE",
+                "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}},
+            },
+        ],
+        readinessProbe={"exec": {"command": ["python", "-c", "pass"]}, "periodSeconds": 1},
+        lifecycle={"preStop": {"exec": {"command": pre_stop}}},
+    )
     kubectl.apply(
         [
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": "peers"},
-                "spec": {"clusterIP": "None", "selector": labels, "ports": [{"port": 7000}]},
-            },
-            {
-                "apiVersion": "apps/v1",
-                "kind": "StatefulSet",
-                "metadata": {"name": "sleeper"},
-                "spec": {
-                    "serviceName": "peers",
-                    "replicas": 2,
-                    "podManagementPolicy": "Parallel",
-                    "selector": {"matchLabels": labels},
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "terminationGracePeriodSeconds": 20,
-                            "containers": [
-                                {
-                                    "name": "main",
-                                    "image": "python:3.11",
-                                    "command": python_script(script),
-                                    "args": [
-                                        "--who=$(POD_NAME)",
-                                        "--escaped=$$(POD_NAME)",
-                                        f"--peer=sleeper-0.peers.{ns}.svc.cluster.local:7000",
-                                    ],
-                                    "env": [
-                                        field_env("POD_NAME", "metadata.name"),
-                                        field_env("POD_NAMESPACE", "metadata.namespace"),
-                                        field_env("POD_IP", "status.podIP"),
-                                        field_env("NODE_NAME", "spec.nodeName"),
-                                        {"name": "GREETING", "value": "hello-$(POD_NAME)"},
-                                        {"name": "PEER_URL", "value": "http://peers:7000/x"},
-                                        {
-                                            "name": "TOKEN",
-                                            "valueFrom": {
-                                                "secretKeyRef": {"name": "creds", "key": "token"}
-                                            },
-                                        },
-                                        {
-                                            "name": "MODE",
-                                            "valueFrom": {
-                                                "configMapKeyRef": {
-                                                    "name": "settings",
-                                                    "key": "mode",
-                                                }
-                                            },
-                                        },
-                                    ],
-                                    "readinessProbe": {
-                                        "exec": {"command": ["python", "-c", "pass"]},
-                                        "periodSeconds": 1,
-                                    },
-                                    "lifecycle": {"preStop": {"exec": {"command": pre_stop}}},
-                                }
-                            ],
-                        },
-                    },
-                },
-            },
+            manifests.service("peers", labels, [{"port": 7000}], clusterIP="None"),
+            manifests.stateful_set(
+                "sleeper",
+                labels,
+                sleeper,
+                service_name="peers",
+                replicas=2,
+                parallel=True,
+                terminationGracePeriodSeconds=20,
+            ),
         ],
         namespace=ns,
     )
@@ -462,17 +396,11 @@ def test_sigkill_after_grace_period(
             time.sleep(0.1)
     """
     kubectl.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "stubborn"},
-            "spec": {
-                "terminationGracePeriodSeconds": 2,
-                "containers": [
-                    {"name": "main", "image": "python:3.11", "command": python_script(script)}
-                ],
-            },
-        },
+        manifests.pod(
+            "stubborn",
+            manifests.container("main", python_script(script)),
+            terminationGracePeriodSeconds=2,
+        ),
         namespace=kube_namespace,
     )
     wait_pod(core, kube_namespace, "stubborn", running_and_ready, "Running", node_agent)
@@ -494,22 +422,18 @@ def test_restart_policies(
 ) -> None:
     core = k8s.CoreV1Api(k8s_client)
 
-    def pod(name: str, policy: str, code: int) -> JSON:
+    def exiting(name: str, policy: str, code: int) -> JSON:
         script = f"import sys; print('run {name}', flush=True); sys.exit({code})"
-        return {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "restartPolicy": policy,
-                "containers": [
-                    {"name": "main", "image": "python:3.11", "command": ["python", "-c", script]}
-                ],
-            },
-        }
+        return manifests.pod(
+            name, manifests.container("main", ["python", "-c", script]), restartPolicy=policy
+        )
 
     kubectl.apply(
-        [pod("crasher", "Always", 3), pod("oneshot", "Never", 0), pod("failer", "Never", 2)],
+        [
+            exiting("crasher", "Always", 3),
+            exiting("oneshot", "Never", 0),
+            exiting("failer", "Never", 2),
+        ],
         namespace=kube_namespace,
     )
 
@@ -562,30 +486,9 @@ def test_deleting_owner_garbage_collects_children(
 
     # Deployment -> ReplicaSet -> Pod -> local process.
     labels = {"app": "gc"}
+    sleeper = manifests.container("main", ["python", "-c", "import time; time.sleep(3600)"])
     kubectl.apply(
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "gc"},
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "terminationGracePeriodSeconds": 5,
-                        "containers": [
-                            {
-                                "name": "main",
-                                "image": "python:3.11",
-                                "command": ["python", "-c", "import time; time.sleep(3600)"],
-                            }
-                        ],
-                    },
-                },
-            },
-        },
-        namespace=ns,
+        manifests.deployment("gc", labels, sleeper, terminationGracePeriodSeconds=5), namespace=ns
     )
     pods = wait_for(lambda: list_pods(core, ns, "app=gc"), POD_TIMEOUT, "the gc Deployment's Pod")
     pod_name = pods[0]["metadata"]["name"]
@@ -704,31 +607,16 @@ def test_init_containers_run_first_and_liveness_failures_restart(
         print("main sees " + open({str(marker)!r}).read(), flush=True)
         time.sleep(3600)
     """
+    # Nothing listens there: the container is killed and restarted.
+    liveness = {"tcpSocket": {"port": closed_port}, "periodSeconds": 1, "failureThreshold": 2}
+    init = manifests.container("init", ["python", "-c", init_script], image="busybox")
     kubectl.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "probed"},
-            "spec": {
-                "terminationGracePeriodSeconds": 2,
-                "initContainers": [
-                    {"name": "init", "image": "busybox", "command": ["python", "-c", init_script]}
-                ],
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "python:3.11",
-                        "command": python_script(main_script),
-                        # Nothing listens there: the container is killed and restarted.
-                        "livenessProbe": {
-                            "tcpSocket": {"port": closed_port},
-                            "periodSeconds": 1,
-                            "failureThreshold": 2,
-                        },
-                    }
-                ],
-            },
-        },
+        manifests.pod(
+            "probed",
+            manifests.container("main", python_script(main_script), livenessProbe=liveness),
+            terminationGracePeriodSeconds=2,
+            initContainers=[init],
+        ),
         namespace=kube_namespace,
     )
 

@@ -57,7 +57,16 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from tests.e2e.cluster import LOOPBACK, Kubectl, free_ports, wait_for
+from dpserve_operator.crd import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from tests.e2e import manifests
+from tests.e2e.cluster import (
+    LOOPBACK,
+    Kubectl,
+    create_namespace,
+    delete_namespace,
+    free_ports,
+    wait_for,
+)
 from tests.e2e.conftest import namespace_diagnostics
 from tests.e2e.node_agent import NodeAgent
 
@@ -71,7 +80,6 @@ CHART = ROOT / "charts" / "dpserve-operator"
 EXAMPLE = ROOT / "examples" / "inference.yaml"
 DPSERVE = Path(sys.executable).parent / "dpserve"
 
-GROUP, VERSION, PLURAL = "dpserve.io", "v1alpha1", "inferencedeployments"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 RELEASE, OPERATOR_NS = "dpserve-operator", "dpserve-system"
 NAME = "demo"  # as in examples/inference.yaml
@@ -260,33 +268,10 @@ def dpserve_generate(
 # -- fixtures -----------------------------------------------------------------------------
 
 
-def create_namespace(core: k8s.CoreV1Api, name: str) -> None:
-    """A namespace whose default ServiceAccount has its token (so Pods are admitted)."""
-    core.create_namespace({"metadata": {"name": name, "labels": {"dpserve-e2e": "true"}}})
-
-    def has_token() -> bool:
-        account = json.loads(
-            core.read_namespaced_service_account("default", name, _preload_content=False).data
-        )
-        return bool(account.get("secrets"))
-
-    wait_for(has_token, 30, f"the default ServiceAccount token in namespace {name}")
-
-
-def delete_namespace(core: k8s.CoreV1Api, name: str, agent: NodeAgent) -> None:
+def remove_namespace(core: k8s.CoreV1Api, name: str, agent: NodeAgent) -> None:
     """Delete the namespace and wait for its Pods (so their processes) to be gone."""
-    with contextlib.suppress(ApiException):
-        core.delete_namespace(name)
-
-    def pods_gone() -> bool:
-        listing = json.loads(core.list_namespaced_pod(name, _preload_content=False).data)
-        return not listing.get("items")
-
-    wait_for(
-        pods_gone,
-        DELETE_TIMEOUT,
-        f"the Pods of namespace {name} to be deleted",
-        diagnostics=lambda: namespace_diagnostics(core, name, agent),
+    delete_namespace(
+        core, name, DELETE_TIMEOUT, diagnostics=lambda: namespace_diagnostics(core, name, agent)
     )
 
 
@@ -405,7 +390,7 @@ def operator(kubectl: Kubectl, node_agent: NodeAgent, k8s_client: Any) -> Iterat
             ),
         ]  # fmt: skip
         if created_namespace:
-            delete_namespace(core, OPERATOR_NS, node_agent)
+            remove_namespace(core, OPERATOR_NS, node_agent)
         steps.append(
             kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--timeout=60s", check=False)
         )
@@ -453,7 +438,7 @@ def inference(
         yield state
     finally:
         kubectl("delete", "infd", "--all", "-n", namespace, "--timeout=60s", check=False)
-        delete_namespace(core, namespace, node_agent)
+        remove_namespace(core, namespace, node_agent)
 
 
 # -- 1. install ---------------------------------------------------------------------------
@@ -485,8 +470,8 @@ def test_chart_operator_runs_in_its_pod(
 def test_children_exist_with_owner_references(inference: Inference, kubectl: Kubectl) -> None:
     owner = inference.read()
     expected_reference = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "InferenceDeployment",
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "name": NAME,
         "uid": owner["metadata"]["uid"],
         "controller": True,
@@ -911,12 +896,7 @@ def bad_resource(name: str, spec_changes: dict[str, Any], drop: tuple[str, ...] 
     for key in drop:
         spec.pop(key)
     spec.update(spec_changes)
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
+    return manifests.inference_deployment(name, spec)
 
 
 @pytest.mark.parametrize(

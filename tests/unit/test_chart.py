@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from dpserve_operator import main, rbac
+from dpserve_operator.crd import CRD_TEXT
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dpserve-operator"
@@ -222,4 +223,4 @@ def test_the_code_refuses_undeclared_permissions() -> None:
 def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
     (crd,) = chart.crds
     assert crd["filename"].endswith("crds/inferencedeployment.yaml")
-    assert crd["data"] == (ROOT / "crds" / "inferencedeployment.yaml").read_text()
+    assert crd["data"] == CRD_TEXT

@@ -1,12 +1,15 @@
 """The InferenceDeployment CRD: well-formed, structural, and strict enough on its own.
 
-The CRD lives at crds/inferencedeployment.yaml; the Helm chart carries a byte-identical copy
-(charts/dpserve-operator/crds/), and this module fails when they drift apart.
+The CRD is package data of the operator (operator/inferencedeployment.yaml, which the parser
+reads its defaults, enums and bounds from); crds/ links to it, the Helm chart carries a
+byte-identical copy (charts/dpserve-operator/crds/), and this module fails when they drift
+apart.
 """
 
 from __future__ import annotations
 
 import copy
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +19,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dpserve_operator import crd as crd_module
+from dpserve_operator import handlers
 from dpserve_operator import spec as spec_module
-from dpserve_operator.spec import parse_spec
+from dpserve_operator.spec import InvalidSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_CRD_PATH = ROOT / "operator" / crd_module.CRD_FILE
 CRD_PATH = ROOT / "crds" / "inferencedeployment.yaml"
 CHART_CRD_PATH = ROOT / "charts" / "dpserve-operator" / "crds" / "inferencedeployment.yaml"
 EXAMPLE_PATH = ROOT / "examples" / "inference.yaml"
@@ -54,8 +60,27 @@ def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[jsonschem
     return list(jsonschema.Draft202012Validator(schema).iter_errors(obj))
 
 
-def test_chart_copy_is_identical() -> None:
-    assert CHART_CRD_PATH.read_bytes() == CRD_PATH.read_bytes()
+def test_one_crd_file() -> None:
+    # crds/ links to the package's file; the chart cannot follow a link out of its directory.
+    assert CRD_PATH.resolve() == PACKAGE_CRD_PATH.resolve()
+    assert PACKAGE_CRD_PATH.read_text() == crd_module.CRD_TEXT
+    assert CHART_CRD_PATH.read_bytes() == PACKAGE_CRD_PATH.read_bytes(), (
+        "refresh the chart's copy: cp operator/inferencedeployment.yaml "
+        "charts/dpserve-operator/crds/"
+    )
+
+
+def test_the_wheel_ships_the_crd() -> None:
+    # A plain pip install (the operator image) copies only the package data pyproject names.
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert crd_module.CRD_FILE in setuptools["package-data"]["dpserve_operator"]
+    assert setuptools["package-dir"]["dpserve_operator"] == PACKAGE_CRD_PATH.parent.name
+
+
+def test_the_operator_watches_the_crds_resource(crd: dict[str, Any]) -> None:
+    names = crd["spec"]["names"]
+    assert (crd["spec"]["group"], "v1alpha1", names["plural"]) == handlers.RESOURCE
+    assert crd_module.KIND == names["kind"] == "InferenceDeployment"
 
 
 @pytest.mark.parametrize("k8s", ["1.25", kubernetes_validate.latest_version()])
@@ -133,50 +158,92 @@ def test_schema_is_structural_for_kubernetes_1_20(schema: dict[str, Any]) -> Non
             assert isinstance(node.get("items"), dict), path
 
 
-def test_schema_defaults_match_the_operator(schema: dict[str, Any]) -> None:
+def test_left_out_fields_get_the_crds_defaults(schema: dict[str, Any]) -> None:
     spec = schema["properties"]["spec"]["properties"]
     engine = spec["engine"]["properties"]
     coordinator = spec["coordinator"]["properties"]
-    assert spec["dataParallelSize"]["default"] == spec_module.DEFAULT_DATA_PARALLEL_SIZE
-    assert engine["maxBatchSize"]["default"] == spec_module.DEFAULT_MAX_BATCH_SIZE
-    assert engine["dtype"]["default"] == spec_module.DEFAULT_DTYPE
-    assert engine["device"]["default"] == spec_module.DEFAULT_DEVICE
-    assert (
-        engine["terminationGracePeriodSeconds"]["default"]
-        == spec_module.DEFAULT_TERMINATION_GRACE_PERIOD_SECONDS
-    )
-    assert coordinator["zmqPort"]["default"] == spec_module.DEFAULT_ZMQ_PORT
-    assert coordinator["httpPort"]["default"] == spec_module.DEFAULT_HTTP_PORT
-    assert coordinator["routing"]["default"] == spec_module.DEFAULT_ROUTING
-    mount_path = spec["modelVolume"]["properties"]["mountPath"]
-    assert mount_path["default"] == spec_module.DEFAULT_MODEL_MOUNT_PATH
     autoscaling = spec["autoscaling"]["properties"]
-    assert autoscaling["mode"]["default"] == spec_module.DEFAULT_AUTOSCALING_MODE
-    assert autoscaling["minReplicas"]["default"] == spec_module.DEFAULT_MIN_REPLICAS
-    assert autoscaling["metric"]["default"] == spec_module.QUEUED_REQUESTS_PER_ENGINE
-    assert (
-        autoscaling["scaleUpWindowSeconds"]["default"]
-        == spec_module.DEFAULT_SCALE_UP_WINDOW_SECONDS
+    volume = spec["modelVolume"]["properties"]
+    parsed = parse_spec(
+        {**MINIMAL, "modelVolume": {"claimName": "w"}, "autoscaling": {"maxReplicas": 3}},
+        name="demo",
     )
-    assert (
-        autoscaling["scaleDownWindowSeconds"]["default"]
-        == spec_module.DEFAULT_SCALE_DOWN_WINDOW_SECONDS
-    )
-    assert (
-        autoscaling["idleBeforeZeroSeconds"]["default"]
-        == spec_module.DEFAULT_IDLE_BEFORE_ZERO_SECONDS
-    )
+    assert parsed.data_parallel_size == spec["dataParallelSize"]["default"]
+    assert parsed.engine.max_batch_size == engine["maxBatchSize"]["default"]
+    assert parsed.engine.dtype == engine["dtype"]["default"]
+    assert parsed.engine.device == engine["device"]["default"]
+    assert parsed.engine.prefix_caching is engine["prefixCaching"]["default"]
+    grace = engine["terminationGracePeriodSeconds"]["default"]
+    assert parsed.engine.termination_grace_period_seconds == grace
+    assert parsed.coordinator.zmq_port == coordinator["zmqPort"]["default"]
+    assert parsed.coordinator.http_port == coordinator["httpPort"]["default"]
+    assert parsed.coordinator.routing == coordinator["routing"]["default"]
+    assert parsed.model_volume is not None
+    assert parsed.model_volume.mount_path == volume["mountPath"]["default"]
+    assert parsed.model_volume.read_only is volume["readOnly"]["default"]
+    assert parsed.image_pull_policy is None  # no default: the kubelet's own applies
+    scaling = parsed.autoscaling
+    assert scaling is not None
+    assert scaling.mode == autoscaling["mode"]["default"]
+    assert scaling.min_replicas == autoscaling["minReplicas"]["default"]
+    assert scaling.metric == autoscaling["metric"]["default"]
+    assert scaling.scale_up_window_seconds == autoscaling["scaleUpWindowSeconds"]["default"]
+    assert scaling.scale_down_window_seconds == autoscaling["scaleDownWindowSeconds"]["default"]
+    assert scaling.idle_before_zero_seconds == autoscaling["idleBeforeZeroSeconds"]["default"]
 
 
-def test_schema_enums_match_the_operator(schema: dict[str, Any]) -> None:
-    spec = schema["properties"]["spec"]["properties"]
-    assert tuple(spec["engine"]["properties"]["dtype"]["enum"]) == spec_module.DTYPES
-    assert tuple(spec["engine"]["properties"]["device"]["enum"]) == spec_module.DEVICES
-    assert tuple(spec["coordinator"]["properties"]["routing"]["enum"]) == spec_module.ROUTINGS
-    assert tuple(spec["imagePullPolicy"]["enum"]) == spec_module.IMAGE_PULL_POLICIES
-    autoscaling = spec["autoscaling"]["properties"]
-    assert tuple(autoscaling["mode"]["enum"]) == spec_module.AUTOSCALING_MODES
-    assert tuple(autoscaling["metric"]["enum"]) == spec_module.AUTOSCALING_METRICS
+def test_the_autoscaler_reads_every_metric_the_crd_offers(schema: dict[str, Any]) -> None:
+    metric = schema["properties"]["spec"]["properties"]["autoscaling"]["properties"]["metric"]
+    known = {
+        spec_module.QUEUED_REQUESTS_PER_ENGINE,
+        spec_module.KV_CACHE_USAGE,
+        spec_module.TTFT_P90,
+    }
+    assert set(metric["enum"]) == known
+    assert set(spec_module.DEFAULT_TARGETS) < known  # TTFT's target is the user's objective
+
+
+def bounded_integers(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, int, Any]]:
+    """(dotted path, minimum, maximum or None) of every bounded integer field under ``node``."""
+    for key, child in (node.get("properties") or {}).items():
+        child_path = f"{path}.{key}" if path else key
+        if child.get("type") == "integer" and "minimum" in child:
+            yield child_path, child["minimum"], child.get("maximum")
+        yield from bounded_integers(child, child_path)
+
+
+SPEC_BOUNDS = list(bounded_integers(crd_module.SPEC_SCHEMA))
+
+
+def test_the_bounds_cover_the_spec() -> None:
+    paths = {path for path, _, _ in SPEC_BOUNDS}
+    assert {"dataParallelSize", "engine.maxBatchSize", "coordinator.zmqPort"} <= paths
+    assert "coordinator.limits.maxPromptTokens" in paths
+
+
+def set_in_context(path: str, value: int) -> dict[str, Any]:
+    """MINIMAL with ``value`` at ``path``, plus what the field needs around it to be valid."""
+    spec = changed(path, value)
+    if path.startswith("autoscaling.") and path != "autoscaling.maxReplicas":
+        spec["autoscaling"]["maxReplicas"] = 4
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("path", "minimum", "maximum"), SPEC_BOUNDS, ids=[p for p, *_ in SPEC_BOUNDS]
+)
+def test_the_operator_enforces_every_bound_of_the_crd(
+    path: str, minimum: int, maximum: int | None
+) -> None:
+    # The API server enforces these; the operator must too, with the same numbers, for
+    # objects the schema never saw.
+    for outside in [minimum - 1] + ([] if maximum is None else [maximum + 1]):
+        with pytest.raises(InvalidSpec) as raised:
+            parse_spec(set_in_context(path, outside), name="demo")
+        problems = raised.value.problems
+        assert any(problem.startswith(f"spec.{path}: ") for problem in problems), problems
+    inside = maximum if maximum is not None else max(minimum, 1)
+    parse_spec(set_in_context(path, inside), name="demo")
 
 
 # --------------------------------------------------------------------------- valid resources

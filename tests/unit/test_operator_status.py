@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-import yaml
 
+from dpserve_operator.crd import STATUS_SCHEMA
 from dpserve_operator.status import (
     DEGRADED,
     PENDING,
@@ -25,7 +24,6 @@ from dpserve_operator.status import (
 
 SELECTOR = "app.kubernetes.io/component=engine,app.kubernetes.io/instance=demo"
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:00:02Z", "2026-01-01T00:00:04Z"
-CRD = Path(__file__).resolve().parents[2] / "crds" / "inferencedeployment.yaml"
 
 
 def statefulset(
@@ -323,8 +321,7 @@ def test_sticky_apply_error_lasts_for_its_generation_only() -> None:
     ],
 )
 def test_computed_status_matches_the_crd_status_schema(observation: Observation) -> None:
-    crd = yaml.safe_load(CRD.read_text())
-    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    schema = STATUS_SCHEMA
     status = {k: v for k, v in compute(observation).items() if v is not None}
     jsonschema.validate(status, schema, format_checker=jsonschema.FormatChecker())
     # Nothing the status writes would be pruned by the API server.
