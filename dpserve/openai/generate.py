@@ -155,16 +155,7 @@ class Generator:
             entries = (entries or []) + self._entries(
                 record.generated_tokens, generated_text, record.log_probs, record.top_logprobs
             )
-            if record.stop_logprob is not None:
-                # The stop token is generated (usage counts it) but adds no text: its entry
-                # has an empty string, as the text must still be the strings joined.
-                top = record.stop_top_logprobs
-                names = self._token_names([top])
-                entries.append(
-                    TokenLogprob(
-                        "", record.stop_logprob, _named(top, names) if top is not None else None
-                    )
-                )
+            entries += self._stop_entry(record)
         return Choice(
             index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
         )
@@ -214,6 +205,16 @@ class Generator:
             )
             for i, piece in enumerate(pieces)
         ]
+
+    def _stop_entry(self, record: RequestRecord) -> list[TokenLogprob]:
+        """The stop token's entry, when it ended the choice and log-probs were asked for. It is
+        generated (usage counts it) but adds no text: its string is empty, so that the entries'
+        strings still join to the text."""
+        if record.stop_logprob is None:
+            return []
+        top = record.stop_top_logprobs
+        named = None if top is None else _named(top, self._token_names([top]))
+        return [TokenLogprob("", record.stop_logprob, named)]
 
     def _token_names(self, top: list[list[tuple[int, float]] | None]) -> dict[int, str]:
         """Each alternative token's own text, decoded once per distinct token."""
@@ -270,7 +271,8 @@ class Generator:
                             await sse.chunk(index, event, entries, job.params.top_logprobs > 0)
                             continue
                         records[index] = event
-                        await sse.finish(index, event)
+                        stop = self._stop_entry(event) if show_logprobs else None
+                        await sse.finish(index, event, stop, job.params.top_logprobs > 0)
                     per_prompt = [
                         [records[p * job.best_of + i] for i in range(job.best_of)]
                         for p in range(len(job.all_prompts))
@@ -391,8 +393,16 @@ class _SseStream:
                 self.fmt.chunk(self.ids, Choice(index, chunk.text, None, entries, top))
             )
 
-    async def finish(self, index: int, record: RequestRecord) -> None:
-        await self._write(self.fmt.chunk(self.ids, Choice(index, "", record.finish_reason)))
+    async def finish(
+        self,
+        index: int,
+        record: RequestRecord,
+        entries: list[TokenLogprob] | None = None,
+        top_asked: bool = False,
+    ) -> None:
+        """The choice's last chunk: its finish reason, with the stop token's log-prob entry."""
+        choice = Choice(index, "", record.finish_reason, entries or None, top_asked)
+        await self._write(self.fmt.chunk(self.ids, choice))
 
     async def done(self, final_usage: dict[str, int] | None) -> None:
         if final_usage is not None:

@@ -184,6 +184,31 @@ def test_guided_choice_counts_the_stop_token(client: openai.OpenAI) -> None:
     assert choice.logprobs.token_logprobs[-1] is not None
 
 
+def test_a_streamed_choice_has_the_stop_tokens_logprob_last(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model="m",
+        prompt="Yes or no?",
+        max_tokens=20,
+        logprobs=0,
+        temperature=1.0,
+        seed=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    text, tokens, logprobs, used = "", [], [], None
+    for chunk in stream:
+        used = chunk.usage or used
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None and choice.logprobs.tokens:
+                tokens += choice.logprobs.tokens
+                logprobs += choice.logprobs.token_logprobs or []
+    assert text in ("yes", "no") and "".join(tokens) == text
+    assert used is not None and used.completion_tokens == len(tokens) == len(logprobs)
+    assert tokens[-1] == "" and logprobs[-1] is not None
+
+
 def test_an_invalid_schema_is_a_400_naming_the_problem(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
