@@ -5,7 +5,7 @@
 Runs the same batch twice through ``ModelRunner`` (SmolLM2-135M, converted to
 ~/.cache/dpserve/models by ``dpserve serve``): plain sampling, then every sequence under a
 typical JSON schema (``guided_json``). Reports the mean decode step of each (prefill excluded)
-and the time spent filling the batch's token masks (``Grammars.allowed``), as a share of the
+and the time spent filling the batch's token masks (``grammar.allowed``), as a share of the
 plain decode step. Not a test.
 """
 
@@ -60,16 +60,17 @@ def main() -> None:
     model = Path.home() / ".cache/dpserve/models/smollm2-135m-instruct"
     runner = ModelRunner(str(model), max_num_seqs=args.batch, device="cpu")
     mask_time = [0.0]
-    original = grammar.Grammars.allowed
+    original = grammar.allowed
 
-    def timed(self: grammar.Grammars, matchers, device):  # type: ignore[no-untyped-def]
+    def timed(matchers, vocab_size, device):  # type: ignore[no-untyped-def]
         started = time.perf_counter()
         try:
-            return original(self, matchers, device)
+            return original(matchers, vocab_size, device)
         finally:
             mask_time[0] += time.perf_counter() - started
 
-    grammar.Grammars.allowed = timed  # type: ignore[method-assign]
+    # The backend calls ``grammar.allowed`` through the module, so this sees every call.
+    grammar.allowed = timed
     common = dict(temperature=1.0, seed=1, num_tokens_to_generate=args.steps + 2, ignore_eos=True)
     plain = decode_steps(runner, SamplingParams(**common), args.batch, args.steps)  # type: ignore[arg-type]
     mask_time[0] = 0.0
