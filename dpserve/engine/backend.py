@@ -31,19 +31,20 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None = None
 
 
-def host_inputs(
-    sequences: list[Sequence], vocab_size: int, device: torch.device
-) -> tuple[list[sampler.TokenHistory] | None, torch.Tensor | None]:
-    """What sampling reads from the host: each row's token history when a row has penalties,
-    and the grammar masks when a row has structured output."""
-    histories = None
-    if any(sequence.params.has_penalties for sequence in sequences):
-        histories = [
-            sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
-            for sequence in sequences
-        ]
-    allowed = grammar.allowed([sequence.matcher for sequence in sequences], vocab_size, device)
-    return histories, allowed
+def token_histories(sequences: list[Sequence]) -> list[sampler.TokenHistory] | None:
+    """Each row's prompt and generated tokens, when a row has penalties (sampling counts them)."""
+    if not any(sequence.params.has_penalties for sequence in sequences):
+        return None
+    return [
+        sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
+        for sequence in sequences
+    ]
+
+
+def grammar_matchers(sequences: list[Sequence]) -> list[grammar.Matcher | None] | None:
+    """Each row's grammar matcher, when a row has structured output."""
+    matchers = [sequence.matcher for sequence in sequences]
+    return matchers if any(matcher is not None for matcher in matchers) else None
 
 
 def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
@@ -54,8 +55,11 @@ def sample(sequences: list[Sequence], logits: torch.Tensor) -> Sampled:
     masks what its grammar does not allow."""
     params = [sequence.params for sequence in sequences]
     positions = [sequence.context_length() for sequence in sequences]
-    histories, allowed = host_inputs(sequences, logits.shape[1], logits.device)
-    host = sampler.sample(logits, params, positions, histories, allowed).to_host()
+    matchers = grammar_matchers(sequences)
+    allowed = None
+    if matchers is not None:
+        allowed = grammar.allowed(matchers, logits.shape[1], logits.device)
+    host = sampler.sample(logits, params, positions, token_histories(sequences), allowed).to_host()
     return Sampled(sequences, host.tokens, host.logprobs, host.top)
 
 

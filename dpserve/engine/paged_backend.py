@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from dpserve.block_hash import BlockHash
-from dpserve.engine import sampler
-from dpserve.engine.backend import Sampled, host_inputs
+from dpserve.engine import grammar, sampler
+from dpserve.engine.backend import Sampled, grammar_matchers, token_histories
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -289,9 +289,10 @@ class PagedBackend:
             built, late = self.inputs.build(plan, pending)
             sampled = built.sampled
             assert self.model is not None
-            # Penalty counts and grammar masks are read from the host now; such sequences
-            # have no token in flight (see ``keep`` below).
-            histories, allowed = host_inputs(sampled, self.model.vocab_size, self.device)
+            # Penalty counts and grammar states are read from the host; such sequences have no
+            # token in flight (see ``keep`` below), so nothing changes them until the step is
+            # collected.
+            histories, matchers = token_histories(sampled), grammar_matchers(sampled)
             prompt_targets = None
             if built.prompt_rows:
                 prompt_targets = [
@@ -308,7 +309,7 @@ class PagedBackend:
                 [sequence.params for sequence in sampled],
                 [sequence.context_length() for sequence in sampled],
                 histories,
-                allowed,
+                matchers,
                 prompt_targets,
                 max((s.params.top_logprobs for s, _, _ in built.prompt_rows), default=0),
                 prompt_out,
@@ -341,7 +342,7 @@ class PagedBackend:
         params: list[SamplingParams],
         positions: list[int],
         histories: list[sampler.TokenHistory] | None = None,
-        allowed: torch.Tensor | None = None,
+        matchers: list[grammar.Matcher | None] | None = None,
         prompt_targets: list[int] | None = None,
         prompt_k: int = 0,
         prompt_out: list[sampler.SampleOutput] | None = None,
@@ -350,6 +351,11 @@ class PagedBackend:
         if late is not None and previous is not None:
             apply_pending(batch, late, previous.device_tokens())
         logits = self._forward(batch)
+        # The grammar masks are filled after the forward is launched: on a GPU they are
+        # computed while its kernels run (llguidance's threads, outside the GIL), not before.
+        allowed = None
+        if matchers is not None:
+            allowed = grammar.allowed(matchers, logits.shape[1], logits.device)
         if prompt_targets is not None and prompt_out is not None:
             # The rows after the sampled ones are prompt positions (paged_batch).
             targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device)
