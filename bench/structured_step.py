@@ -13,28 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# The schema grammar_mask.py compares the libraries on: the same typical schema here.
+from bench.grammar_mask import SCHEMA
 from dpserve.engine import grammar
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "maxLength": 20},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "email", "tags", "active"],
-    "additionalProperties": False,
-}
 
 
 def decode_steps(runner: ModelRunner, params: SamplingParams, batch: int, steps: int) -> float:
