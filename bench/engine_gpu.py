@@ -15,7 +15,12 @@ one run:
   ``InferenceClient``), through ``bench/engine.py``'s ``run_through_coordinator``;
 * one static HF ``generate`` batch (``bench/engine.py``'s ``run_static_batch``);
 * the decode roofline: the bytes every decode step must read (all weights, and the KV cache of
-  every running sequence) over the memory bandwidth measured by timing a large device copy.
+  every running sequence) over the memory bandwidth measured by timing a large device copy;
+* one decode step at a full batch (``--step-batch`` sequences of ``--step-context`` tokens, all
+  decoding): the runner's ``step()`` in steady state against a replay of the same batch's CUDA
+  graph alone (the forward with no host work around it), and against that step's roofline.
+  The issue's goal is a step within 1.3x of the device-only forward. ``--profile-dir`` also
+  writes the torch profiler's kernel table of a few such steps there.
 """
 
 from __future__ import annotations
@@ -268,6 +273,9 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     engine = run_engine(runner, workload, shape.vocab, args.device)
     results["dpserve ModelRunner"] = (engine.seconds, engine.tokens)
     pool = kv_pool(runner.stats())
+    step_lines = measure_decode_step(
+        runner, shape, bandwidth, params * getattr(torch, args.dtype).itemsize, args
+    )
     del runner
     release_memory()
 
@@ -278,9 +286,91 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
         f"   ModelRunner time to first token: {percentiles(engine.first_token)}; "
         f"inter-token latency: {percentiles(engine.between_tokens)}",
         f"   ModelRunner KV pool: {pool}",
+        *step_lines,
     ]
     print("\n".join(report), flush=True)
     return lines + report
+
+
+def measure_decode_step(
+    runner: ModelRunner,
+    shape: LlamaShape,
+    bandwidth: float,
+    weight_bytes: int,
+    args: argparse.Namespace,
+) -> list[str]:
+    """ms per steady-state decode step at a full batch: the whole ``step()`` (host work, with
+    the overlap the backend does) and the CUDA graph's replay alone."""
+    batch, context = args.step_batch, args.step_context
+    if batch <= 0:
+        return []
+    rng = random.Random(1)
+    first_id = 1_000_000
+    for offset in range(batch):
+        prompt = [rng.randrange(16, shape.vocab) for _ in range(context)]
+        runner.add(RunnerRequest(first_id + offset, prompt, engine_params(CONTEXT, shape.vocab)))
+    decoding: set[int] = set()
+    while len(decoding) < batch:  # every prompt prefilled
+        decoding.update(update.request_id for update in runner.step() if update.tokens)
+    for _ in range(5):
+        runner.step()
+    synchronize(args.device)
+    start = time.perf_counter()
+    for _ in range(args.step_count):
+        runner.step()
+    synchronize(args.device)
+    step_ms = (time.perf_counter() - start) * 1e3 / args.step_count
+    replay_ms = replay_decode_graph(runner, batch, args.step_count)
+    if args.profile_dir is not None:
+        profile_steps(runner, Path(args.profile_dir) / f"profile_{shape.layers}l.txt")
+    for offset in range(batch):
+        runner.cancel(first_id + offset)
+    while runner.has_work():
+        runner.step()
+    kv_bytes = batch * (context + 8) * shape.kv_bytes_per_token
+    floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    lines = [
+        f"   decode step, batch {batch} at ~{context} tokens of context: step() {step_ms:.2f} ms; "
+        f"roofline {floor_ms:.2f} ms"
+    ]
+    if replay_ms is not None:
+        lines.append(
+            f"   decode graph replay alone (forward, no host work) {replay_ms:.2f} ms; "
+            f"step / replay {step_ms / replay_ms:.2f}x (goal <= 1.3x)"
+        )
+    return lines
+
+
+def replay_decode_graph(runner: ModelRunner, batch: int, count: int) -> float | None:
+    """ms per replay of the decode graph the last step ran (its inputs as that step left
+    them: the replays rewrite the same KV slots)."""
+    graphs = getattr(runner.backend, "graphs", None)
+    if graphs is None or batch > graphs.sizes[-1]:
+        return None
+    graph = graphs._graphs[graphs.inputs.bucket(batch)]
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(count):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(begin.elapsed_time(end)) / count
+
+
+def profile_steps(runner: ModelRunner, path: Path, steps: int = 10) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as profiler:
+        for _ in range(steps):
+            runner.step()
+        synchronize("cuda" if torch.cuda.is_available() else "cpu")
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
 
 
 def run_static(model: Any, workload: Workload, pad_id: int, device: str) -> tuple[float, int]:
@@ -333,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
     parser.add_argument("--capacity", type=int, default=256, help="ModelRunner max_num_seqs")
+    parser.add_argument("--step-batch", type=int, default=256, help="0: no decode-step figure")
+    parser.add_argument("--step-context", type=int, default=512)
+    parser.add_argument("--step-count", type=int, default=50)
+    parser.add_argument("--profile-dir", default=None, help="write a profiler table per shape")
     parser.add_argument("--skip", action="append", default=[], help="static, stack (repeatable)")
     args = parser.parse_args(argv)
     if args.requests is None:

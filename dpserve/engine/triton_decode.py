@@ -9,7 +9,8 @@ documented there). Two launches:
    and keeps an online softmax in fp32. It writes the split's normalised output and its
    log-sum-exp (base 2).
 2. ``_reduce_kernel``, one program per (sequence, query head): merges the splits by their
-   log-sum-exp.
+   log-sum-exp. When the grid has one split per sequence (a full batch: enough programs
+   without splitting), the split kernel writes the output itself and this launch is skipped.
 
 Splitting the KV span is what keeps the GPU busy when ``batch x KV heads`` is smaller than the
 number of SMs (short batches, long contexts). The grid's split count depends only on shapes,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,11 +42,26 @@ except ImportError:  # the engine works without Triton; only this kernel needs i
     triton = None
     tl = None
 
-# Tokens per tile: tl.dot needs every dimension >= 16, so the query group is padded up to 16.
+# tl.dot needs every dimension >= 16, so the query group is padded up to 16.
 _MIN_DOT_DIM = 16
-_GPU_TILE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SplitLaunch:
+    """How ``_split_kernel`` is compiled and launched (``bench/decode_attention.py`` sweeps
+    these on a GPU)."""
+
+    tile_tokens: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# The fastest overall on an H100 (BENCHMARKS.md): at batch 256 x 512 tokens it reads the KV at
+# 73 % (head dim 64) and 85 % (128) of the copy bandwidth, and on 4 sequences of 8,192 tokens
+# a tile of 64 in 2 stages reached only 41 %.
+GPU_LAUNCH = SplitLaunch(tile_tokens=128, num_warps=4, num_stages=3)
 # The interpreter runs every program in numpy: smaller tiles keep the tests quick.
-_INTERPRETER_TILE_TOKENS = 16
+INTERPRETER_LAUNCH = SplitLaunch(tile_tokens=16)
 # A split shorter than this costs more in its merge than it saves in parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 128
@@ -66,6 +83,7 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     seq_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    out_ptr,
     scale_log2,
     min_split_tokens,
     query_stride_batch,
@@ -77,6 +95,8 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     part_stride_batch,
     part_stride_head,
     part_stride_split,
+    out_stride_batch,
+    out_stride_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
@@ -84,6 +104,7 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     BLOCK_TOKENS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     sequence = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,17 +162,23 @@ def _split_kernel(  # type: ignore[no-untyped-def]
     # An empty split (it starts past the sequence's end) leaves sum 0: output 0, lse -inf.
     nonempty = running_sum > 0
     out = acc / tl.where(nonempty, running_sum, 1.0)[:, None]
+    out_mask = group_mask[:, None] & dim_mask[None, :]
+    if SINGLE_SPLIT:
+        # Nothing to merge: the output is written here and the reduce kernel is not launched.
+        final = sequence.to(tl.int64) * out_stride_batch + heads * out_stride_head
+        tl.store(
+            out_ptr + final[:, None] + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+        return
     lse = running_max + tl.log2(tl.where(nonempty, running_sum, 1.0))
     part = (
         sequence.to(tl.int64) * part_stride_batch
         + heads * part_stride_head
         + split * part_stride_split
     )
-    tl.store(
-        partial_out_ptr + part[:, None] + dims[None, :],
-        out,
-        mask=group_mask[:, None] & dim_mask[None, :],
-    )
+    tl.store(partial_out_ptr + part[:, None] + dims[None, :], out, mask=out_mask)
     # partial_lse is partial_out without its last dimension (both contiguous).
     tl.store(partial_lse_ptr + part // HEAD_DIM, lse, mask=group_mask)
 
@@ -272,34 +299,37 @@ def paged_decode_attention_triton(
     *,
     num_splits: int | None = None,
     min_split_tokens: int = _MIN_SPLIT_TOKENS,
+    launch: SplitLaunch | None = None,
 ) -> torch.Tensor:
     """``[batch, num_heads, head_dim]`` attention output for one new token per sequence; the
     layout is ``paged_attention``'s. ``num_splits`` (the grid's splits per sequence) overrides
     ``default_num_splits``; each sequence spreads its own length over as many of them as keep a
     split at least ``min_split_tokens`` long. A row with ``seq_lens == 0`` (batch padding) gets
-    zeros."""
+    zeros. ``launch`` overrides the compiled variant (``GPU_LAUNCH``)."""
     _check_inputs(query, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     interpret = query.device.type == "cpu"
-    tile = _INTERPRETER_TILE_TOKENS if interpret else _GPU_TILE_TOKENS
+    if launch is None:
+        launch = INTERPRETER_LAUNCH if interpret else GPU_LAUNCH
+    tile = launch.tile_tokens
     max_tokens = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, max_tokens, query.device)
     # No sequence can use more splits than its table's width allows (one tile each at least).
     num_splits = max(1, min(num_splits, math.ceil(max(1, max_tokens) / tile)))
 
-    partial_out = torch.empty(
-        batch, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32
-    )
-    partial_lse = torch.empty(
-        batch, num_heads, num_splits, device=query.device, dtype=torch.float32
-    )
+    # A single split writes ``out`` itself: its partial buffers are placeholders.
+    rows = (batch, num_heads) if num_splits > 1 else (1, 1)
+    partial_out = torch.empty(*rows, num_splits, head_dim, device=query.device, dtype=torch.float32)
+    partial_lse = torch.empty(*rows, num_splits, device=query.device, dtype=torch.float32)
     out = torch.empty_like(query)
     block_dim = max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     split_kernel, reduce_kernel = _kernels(interpret)
-    gpu_options: dict[str, int] = {} if interpret else {"num_warps": 4, "num_stages": 2}
+    gpu_options: dict[str, int] = {}
+    if not interpret:
+        gpu_options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     split_kernel[(batch, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -308,6 +338,7 @@ def paged_decode_attention_triton(
         seq_lens,
         partial_out,
         partial_lse,
+        out,
         scale * math.log2(math.e),
         max(1, min_split_tokens),
         query.stride(0),
@@ -319,6 +350,8 @@ def paged_decode_attention_triton(
         partial_out.stride(0),
         partial_out.stride(1),
         partial_out.stride(2),
+        out.stride(0),
+        out.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_GROUP=max(_MIN_DOT_DIM, triton.next_power_of_2(group)),
@@ -327,8 +360,11 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,  # a constant: // and % by it compile to shifts for powers of 2
         # fp32 caches get exact fp32 products (not TF32): fp32 is the correctness mode.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        SINGLE_SPLIT=num_splits == 1,
         **gpu_options,
     )
+    if num_splits == 1:
+        return out
     reduce_kernel[(batch, num_heads)](
         partial_out,
         partial_lse,

@@ -48,6 +48,29 @@ def test_greedy_rows_take_the_argmax() -> None:
         assert out.tokens.dtype == torch.long and out.logprobs is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_all_greedy_batch_picks_what_the_fp32_path_picks(dtype: torch.dtype) -> None:
+    # An all-greedy batch without log-probs takes the argmax in the logits' own dtype; asking
+    # for log-probs takes the fp32 path. Both must choose the same tokens, NaN, infinities and
+    # ties included.
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator).to(dtype)
+    logits[:, 7] = logits[:, 11]  # ties: the lowest id wins on both paths
+    logits[3] = float("nan")  # all NaN: token 0
+    logits[4, 5] = float("nan")
+    logits[5, 9] = float("inf")
+    logits[6] = float("-inf")
+    logits[7, :] = float("nan")
+    logits[7, 200] = -5.0  # the one finite value wins over NaN
+    logits[8, 10] = float("inf")
+    logits[8, 20] = float("inf")  # two +inf: the first
+    fast = sample(logits, [SamplingParams(temperature=0.0)] * 64, range(64))
+    full = sample(logits, [SamplingParams(temperature=0.0, return_log_probs=True)] * 64, range(64))
+    assert fast.logprobs is None and full.logprobs is not None
+    assert fast.tokens.tolist() == full.tokens.tolist()
+    assert fast.tokens[[3, 5, 6, 7, 8]].tolist() == [0, 9, 0, 200, 10]
+
+
 @pytest.mark.parametrize("seeded", [False, True])
 def test_sampling_follows_the_distribution(seeded: bool) -> None:
     seen = frequencies(SamplingParams(temperature=1.0, seed=11 if seeded else None))

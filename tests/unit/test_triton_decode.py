@@ -155,6 +155,7 @@ def test_module_imports_without_triton_and_the_call_explains(
     spec = importlib.util.spec_from_file_location("_decode_without_triton", triton_decode.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     case = make_paged_case([3], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
     with pytest.raises(module.TritonUnavailable, match="needs the triton package"):
