@@ -21,7 +21,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from dpserve.sampling import SamplingParams
@@ -96,8 +95,12 @@ def allowed(
         return None
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(_executor, rows, bitmask)
+    words = (vocab_size + 31) // 32
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    # What llguidance.torch.fill_next_token_bitmask_par does, called directly: importing
+    # llguidance.torch runs a torch.compile decorator, which imports dynamo and inductor
+    # (~2.4 s of every engine's start, issue 20). The mask is a contiguous int32 CPU tensor.
+    _executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(matchers))
     # int32 words, bit i of word w = token 32 w + i.
     bits = torch.arange(32, dtype=torch.int32)
     unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
