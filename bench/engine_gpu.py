@@ -180,6 +180,9 @@ class EngineRun:
     tokens: int
     first_token: list[float] = field(default_factory=list)  # seconds after submission
     between_tokens: list[float] = field(default_factory=list)
+    # Wall seconds and count of the steps that carried prefill tokens, and of the others.
+    prefill_steps: list[float] = field(default_factory=list)
+    decode_steps: list[float] = field(default_factory=list)
 
 
 def engine_params(wanted: int, vocab: int) -> SamplingParams:
@@ -196,9 +199,14 @@ def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str)
         runner.add(RunnerRequest(request_id, prompt, engine_params(wanted, vocab)))
     run = EngineRun(0.0, 0)
     last_seen: dict[int, float] = {}
+    backend = runner.backend
     while runner.has_work():
+        before = time.perf_counter()
+        prefilled = getattr(backend, "prefill_tokens", 0)
         updates = runner.step()
         now = time.perf_counter()
+        kind = run.prefill_steps if getattr(backend, "prefill_tokens", 0) > prefilled else None
+        (kind if kind is not None else run.decode_steps).append(now - before)
         for update in updates:
             if not update.tokens:
                 continue
@@ -273,6 +281,12 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     engine = run_engine(runner, workload, shape.vocab, args.device)
     results["dpserve ModelRunner"] = (engine.seconds, engine.tokens)
     pool = kv_pool(runner.stats())
+    if args.profile_dir is not None:  # the workload's first (prefill-heavy) steps
+        for request_id, (prompt, length) in enumerate(workload):
+            runner.add(RunnerRequest(request_id, prompt, engine_params(length, shape.vocab)))
+        profile_steps(runner, Path(args.profile_dir) / f"profile_prefill_{shape.layers}l.txt", 6)
+        while runner.has_work():
+            runner.step()
     step_lines = measure_decode_step(
         runner, shape, bandwidth, params * getattr(torch, args.dtype).itemsize, args
     )
@@ -285,6 +299,9 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
         *format_table(results, roofline, wanted),
         f"   ModelRunner time to first token: {percentiles(engine.first_token)}; "
         f"inter-token latency: {percentiles(engine.between_tokens)}",
+        f"   ModelRunner steps with prefill: {len(engine.prefill_steps)} in "
+        f"{sum(engine.prefill_steps):.2f} s; decode-only: {len(engine.decode_steps)} in "
+        f"{sum(engine.decode_steps):.2f} s",
         f"   ModelRunner KV pool: {pool}",
         *step_lines,
     ]
