@@ -91,6 +91,7 @@ class Router:
                 len(engines[identity].outstanding),
                 self._queued.get(identity, 0),
                 self.index.held(identity),
+                self._free_tokens(engines[identity]),
             )
             for identity in routable
         ]
@@ -100,6 +101,15 @@ class Router:
             if size is not None:
                 self.index.predict(decision.identity, hashes_by_size[size], now)
         return decision
+
+    def _free_tokens(self, engine: Engine) -> int | None:
+        """Tokens the engine can store without evicting: its empty blocks at its last heartbeat
+        less the prefill sent to it since that is not done (None without a report)."""
+        empty = engine.stats.get("kv_empty_blocks")
+        size = self.index.block_size(engine.identity)
+        if empty is None or size is None:
+            return None
+        return max(0, int(empty) * size - self._queued.get(engine.identity, 0))
 
     def routed(self, request: InflightRequest, decision: Decision) -> None:
         """The request was sent where ``decision`` said."""

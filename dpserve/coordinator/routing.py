@@ -7,9 +7,13 @@
   plus the prefill already queued there (uncached tokens of requests sent to it that have not
   produced a token yet), plus ``request_cost_tokens`` per request in flight there (decoding
   ones slow every step a little) — NVIDIA Dynamo's KV-router cost (prefill blocks + active
-  load). The cheapest wins. A hot-spot guard passes over an engine with far more outstanding
-  requests than the least busy one, so even one very popular prefix spreads over every engine
-  (each then caches it too).
+  load), plus ``eviction_cost`` per token it would have to evict to store the uncached part
+  (beyond the engine's empty blocks, as its last heartbeat reported them, less the prefill
+  already sent there): on a warm, full pool a miss also costs a cached prefix that later
+  requests would have found, so a busy engine that holds the prefix is not given up for an idle
+  one as readily. The cheapest wins. A hot-spot guard passes over an engine with far more
+  outstanding requests than the least busy one, so even one very popular prefix spreads over
+  every engine (each then caches it too).
 
 ``choose_by_prefix`` is pure: candidates in, a ``Decision`` (engine and reason) out.
 """
@@ -47,6 +51,8 @@ class PrefixRouting:
 
     # What one more request in flight on an engine costs, in prompt tokens to prefill.
     request_cost_tokens: float = 16.0
+    # What evicting one cached token costs, in prompt tokens to prefill (once, later).
+    eviction_cost: float = 1.0
     # An engine with more than factor x (fewest outstanding of any engine) + slack
     # outstanding requests is passed over while another is under that bound.
     hot_spot_factor: float = 2.0
@@ -65,6 +71,8 @@ class Candidate:
     # Blocks its cache holds: among equal costs the emptiest cache takes a new prefix (it
     # evicts least); the candidates' order breaks the remaining ties.
     held_blocks: int = 0
+    # Tokens it can store without evicting cached blocks; None: unknown (no eviction cost).
+    free_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +99,15 @@ def choose_by_prefix(
     def cost(candidate: Candidate) -> float:
         uncached = prompt_tokens - candidate.cached_tokens
         queued = candidate.queued_prefill_tokens
-        return uncached + queued + weights.request_cost_tokens * candidate.outstanding
+        evicted = 0
+        if candidate.free_tokens is not None:
+            evicted = max(0, uncached - candidate.free_tokens)
+        return (
+            uncached
+            + queued
+            + weights.request_cost_tokens * candidate.outstanding
+            + weights.eviction_cost * evicted
+        )
 
     chosen = min(eligible, key=lambda c: (cost(c), c.held_blocks))
     if best_cached.cached_tokens == 0:

@@ -161,6 +161,7 @@ class FakeRunner:
             stats |= {
                 "prefill_tokens": self.prefill_tokens,
                 "kv_cached_blocks": len(cache),
+                "kv_empty_blocks": max(0, cache.capacity_blocks - len(cache)),
                 "prefix_cache_queries": cache.queries,
                 "prefix_cache_hits": cache.hits,
                 "prefix_cache_evictions": cache.evictions,

@@ -95,6 +95,11 @@ class BlockPool:
         return len(self._empty) + len(self._evictable)
 
     @property
+    def empty_blocks(self) -> int:
+        """Free blocks that hold no cached content: what can be allocated without evicting."""
+        return len(self._empty)
+
+    @property
     def held_blocks(self) -> int:
         return self.usable_blocks - self.free_blocks
 

@@ -207,6 +207,9 @@ class PagedBackend:
             # (cached free blocks do not count: they are evicted when needed).
             "kv_cache_usage": pool.held_blocks / pool.usable_blocks,
             "kv_cached_blocks": pool.cached_blocks,
+            # Free and holding nothing cached: the router's measure of what a new prefix
+            # would evict here (routing.PrefixRouting.eviction_cost).
+            "kv_empty_blocks": pool.empty_blocks,
             "prefix_caching": int(pool.enable_caching),
             # Context tokens looked up in / found in the prefix cache (vLLM's names).
             "prefix_cache_queries": scheduler.prefix_queries,

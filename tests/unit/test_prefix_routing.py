@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from dpserve import protocol
 from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, pack_hashes
 from dpserve.coordinator.prefix_index import PrefixIndex
-from dpserve.coordinator.routing import Candidate, Reason, choose_by_prefix
+from dpserve.coordinator.registry import Engine, EngineRegistry
+from dpserve.coordinator.requests import InflightRequest
+from dpserve.coordinator.router import Router
+from dpserve.coordinator.routing import Candidate, Reason, RoutingPolicy, choose_by_prefix
 from dpserve.engine.fake_cache import SimulatedPrefixCache
 from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode, encode
 
@@ -106,6 +110,26 @@ def test_policy_weighs_cached_prefix_against_load() -> None:
     assert choose_by_prefix([], prompt_tokens=10) is None
 
 
+def test_a_miss_that_would_evict_costs_the_evicted_tokens() -> None:
+    # A holds the prefix but has prefill queued; B is a little less busy. B wins while it has
+    # room for the prompt, not once storing it would evict as many cached tokens, which later
+    # requests would prefill again.
+    holder = Candidate(A, 960, outstanding=10, queued_prefill_tokens=1000, free_tokens=0)
+    roomy = Candidate(B, 0, outstanding=8, free_tokens=5_000)
+    decision = choose_by_prefix([holder, roomy], prompt_tokens=1000)
+    assert decision is not None and (decision.identity, decision.reason) == (B, Reason.BALANCE)
+    assert decision.cost == 1000 + 16 * 8
+    full = Candidate(B, 0, outstanding=8, free_tokens=100)
+    decision = choose_by_prefix([holder, full], prompt_tokens=1000)
+    assert decision is not None and (decision.identity, decision.reason) == (A, Reason.PREFIX)
+    # A itself evicts its 40 uncached tokens' worth.
+    assert decision.cost == 40 + 1000 + 16 * 10 + 40
+    # Room unknown (no heartbeat yet): no eviction cost.
+    unknown = Candidate(B, 0, outstanding=8)
+    decision = choose_by_prefix([holder, unknown], prompt_tokens=1000)
+    assert decision is not None and decision.identity == B
+
+
 def test_hot_spot_guard_spreads_a_popular_prefix() -> None:
     # However long the cached prefix, an engine far busier than the idlest is passed over.
     hot = Candidate(A, cached_tokens=100_000, outstanding=5)
@@ -132,3 +156,28 @@ def test_the_fake_engines_cache_hashes_and_reports_like_the_pool() -> None:
     assert cache.evictions == 0 and len(cache) == 4
     cache.admit(list(range(100, 105)), b"")  # one more block: the least recently used goes
     assert cache.evictions == 1 and cache.take_events()[-1].kind == 1
+
+
+def test_the_router_reads_an_engines_room_from_its_heartbeat_stats() -> None:
+    prompt = list(range(64))
+    hashes = block_hashes(prompt[:60], 4)
+
+    def route(b_empty_blocks: int) -> bytes:
+        registry = EngineRegistry()
+        router = Router(RoutingPolicy.PREFIX_AWARE, registry)
+        for identity, instance in ((A, "a1"), (B, "b1")):
+            engine = Engine(identity, len(registry), capacity=8, instance=instance, last_seen=0)
+            registry.add(engine)
+            router.engine_added(engine)
+        # A holds the prompt's first 60 tokens but is busy; B is idle and holds none of it.
+        router.on_kv_events(registry.engines[A], batch("a1", 0, 4, [CLEARED, stored(hashes)]))
+        router.on_kv_events(registry.engines[B], batch("b1", 0, 4, [CLEARED]))
+        registry.engines[A].outstanding = set(range(4))
+        registry.engines[B].stats = {"kv_empty_blocks": b_empty_blocks}
+        request = InflightRequest(1, b"client", 1, protocol.pack_tokens(prompt), {}, False, 0.0)
+        decision = router.choose(request)
+        assert decision is not None
+        return decision.identity
+
+    assert route(b_empty_blocks=100) == B  # room for the whole prompt: the idle engine
+    assert route(b_empty_blocks=0) == A  # full of other cached prefixes: the holder
