@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_gpu import SHAPES, LlamaShape
 from dpserve.engine.paged_attention import paged_decode_attention_reference
 from dpserve.engine.triton_decode import GPU_LAUNCH, SplitLaunch, paged_decode_attention_triton
 
@@ -30,12 +31,22 @@ from dpserve.engine.triton_decode import GPU_LAUNCH, SplitLaunch, paged_decode_a
 @dataclass(frozen=True)
 class Case:
     name: str
+    shape: LlamaShape  # the model whose attention heads the case has
     batch: int
     context: int
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 64
     block_size: int = 16
+
+    @property
+    def heads(self) -> int:
+        return self.shape.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.shape.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape.hidden // self.shape.heads
 
     @property
     def kv_bytes(self) -> int:
@@ -43,10 +54,10 @@ class Case:
 
 
 CASES = (
-    Case("1b batch 256 x 512", 256, 512, head_dim=64),
-    Case("8b batch 256 x 512", 256, 512, head_dim=128),
-    Case("8b batch 32 x 2048", 32, 2048, head_dim=128),
-    Case("8b batch 4 x 8192", 4, 8192, head_dim=128),
+    Case("1b batch 256 x 512", SHAPES["1b"], 256, 512),
+    Case("8b batch 256 x 512", SHAPES["8b"], 256, 512),
+    Case("8b batch 32 x 2048", SHAPES["8b"], 32, 2048),
+    Case("8b batch 4 x 8192", SHAPES["8b"], 4, 8192),
 )
 
 
