@@ -387,6 +387,7 @@ def _rollout_done(statefulset: Mapping[str, Any]) -> bool:
     # Some releases leave currentRevision behind after a completed rolling update; every pod
     # being on the update revision settles it too.
     wanted = int((statefulset.get("spec") or {}).get("replicas") or 0)
-    return int(status.get("updatedReplicas") or 0) >= wanted and int(
-        status.get("replicas") or 0
-    ) == wanted
+    return (
+        int(status.get("updatedReplicas") or 0) >= wanted
+        and int(status.get("replicas") or 0) == wanted
+    )

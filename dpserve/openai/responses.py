@@ -66,9 +66,7 @@ def with_cached_tokens(
     ]
     if reported:
         counts["prompt_tokens_details"] = {
-            "cached_tokens": sum(
-                min(r.cached_tokens or 0, len(r.prompt_tokens)) for r in reported
-            )
+            "cached_tokens": sum(min(r.cached_tokens or 0, len(r.prompt_tokens)) for r in reported)
         }
     return counts
 

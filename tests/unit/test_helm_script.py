@@ -79,5 +79,5 @@ def test_install_prints_the_charts_notes_with_the_token_command() -> None:
     assert "in namespace dpserve-system" in notes
     # The HTTP front wants the bearer token: the NOTES fetch it and send it.
     assert '{{index .data "http-api-token" | base64decode}}' in notes
-    assert 'Authorization: Bearer $TOKEN' in notes
+    assert "Authorization: Bearer $TOKEN" in notes
     assert "kubectl delete namespace dpserve-system" in notes

@@ -365,8 +365,9 @@ async def test_the_autoscaler_scales_from_zero_through_the_scale_subresource(api
                        "autoscaling": autoscaling})  # fmt: skip
     async with operator_running():
         await eventually(
-            lambda: (resource_status(api).get("autoscaling") or {}).get("reason")
-            == "ScaledFromZero"
+            lambda: (
+                (resource_status(api).get("autoscaling") or {}).get("reason") == "ScaledFromZero"
+            )
         )
 
     patches = [r.data for r in api if r.method == "PATCH" and r.url.path == SCALE_PATH]
@@ -378,9 +379,10 @@ async def test_the_autoscaler_scales_from_zero_through_the_scale_subresource(api
     assert events and events[0]["message"].startswith("engines 0 → 1: ")
     coordinator = live(api, "apps/v1/deployments", "demo-coordinator")
     assert coordinator is not None
-    assert "--ready-without-engines" in coordinator["spec"]["template"]["spec"]["containers"][0][
-        "command"
-    ]
+    assert (
+        "--ready-without-engines"
+        in coordinator["spec"]["template"]["spec"]["containers"][0]["command"]
+    )
 
 
 async def test_without_builtin_autoscaling_nothing_is_scaled(api: Any) -> None:
