@@ -27,9 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prefix import BLOCK, kv_bytes_per_token
-from bench.serving_cpu import Server, start, stop, wait_ready
+from bench.serving_cpu import dpserve_server, start, stop, wait_ready
 from dpserve.models import resolve_model
-from tests.integration.runtime import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "bench" / "inference_perf_shared_prefix.yaml"
@@ -60,31 +59,16 @@ def complete(port: int, model: str, prompt: str) -> None:
 
 
 def run_policy(policy: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    port = free_port()
-    server = Server(
-        name=f"dpserve serve ({policy})",
-        argv=[
-            str(ROOT / ".venv" / "bin" / "dpserve"),
-            "serve",
-            "--model",
-            str(args.model),
-            "--http-port",
-            str(port),
-            "--port",
-            str(free_port()),
-            "--data-parallel-size",
-            "2",
-            "--routing",
-            policy,
-            "--block-size",
-            str(BLOCK),
-            "--kv-cache-bytes",
-            str(POOL_TOKENS * kv_bytes_per_token()),
-            "--max-batch-size",
-            "4",
+    server = dpserve_server(
+        f"dpserve serve ({policy})",
+        str(args.model),
+        [
+            *("--data-parallel-size", "2", "--routing", policy, "--block-size", str(BLOCK)),
+            *("--kv-cache-bytes", str(POOL_TOKENS * kv_bytes_per_token())),
+            *("--max-batch-size", "4"),
         ],
-        port=port,
     )
+    port = server.port
     start(server, scratch)
     try:
         wait_ready(server, 600)

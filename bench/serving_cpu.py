@@ -218,30 +218,20 @@ def _summary(report: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def dpserve_server(name: str, model: str, extra: list[str]) -> Server:
+    """``dpserve serve`` of this checkout on free loopback ports, with ``extra`` flags."""
+    port = _free_port()
+    argv = [str(ROOT / ".venv" / "bin" / "dpserve"), "serve", "--model", model]
+    argv += ["--http-port", str(port), "--port", str(_free_port()), *extra]
+    return Server(name=name, argv=argv, port=port)
+
+
 def build_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     servers: list[Server] = []
     skipped: list[str] = []
-    dpserve = ROOT / ".venv" / "bin" / "dpserve"
     for variant in args.dpserve or ["default"]:
         extra = [] if variant == "default" else shlex.split(variant)
-        port = _free_port()
-        servers.append(
-            Server(
-                name=f"dpserve serve ({variant})",
-                argv=[
-                    str(dpserve),
-                    "serve",
-                    "--model",
-                    str(args.model),
-                    "--http-port",
-                    str(port),
-                    "--port",
-                    str(_free_port()),
-                    *extra,
-                ],
-                port=port,
-            )
-        )
+        servers.append(dpserve_server(f"dpserve serve ({variant})", str(args.model), extra))
     vllm_python = args.peers / "vllm-venv" / "bin" / "python"
     if "vllm" in args.skip:
         pass

@@ -5,6 +5,7 @@ structured output parsed into a pydantic model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import openai
 import pydantic
@@ -162,16 +163,20 @@ def test_parse_returns_a_pydantic_object(client: openai.OpenAI) -> None:
     assert isinstance(message.parsed, City)
 
 
+# A sampled yes/no choice with log-probs: the grammar's end forces the stop token.
+YES_OR_NO: dict[str, Any] = {
+    "model": "m",
+    "prompt": "Yes or no?",
+    "max_tokens": 20,
+    "logprobs": 0,
+    "temperature": 1.0,
+    "seed": 2,
+    "extra_body": {"guided_choice": ["yes", "no"]},
+}
+
+
 def test_guided_choice_counts_the_stop_token(client: openai.OpenAI) -> None:
-    response = client.completions.create(
-        model="m",
-        prompt="Yes or no?",
-        max_tokens=20,
-        logprobs=0,
-        temperature=1.0,
-        seed=2,
-        extra_body={"guided_choice": ["yes", "no"]},
-    )
+    response = client.completions.create(**YES_OR_NO)
     choice = response.choices[0]
     assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
     assert choice.logprobs is not None and choice.logprobs.tokens is not None
@@ -186,15 +191,7 @@ def test_guided_choice_counts_the_stop_token(client: openai.OpenAI) -> None:
 
 def test_a_streamed_choice_has_the_stop_tokens_logprob_last(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model="m",
-        prompt="Yes or no?",
-        max_tokens=20,
-        logprobs=0,
-        temperature=1.0,
-        seed=2,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"guided_choice": ["yes", "no"]},
+        **YES_OR_NO, stream=True, stream_options={"include_usage": True}
     )
     text, tokens, logprobs, used = "", [], [], None
     for chunk in stream:
