@@ -121,6 +121,9 @@ class EngineServer:
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
         self._stream_dirty: set[int] = set()
+        # Requests whose first tokens came in the last step: they go out at the next flush
+        # without waiting for the stream interval (a first token's delay is the client's TTFT).
+        self._first_due: set[int] = set()
         self._outbox: list[EngineUpdate] = []
         self._last_stream_flush = 0.0
         self._last_heartbeat = 0.0
@@ -391,6 +394,8 @@ class EngineServer:
             first = held.ttft is None and bool(update.tokens)
             if first:
                 held.ttft = now - held.received_at
+                if update.finish_reason is None:
+                    self._first_due.add(update.request_id)
             if update.cached_tokens is not None:
                 held.cached_tokens = update.cached_tokens
             held.tokens.extend(update.tokens)
@@ -466,11 +471,16 @@ class EngineServer:
         return entries
 
     def _flush(self, now: float) -> None:
+        held = self._held
         if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
-            held = self._held
             self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now
+        elif self._first_due:
+            due = [i for i in self._first_due if i in self._stream_dirty]
+            self._outbox += self._entries([(i, held[i], None) for i in due])
+            self._stream_dirty.difference_update(due)
+        self._first_due.clear()
         if self._outbox and self.registered:
             self.connection.send(EngineReply(self._outbox))
             self._outbox = []

@@ -286,33 +286,49 @@ def run_notes_commands(flow: Flow, local_http_port: int) -> str:
 
 def test_patch_and_scale_change_the_registered_engines(flow: Flow) -> None:
     patch = '{"spec": {"dataParallelSize": 3}}'
+    patched_at = time.time()
     flow.kubectl("patch", "infd", NAME, "-n", NAMESPACE, "--type=merge", "-p", patch)
     TIMINGS["kubectl patch 2 -> 3: new engine registered"] = flow.wait_registered(
         3, "the third engine registered after kubectl patch"
     )
+    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl patch 2 -> 3", patched_at)
     flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
     flow.wait_registered(2, "two engines registered after kubectl scale")
+    # From a steady two: the StatefulSet recreates engine-2 only once the old pod is gone.
+    wait_for(
+        lambda: flow.kubectl("get", "pod", f"{NAME}-engine-2", "-n", NAMESPACE,
+                             check=False).returncode != 0,
+        REGISTER_TIMEOUT,
+        "the third engine's pod gone after scaling down",
+        diagnostics=flow.diagnostics,
+    )  # fmt: skip
+    scaled_at = time.time()
     flow.kubectl("scale", f"infd/{NAME}", "--replicas=3", "-n", NAMESPACE)
     TIMINGS["kubectl scale 2 -> 3: new engine registered"] = flow.wait_registered(
         3, "the third engine registered again after kubectl scale"
     )
-    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl scale 2 -> 3")
+    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl scale 2 -> 3", scaled_at)
     flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
     flow.wait_registered(2, "two engines after scaling back")
 
 
-def record_start_timeline(flow: Flow, pod: str, step: str) -> None:
-    """Where a new engine's start went: the pod's creation -> its container running (Kubernetes:
-    scheduling, sandbox, container start) -> the engine's "registered" log line (Python
-    imports, loading the model). Kubernetes timestamps have one-second resolution."""
+def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) -> None:
+    """Where a new engine's start went, so that a slow step says which stage was slow: the
+    command -> the pod's creation (the operator, the StatefulSet controller) -> its container
+    running (scheduling, sandbox, container start) -> the engine's "registered" log line
+    (Python imports, loading the model) -> the operator's status reporting it (what
+    ``wait_registered`` waits for). Kubernetes timestamps have one-second resolution."""
+    seen_at = time.time()
     status = flow.get("get", "pod", pod)
     created = parse_time(status["metadata"]["creationTimestamp"])
-    running = status["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    running = parse_time(status["status"]["containerStatuses"][0]["state"]["running"]["startedAt"])
     logs = flow.kubectl("logs", pod, "-n", NAMESPACE, "--timestamps").stdout.splitlines()
     line = next(line for line in logs if "registered with coordinator" in line)
     registered = parse_time(line.split(" ", 1)[0])
-    TIMINGS[f"{step}: pod created -> container running"] = parse_time(running) - created
-    TIMINGS[f"{step}: container running -> engine registered"] = registered - parse_time(running)
+    TIMINGS[f"{step}: command -> pod created"] = created - commanded_at
+    TIMINGS[f"{step}: pod created -> container running"] = running - created
+    TIMINGS[f"{step}: container running -> engine registered"] = registered - running
+    TIMINGS[f"{step}: engine registered -> status shows it"] = seen_at - registered
 
 
 def parse_time(stamp: str) -> float:
