@@ -68,6 +68,8 @@ HELM = ROOT / "scripts" / "helm"
 NOTES = CHART / "templates" / "NOTES.txt"
 ZMQ_PORT, HTTP_PORT = 5555, 8000  # examples/inference.yaml
 REGISTER_TIMEOUT = 240.0
+# Half the example's terminationGracePeriodSeconds (60): an engine that exits at once takes ~8.
+GRACE_BOUND = 30.0
 FAULTS_NAMESPACE = "faults"
 JSON = dict[str, Any]
 
@@ -323,11 +325,21 @@ def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) 
     created = parse_time(status["metadata"]["creationTimestamp"])
     running = parse_time(status["status"]["containerStatuses"][0]["state"]["running"]["startedAt"])
     logs = flow.kubectl("logs", pod, "-n", NAMESPACE, "--timestamps").stdout.splitlines()
-    line = next(line for line in logs if "registered with coordinator" in line)
-    registered = parse_time(line.split(" ", 1)[0])
+
+    def logged(words: str) -> float:
+        return parse_time(next(line for line in logs if words in line).split(" ", 1)[0])
+
+    # The engine's own lines: torch imported and threads set; the model loaded and converted
+    # (KV pool allocated); registered.
+    threads, loaded, registered = (
+        logged(words) for words in ("torch thread(s)", "): backend ", "registered with coordinator")
+    )
     TIMINGS[f"{step}: command -> pod created"] = created - commanded_at
     TIMINGS[f"{step}: pod created -> container running"] = running - created
     TIMINGS[f"{step}: container running -> engine registered"] = registered - running
+    TIMINGS[f"{step}: ... running -> torch imported"] = threads - running
+    TIMINGS[f"{step}: ... torch imported -> model loaded"] = loaded - threads
+    TIMINGS[f"{step}: ... model loaded -> registered"] = registered - loaded
     TIMINGS[f"{step}: engine registered -> status shows it"] = seen_at - registered
 
 
@@ -367,9 +379,36 @@ def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
             futures = [pool.submit(send, i) for i in range(64)]
             time.sleep(1.0)
             deleted_at = time.monotonic()
-            # `kubectl delete pod` waits until the pod is gone: the engine handed its
-            # requests over and exited instead of draining them and its grace period.
-            flow.kubectl("delete", "pod", victim, "-n", NAMESPACE)
+            flow.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
+
+            def old_pod_gone() -> bool:
+                found = flow.kubectl(
+                    "get",
+                    "pod",
+                    victim,
+                    "-n",
+                    NAMESPACE,
+                    "-o",
+                    "jsonpath={.metadata.uid}",
+                    check=False,
+                )
+                return found.returncode != 0 or found.stdout.strip() != old_uid
+
+            def victim_logs() -> str:
+                logs = flow.kubectl(
+                    "logs", victim, "-n", NAMESPACE, "--timestamps", "--tail=40", check=False
+                )
+                return f"{logs.stdout}{logs.stderr}\n{flow.diagnostics()}"
+
+            # Gone well inside its grace period: the engine handed its requests over and
+            # exited instead of draining them and waiting the grace period out.
+            wait_for(
+                old_pod_gone,
+                GRACE_BOUND,
+                f"{victim} gone after kubectl delete",
+                interval=0.2,
+                diagnostics=victim_logs,
+            )
             gone_at = time.monotonic()
             results = [future.result(timeout=300) for future in futures]
     failures = [result for result in results if result[0] != 200]
