@@ -28,11 +28,13 @@ delete → replacement registered) and the measured peaks are printed in the ter
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -378,39 +380,39 @@ def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
         with ThreadPoolExecutor(max_workers=8) as pool:
             futures = [pool.submit(send, i) for i in range(64)]
             time.sleep(1.0)
-            deleted_at = time.monotonic()
-            flow.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
+            with follow_logs(flow, victim) as victim_lines:
+                deleted_at = time.time()
+                flow.kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
 
-            def old_pod_gone() -> bool:
-                found = flow.kubectl(
-                    "get",
-                    "pod",
-                    victim,
-                    "-n",
-                    NAMESPACE,
-                    "-o",
-                    "jsonpath={.metadata.uid}",
-                    check=False,
+                def old_pod_gone() -> bool:
+                    found = flow.kubectl(
+                        "get",
+                        "pod",
+                        victim,
+                        "-n",
+                        NAMESPACE,
+                        "-o",
+                        "jsonpath={.metadata.uid}",
+                        check=False,
+                    )
+                    return found.returncode != 0 or found.stdout.strip() != old_uid
+
+                # Gone well inside its grace period: the engine handed its requests over
+                # and exited instead of draining them and waiting the grace period out.
+                wait_for(
+                    old_pod_gone,
+                    GRACE_BOUND,
+                    f"{victim} gone after kubectl delete",
+                    interval=0.2,
+                    diagnostics=lambda: "\n".join(victim_lines) + flow.diagnostics(),
                 )
-                return found.returncode != 0 or found.stdout.strip() != old_uid
-
-            def victim_logs() -> str:
-                logs = flow.kubectl(
-                    "logs", victim, "-n", NAMESPACE, "--timestamps", "--tail=40", check=False
-                )
-                return f"{logs.stdout}{logs.stderr}\n{flow.diagnostics()}"
-
-            # Gone well inside its grace period: the engine handed its requests over and
-            # exited instead of draining them and waiting the grace period out.
-            wait_for(
-                old_pod_gone,
-                GRACE_BOUND,
-                f"{victim} gone after kubectl delete",
-                interval=0.2,
-                diagnostics=victim_logs,
-            )
-            gone_at = time.monotonic()
+                gone_at = time.time()
             results = [future.result(timeout=300) for future in futures]
+    # Where the leave went, from the victim's own log lines (SIGTERM: "leaving with N").
+    for stage, words in (("SIGTERM seen", "leaving with"), ("handed off", "handed")):
+        line = next((line for line in victim_lines if words in line), None)
+        if line is not None:
+            TIMINGS[f"engine pod deleted -> {stage}"] = parse_time(line.split(" ")[0]) - deleted_at
     failures = [result for result in results if result[0] != 200]
     assert not failures, failures[:5]
 
@@ -421,10 +423,32 @@ def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
 
     # The engine pod is Ready exactly when its engine registered (the ready-file probe).
     wait_for(replaced, REGISTER_TIMEOUT, f"a new {victim} registered", diagnostics=flow.diagnostics)
-    TIMINGS["engine pod deleted -> replacement registered"] = time.monotonic() - deleted_at
+    TIMINGS["engine pod deleted -> replacement registered"] = time.time() - deleted_at
     TIMINGS["engine pod deleted -> old pod gone (hand-off, exit)"] = gone_at - deleted_at
     flow.wait_registered(2, "both engines registered after the replacement")
     record_peak_memory(flow)
+
+
+@contextlib.contextmanager
+def follow_logs(flow: Flow, pod: str) -> Iterator[list[str]]:
+    """``kubectl logs -f --timestamps`` of ``pod`` while the block runs: its lines (including
+    the last ones of a pod that is deleted meanwhile)."""
+    lines: list[str] = []
+    process = subprocess.Popen(
+        [str(flow.kubectl.binary), f"--kubeconfig={flow.kubectl.kubeconfig}", "logs", "-f",
+         pod, "-n", NAMESPACE, "--timestamps", "--tail=5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        yield lines
+    finally:
+        time.sleep(0.5)  # its last lines
+        process.terminate()
+        process.wait(timeout=10)
+        reader.join(timeout=10)
 
 
 def record_peak_memory(flow: Flow) -> None:
