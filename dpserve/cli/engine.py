@@ -159,11 +159,15 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
             prefill_cost=args.fake_prefill_cost,
         )
     import torch
+    from transformers.utils import logging as transformers_logging
 
     from dpserve.engine.cpus import torch_threads
     from dpserve.engine.model_runner import ModelRunner
     from dpserve.models import resolve_model
 
+    # An engine's log is read line by line (`kubectl logs`, a supervisor's file): the weight
+    # loader's progress bar, redrawn with carriage returns, is one unreadable line there.
+    transformers_logging.disable_progress_bar()
     threads, source = torch_threads(args.torch_threads)
     torch.set_num_threads(threads)
     log.info("engine rank %d: %d torch thread(s), from %s", rank, threads, source)
