@@ -313,7 +313,11 @@ async def warm_up(client: InferenceClient) -> None:
 
 
 async def real_engines(
-    quick: bool, per_group: int, system_len: int, rates: list[float]
+    quick: bool,
+    per_group: int,
+    system_len: int,
+    rates: list[float],
+    policies: tuple[str, ...] = POLICIES,
 ) -> list[dict[str, Any]]:
     shared = SharedPrefix(
         groups=4, per_group=per_group, system_len=system_len, question_len=16, output_len=8
@@ -325,7 +329,7 @@ async def real_engines(
     extra = ["--kv-cache-bytes", str(pool_tokens * kv_bytes_per_token()), "--max-batch-size", "4"]
     rates = rates[:1] if quick else rates
     results = []
-    for policy in POLICIES:
+    for policy in policies:
         stack = Stack()
         stack.serve(2, policy, extra)
         try:
@@ -447,6 +451,11 @@ async def main() -> None:
     parser.add_argument("--per-group", type=int, default=8, help="prompts per system prompt")
     parser.add_argument("--system-len", type=int, default=256, help="system prompt tokens")
     parser.add_argument("--rates", default="0.5,1.0", help="requests/s, comma-separated")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="the real engines' policies, comma-separated (default: all three)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     results: dict[str, Any] = {}
@@ -456,7 +465,12 @@ async def main() -> None:
         if not args.skip_one_engine:
             results["one_engine"] = await one_engine_on_off()
         rates = [float(rate) for rate in args.rates.split(",")]
-        results["real"] = await real_engines(args.quick, args.per_group, args.system_len, rates)
+        policies = tuple(args.policies.split(","))
+        if not set(policies) <= set(POLICIES):
+            parser.error(f"--policies: each one of {', '.join(POLICIES)}")
+        results["real"] = await real_engines(
+            args.quick, args.per_group, args.system_len, rates, policies
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
 

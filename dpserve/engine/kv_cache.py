@@ -131,6 +131,15 @@ class BlockPool:
                 del self._evictable[block]
             self.ref_counts[block] += 1
 
+    def refresh(self, blocks: list[int]) -> None:
+        """Make these cached blocks (a prefix, in order) the most recently freed, so that they
+        are evicted after every other free block, the prefix's first block last. Held blocks
+        are not evictable and stay as they are."""
+        evictable = self._evictable
+        for block in reversed(blocks):
+            if block in evictable:
+                evictable.move_to_end(block)
+
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block. Pass a block table in order: its tail is made
         evictable first, so a prefix's first blocks (shared most) are evicted last."""

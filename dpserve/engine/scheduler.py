@@ -112,6 +112,11 @@ class Scheduler(Generic[S]):
 
     def add(self, sequence: S) -> None:
         self.waiting.append(sequence)
+        if self.pool.enable_caching:
+            # Its cached prefix is what the coordinator sent it here for: keep those blocks
+            # from being the next evicted while it waits (requests admitted meanwhile may
+            # need room), or a routed hit turns into a miss that evicts in its turn.
+            self.pool.refresh(self._prefix_hit(sequence))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -184,15 +189,7 @@ class Scheduler(Generic[S]):
 
     def _admit(self, sequence: S) -> bool:
         pool, length = self.pool, sequence.context_length()
-        hit: list[int] = []
-        # A sequence that wants its prompt's log-probs needs logits at every prompt position,
-        # so it computes its whole prompt (its blocks are still stored for others).
-        if pool.enable_caching and not getattr(sequence, "wants_prompt_logprobs", False):
-            # Whole blocks only, and never the last token: its logits are needed.
-            # Tokens still on the device (overlap) cannot be hashed yet.
-            known = length - getattr(sequence, "pending", 0)
-            usable = (min(length - 1, known)) // self.block_size
-            hit = pool.lookup(self._hashes(sequence, usable)[:usable])
+        hit = self._prefix_hit(sequence) if pool.enable_caching else []
         needed = self._blocks_for(length) - len(hit)
         # A hit on an evictable block takes it out of the free count too.
         if needed + sum(1 for block in hit if pool.ref_counts[block] == 0) > pool.free_blocks:
@@ -207,6 +204,19 @@ class Scheduler(Generic[S]):
             sequence.cached_prompt_tokens = sequence.num_cached
         self.running.append(sequence)
         return True
+
+    def _prefix_hit(self, sequence: S) -> list[int]:
+        """The cached blocks the sequence's context starts with (not shared yet)."""
+        # A sequence that wants its prompt's log-probs needs logits at every prompt position,
+        # so it computes its whole prompt (its blocks are still stored for others).
+        if getattr(sequence, "wants_prompt_logprobs", False):
+            return []
+        # Whole blocks only, and never the last token: its logits are needed.
+        # Tokens still on the device (overlap) cannot be hashed yet.
+        length = sequence.context_length()
+        known = length - getattr(sequence, "pending", 0)
+        usable = min(length - 1, known) // self.block_size
+        return self.pool.lookup(self._hashes(sequence, usable)[:usable])
 
     def _hashes(self, sequence: S, full_blocks: int) -> list[BlockHash]:
         """The sequence's block hashes, computed up to ``full_blocks`` blocks."""

@@ -111,6 +111,50 @@ def test_without_caching_nothing_is_hashed() -> None:
     assert pool.lookup([7]) == [] and not pool.take_events()
 
 
+def test_refreshed_blocks_are_evicted_after_every_other_free_block() -> None:
+    pool = BlockPool(1 + 4)
+    older, newer = pool.allocate(2), pool.allocate(2)
+    for blocks, first in ((older, 20), (newer, 30)):
+        pool.cache_full_block(blocks[0], first, ROOT_HASH)
+        pool.cache_full_block(blocks[1], first + 1, first)
+        pool.free(blocks)
+    # Least recently freed first: the older prefix would go first, its tail before its head.
+    pool.refresh(pool.lookup([20, 21]))
+    taken = pool.allocate(1)
+    assert pool.lookup([30, 31]) == newer[:1] and pool.lookup([20, 21]) == older
+    taken += pool.allocate(2)  # the refreshed prefix goes last, tail first
+    assert pool.lookup([30]) == [] and pool.lookup([20, 21]) == older[:1]
+    taken += pool.allocate(1)
+    pool.refresh(taken)  # held blocks are not evictable: nothing moves
+    pool.check_invariants([[block] for block in taken])
+
+
+def test_a_waiting_request_keeps_its_cached_prefix_from_being_evicted_first() -> None:
+    # The coordinator routes a request to the engine that holds its prefix; while it waits
+    # for a slot, a request admitted before it must evict other free blocks first.
+    pool = BlockPool(1 + 6)
+    scheduler: Scheduler[TokenSequence] = Scheduler(
+        pool, BLOCK, max_num_seqs=1, max_num_batched_tokens=64
+    )
+    prefix, other = list(range(1, 2 * BLOCK + 1)), list(range(100, 100 + 2 * BLOCK))
+    for prompt in ([*prefix, 7], [*other, 7]):  # each leaves 2 cached blocks, prefix oldest
+        sequence = TokenSequence(prompt)
+        scheduler.add(sequence)
+        scheduler.commit(scheduler.schedule())
+        assert scheduler.remove(sequence)
+    running = TokenSequence([500] * (3 * BLOCK))  # needs 3 blocks: 2 empty + 1 evicted
+    waiting = TokenSequence([*prefix, 8, 9])
+    scheduler.add(running)
+    scheduler.add(waiting)  # no slot for it yet (max_num_seqs 1)
+    scheduler.commit(scheduler.schedule())
+    assert scheduler.running == [running] and list(scheduler.waiting) == [waiting]
+    assert pool.evictions == 1
+    assert len(pool.lookup(block_hashes(prefix, BLOCK))) == 2  # the other prefix paid
+    assert scheduler.remove(running)
+    scheduler.commit(scheduler.schedule())
+    assert waiting.cached_prompt_tokens == 2 * BLOCK
+
+
 def test_publisher_numbers_batches_and_bounds_their_size() -> None:
     pool = BlockPool(1 + 40)
     blocks = pool.allocate(40)
