@@ -54,9 +54,12 @@ class PrefixRouting:
     # What evicting one cached token costs, in prompt tokens to prefill (once, later).
     eviction_cost: float = 1.0
     # An engine with more than factor x (fewest outstanding of any engine) + slack
-    # outstanding requests is passed over while another is under that bound.
+    # outstanding requests is passed over while another is under that bound. A slack of 4
+    # moved requests on ordinary Poisson bursts at saturation (bench/prefix.py, 8 req/s), and
+    # each move cost a full prefill plus the cached prefixes it evicted on a full pool; SGLang's
+    # and vLLM's routers balance only past 64 more requests and 1.5x as many.
     hot_spot_factor: float = 2.0
-    hot_spot_slack: int = 4
+    hot_spot_slack: int = 8
 
 
 DEFAULT_PREFIX_ROUTING: Final = PrefixRouting()

@@ -85,7 +85,10 @@ async def test_same_prefix_lands_together_and_a_hot_prefix_spreads(processes, cl
     hot = await run(client, [prompt(i) for i in range(10, 50)], tokens=100)
     assert {r.engine_rank for r in hot} == {0, 1, 2, 3}
     routing = await routing_status(client)
-    assert routing["decisions"]["prefix"] >= 3 and routing["decisions"]["hot_spot"] > 0
+    # Moved off the prefix's engine by cost (its queue) or by the hot-spot guard.
+    decisions = routing["decisions"]
+    assert decisions["prefix"] >= 3
+    assert decisions.get("balance", 0) + decisions.get("hot_spot", 0) > 0, decisions
     # The index predicted what the engines found, request for request, on the burst.
     assert routing["actual_cached_tokens"] >= 3 * CACHED
 

@@ -10,7 +10,13 @@ from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
 from dpserve.coordinator.router import Router
-from dpserve.coordinator.routing import Candidate, Reason, RoutingPolicy, choose_by_prefix
+from dpserve.coordinator.routing import (
+    DEFAULT_PREFIX_ROUTING,
+    Candidate,
+    Reason,
+    RoutingPolicy,
+    choose_by_prefix,
+)
 from dpserve.engine.fake_cache import SimulatedPrefixCache
 from dpserve.protocol import KvEvent, KvEvents, ProtocolError, decode, encode
 
@@ -132,9 +138,14 @@ def test_a_miss_that_would_evict_costs_the_evicted_tokens() -> None:
 
 def test_hot_spot_guard_spreads_a_popular_prefix() -> None:
     # However long the cached prefix, an engine far busier than the idlest is passed over.
-    hot = Candidate(A, cached_tokens=100_000, outstanding=5)
+    bound = DEFAULT_PREFIX_ROUTING.hot_spot_slack  # the idlest has none outstanding
+    hot = Candidate(A, cached_tokens=100_000, outstanding=bound + 1)
     decision = choose_by_prefix([hot, Candidate(B, 0, 0)], prompt_tokens=100_001)
     assert decision is not None and (decision.identity, decision.reason) == (B, Reason.HOT_SPOT)
+    # At the bound it is still the prefix's engine: an ordinary burst does not move requests.
+    busy = Candidate(A, cached_tokens=100_000, outstanding=bound)
+    decision = choose_by_prefix([busy, Candidate(B, 0, 0)], prompt_tokens=100_001)
+    assert decision is not None and (decision.identity, decision.reason) == (A, Reason.PREFIX)
 
 
 def test_a_new_prefix_goes_to_the_emptiest_cache() -> None:
