@@ -12,7 +12,7 @@ logits. Prompts are 32-512 tokens, greedy, EOS ignored. Each figure is the media
 * ``batch=64`` / ``batch=256``: every sequence decoding, nothing streamed;
 * ``batch=256 streaming+stop``: every request streaming (the server's 50 ms stream interval)
   with one stop string each;
-* ``prefill chunks=30``: one step that admits 30 prompts, one chunk each;
+* ``prefill chunks=30``: 30 prompts arriving, then one step that admits them, one chunk each;
 * ``ops/layer decode``: torch ops per decoder layer of a real decode step (``layer_ops``).
 
 ``--device-ms`` makes the stub forward take that long, as a GPU would (it sleeps, so the host
@@ -204,8 +204,11 @@ def prefill_figure(path: Path, chunks: int, runs: int) -> float:
     work = Workload(runner, stream=False, stop=False)
     timings = []
     for run in range(runs + 1):
-        work.add(chunks)
+        # The requests' intake is timed too: the scheduler hashes a prompt's blocks when it
+        # arrives (to keep its cached prefix from eviction while it waits), work that the
+        # step itself did before.
         start = time.thread_time()
+        work.add(chunks)
         work.step()
         elapsed = (time.thread_time() - start) * 1000
         if run:  # the first one warms up
