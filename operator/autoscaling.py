@@ -18,7 +18,8 @@ The rules (docs/kubernetes.md, "Autoscaling"):
 - **Held requests need an engine.** Any demand at all (a request held at zero engines)
   means at least one engine, at once, whatever the windows say: that is the scale from zero.
 - **Zero only after idling.** With ``minReplicas: 0``, the last engine goes only after
-  ``idleBeforeZeroSeconds`` without a request in flight or held.
+  ``idleBeforeZeroSeconds`` without a request in flight or held (one that came and went
+  between two readings counts too: the coordinator's finished-request counter moved).
 - **Up fast, down slowly.** A scale-up takes the lowest recommendation of the last
   ``scaleUpWindowSeconds`` (0: at once, to the full recommendation). A scale-down takes the
   highest recommendation of the last ``scaleDownWindowSeconds``, and removes one engine at a
@@ -64,7 +65,8 @@ class Memory:
     recommendations: tuple[tuple[float, int], ...] = ()
     first_reading_at: float | None = None
     last_change_at: float | None = None
-    last_busy_at: float | None = None  # the last reading with demand
+    last_busy_at: float | None = None  # the last reading with demand or requests served
+    last_served: int | None = None  # the coordinator's finished-request count then
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,12 @@ def decide(
     if memory.first_reading_at is None:
         # First reading: the idle clock starts now, not at some unknown earlier time.
         memory = replace(memory, first_reading_at=now, last_busy_at=now)
+    # Demand now, or requests that started and finished since the last reading (a counter
+    # that went down is a restarted coordinator, not activity).
+    served_since = memory.last_served is not None and load.served > memory.last_served
     busy = load.demand > 0
-    if busy:
+    memory = replace(memory, last_served=load.served)
+    if busy or served_since:
         memory = replace(memory, last_busy_at=now)
     idle_for = now - (memory.last_busy_at if memory.last_busy_at is not None else now)
 

@@ -40,6 +40,9 @@ class LoadSignal:
     engine_loads: tuple[EngineLoad, ...]
     # Over the last TTFT_WINDOW_SECONDS; None when no request got its first token then.
     ttft_p90: float | None = None
+    # Generation requests finished since the coordinator's front started (a counter): one
+    # that came and went between two readings still counts as activity.
+    served: int = 0
 
     @property
     def serving_engines(self) -> int:
@@ -97,9 +100,12 @@ def read_metrics(text: str, now: float, ttft: TtftWindow | None = None) -> LoadS
     values: dict[str, float] = {}
     per_rank: dict[str, dict[int, float]] = {}
     buckets: dict[float, float] = {}
+    served = 0.0
     for family in families:
         for sample in family.samples:
-            if sample.name == "dpserve_time_to_first_token_seconds_bucket":
+            if sample.name == "dpserve_request_latency_seconds_count":
+                served += sample.value  # summed over endpoints
+            elif sample.name == "dpserve_time_to_first_token_seconds_bucket":
                 bound = float(sample.labels["le"])
                 buckets[bound] = buckets.get(bound, 0.0) + sample.value  # summed over endpoints
             elif "rank" in sample.labels:
@@ -122,6 +128,7 @@ def read_metrics(text: str, now: float, ttft: TtftWindow | None = None) -> LoadS
         inflight=inflight,
         engine_loads=tuple(_engine_loads(per_rank)),
         ttft_p90=None if ttft is None or not histogram else ttft.p90(now, histogram),
+        served=int(served),
     )
 
 

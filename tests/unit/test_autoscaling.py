@@ -151,6 +151,28 @@ def test_scale_down_one_engine_per_window_then_zero_after_the_idle_time() -> Non
     assert "idle for 120 s" in run.decisions[-1][1].signal
 
 
+def test_requests_that_come_and_go_between_readings_keep_the_last_engine() -> None:
+    spec = scaling(idle_before_zero_seconds=20, scale_down_window_seconds=5)
+    run = Run(spec, current=1)
+    # A short request every 15 s, finished before the next reading sees it in flight: the
+    # finished-request counter moves, and the idle clock starts again each time.
+    for served in range(1, 8):
+        run.steps([replace(load(1, 0), served=served)] * 15)
+    assert run.current == 1 and not run.decisions
+    # Then nothing: zero after the idle time, counted from the last reading that saw one.
+    run.steps([replace(load(1, 0), served=7)] * 25)
+    [(_, decision)] = run.decisions
+    assert decision.reason == SCALE_TO_ZERO and "idle for 20 s" in decision.signal
+
+
+def test_a_coordinator_restart_is_not_activity() -> None:
+    run = Run(scaling(idle_before_zero_seconds=20, scale_down_window_seconds=5), current=1)
+    run.steps([replace(load(1, 0), served=50)] * 10)
+    # The counter starts again from zero: no request was served, the clock goes on.
+    run.steps([replace(load(1, 0), served=0)] * 19)  # up to t = 28 s: idle since t = 0
+    assert [d.reason for _, d in run.decisions] == [SCALE_TO_ZERO]
+
+
 def test_min_replicas_one_never_goes_to_zero() -> None:
     run = Run(scaling(min_replicas=1, scale_down_window_seconds=5), current=3)
     assert run.steps([load(3, 0)] * 100)[-1] == 1
@@ -320,6 +342,8 @@ def test_the_load_is_read_from_the_fronts_own_metrics_page() -> None:
     assert signal.serving_engines == 1 and signal.demand == 9
     assert signal.engine_loads == (EngineLoad(0, 4, 4, 0.75), EngineLoad(1, 2, 8, None))
     assert signal.mean_capacity() == 6 and signal.mean_kv_usage() == 0.75
+    assert signal.served == 0
+    assert read_metrics(front_page(STATUS, [0.1, 0.2, 0.3]), now=0.0).served == 3
 
 
 def test_a_page_without_the_coordinator_is_no_reading() -> None:
