@@ -108,6 +108,9 @@ class FakeRunner:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._arrived_done)
 
+    def unreported(self) -> list[TokenUpdate]:
+        return [update for sequence in self._running.values() if (update := sequence.unreported())]
+
     def step(self) -> list[TokenUpdate]:
         """One token for every running request; admits waiting ones up to capacity."""
         if self.released:

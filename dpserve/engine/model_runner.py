@@ -137,6 +137,7 @@ class ModelRunner:
         # Built on the first structured request (xgrammar reads the whole vocabulary once).
         self._grammars: Grammars | None = None
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
+        self._live: dict[int, Sequence] = {}  # every sequence the backend has, by request id
         self._released = False
         self._tokens_generated = 0
         self._steps = 0
@@ -238,6 +239,7 @@ class ModelRunner:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
         else:
             self.backend.add(sequence)
+            self._live[request.request_id] = sequence
 
     def _matcher(self, sequence: Sequence) -> Any:
         if self._grammars is None:
@@ -285,8 +287,12 @@ class ModelRunner:
             if sequence.request_id == request_id:
                 self._arrived_done.remove(sequence)
                 return
+        self._live.pop(request_id, None)
         with torch.inference_mode():  # the HF batch's tensors are inference tensors
             self.backend.cancel(request_id)
+
+    def unreported(self) -> list[TokenUpdate]:
+        return [update for sequence in self._live.values() if (update := sequence.unreported())]
 
     def has_work(self) -> bool:
         return bool(self._arrived_done) or self.backend.has_work()
@@ -342,6 +348,8 @@ class ModelRunner:
                         if update.finish_reason is not None:
                             finished.append(sequence)
                 if finished:
+                    for sequence in finished:
+                        del self._live[sequence.request_id]
                     self.backend.finish(finished)
         return updates
 

@@ -79,7 +79,12 @@ class Runner(Protocol):
 
     def step(self) -> list[TokenUpdate]:
         """One scheduling step: admit waiting requests, prefill them, decode the running ones
-        and retire the finished. Returns an update per request that produced a token."""
+        and retire the finished. Returns an update per request that has tokens to report: a
+        streaming one each time it produced some, one that does not stream for its first
+        tokens and its end (``unreported`` gives the rest on demand)."""
+
+    def unreported(self) -> list[TokenUpdate]:
+        """An update per request with tokens that ``step`` has not reported yet."""
 
     def release(self) -> None:
         """Suspend: free the model's and KV cache's memory; requests stay queued."""

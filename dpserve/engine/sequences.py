@@ -139,6 +139,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far, resume tokens included
     logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
     emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
+    ready: int = 0  # how many of ``tokens`` may be reported (a stop string's tail held back)
+    reported: bool = False  # an update was emitted
     # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
@@ -250,14 +252,28 @@ class Sequence:
             if len(self.tokens) >= self.max_generated:
                 finish = "length"
                 ready = len(self.tokens)
-        if ready > self.emitted or finish is not None:
+        if finish is not None:
             return self.emit(ready, finish)
+        self.ready = ready
+        # A request that does not stream reports its first tokens (the end of its prefill)
+        # and then nothing until it ends: its tokens wait here, not in an update per token.
+        if ready > self.emitted and (self.params.stream or not self.reported):
+            return self.emit(ready, None)
+        return None
+
+    def unreported(self) -> TokenUpdate | None:
+        """The tokens that may be reported and were not (a request that does not stream
+        reports only its first tokens before it ends): for an engine that hands its requests
+        over."""
+        if self.ready > self.emitted:
+            return self.emit(self.ready, None)
         return None
 
     def emit(self, ready: int, finish: str | None, cut: bool = False) -> TokenUpdate:
         """Report tokens up to ``ready``; ``cut``: the rest was dropped at a stop string."""
         start = self.emitted
         self.emitted = ready
+        self.reported = True
         logprobs = top = None
         if self.params.return_log_probs:
             # logprobs has no entries for resume tokens: shift indices by their count.

@@ -527,6 +527,7 @@ class EngineServer:
         """Send every token produced so far (streaming or not), then HAND_OFF: the coordinator
         re-dispatches the requests after exactly those tokens, so no step may run until it
         answers (HAND_OFF_ACK: leave; DRAIN_ACK: finish them here)."""
+        self._absorb(self.runner.unreported())
         self._outbox += self._entries(
             [(request_id, held, None) for request_id, held in self._held.items() if held.tokens]
         )

@@ -80,3 +80,22 @@ def test_a_non_streaming_request_sends_its_first_tokens_once_then_only_its_resul
     assert [u.finish_reason for u in updates] == [None, "length"]
     tokens = [t for u in updates for t in protocol.unpack_tokens(u.tokens)]
     assert len(tokens) == 50
+
+
+def test_a_hand_off_sends_every_token_a_non_streaming_request_has_so_far() -> None:
+    server, sent = _server(stream_interval=10.0)
+    _submit(server, 1, stream=False)
+    for tick in range(12):
+        _step(server, now=100.0 + tick * 0.01)
+    # Its first token went out at once; the eleven since wait in the runner, not in updates.
+    assert [len(protocol.unpack_tokens(u.tokens)) for u in sent.sent_for(1)] == [1]
+    assert server.runner.step() == []
+    server._hand_off()
+    handed = [t for u in sent.sent_for(1) for t in protocol.unpack_tokens(u.tokens)]
+    # The same tokens as an uninterrupted run's first 13 (12 steps and the one just taken).
+    alone, alone_sent = _server(stream_interval=10.0)
+    _submit(alone, 1, stream=False)
+    for tick in range(60):
+        _step(alone, now=100.0 + tick * 0.01)
+    result = [t for u in alone_sent.sent_for(1) for t in protocol.unpack_tokens(u.tokens)]
+    assert len(handed) == 13 and handed == result[:13]

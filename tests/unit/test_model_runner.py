@@ -452,7 +452,7 @@ def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
     runner.eos_token_ids = frozenset()
     long_prompts = random_prompts(5, seed=27, low=180, high=200)
     schedule = {
-        0: [request(0, [7, 8, 9], num_tokens_to_generate=30)],
+        0: [request(0, [7, 8, 9], num_tokens_to_generate=30, stream=True)],
         2: [request(i, long_prompts[i - 1], num_tokens_to_generate=3) for i in range(1, 6)],
     }
     outcomes = run(runner, schedule)
@@ -462,6 +462,28 @@ def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
     assert outcomes[0].finished_at_step == 29
     assert max(outcomes[i].finished_at_step for i in range(1, 6)) > 29  # still prefilling
     assert runner.stats()["prefill_tokens"] == 3 + sum(map(len, long_prompts))
+
+
+def test_a_request_that_does_not_stream_reports_its_first_tokens_and_its_end(
+    runner: ModelRunner, reference: Any
+) -> None:
+    prompt = random_prompts(1, seed=31)[0]
+    taken: list[list[int]] = []
+
+    def take_unreported(step: int) -> None:
+        if step == 6:  # as an engine that hands its requests over
+            taken.extend(update.tokens for update in runner.unreported())
+
+    outcomes = run(
+        runner, {0: [request(0, prompt, num_tokens_to_generate=12)]}, on_step=take_unreported
+    )
+    expected, finish = greedy_reference(reference, prompt, 12)
+    assert (outcomes[0].tokens[:1], outcomes[0].finish) == (expected[:1], finish)
+    # The first token (the prefill's), the five since it taken at step 6, then the rest.
+    assert [len(update.tokens) for update in outcomes[0].updates] == [1, 6]
+    assert [len(tokens) for tokens in taken] == [5]
+    assert outcomes[0].tokens[:1] + taken[0] + outcomes[0].tokens[1:] == expected
+    assert runner.unreported() == []
 
 
 def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
