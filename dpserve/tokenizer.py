@@ -132,7 +132,7 @@ class IncrementalDetokenizer:
     Started with the tokens generated elsewhere already (``resume_tokens``), its deltas begin
     where the text of those tokens, so held back, ends."""
 
-    __slots__ = ("_anchor", "_sent", "_tokens", "tokenizer")
+    __slots__ = ("_anchor", "_resync_end", "_sent", "_tokens", "tokenizer")
 
     def __init__(self, tokenizer: BatchTokenizer, resume_tokens: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
@@ -141,6 +141,9 @@ class IncrementalDetokenizer:
         # What the text of ``resume_tokens`` held back is its trailing replacement characters:
         # the window starts on a whole character, so none of them is leading context.
         self._sent = len(self._window().rstrip(_REPLACEMENT)) if self._tokens else 0
+        # Set when the window moved up: ``_sent`` is then the length of the text of
+        # ``_tokens[_anchor:_resync_end]``, decoded with the next window (``resync_window``).
+        self._resync_end: int | None = None
 
     def _clean_anchor(self, anchor: int) -> int:
         """``anchor``, moved back (by at most a UTF-8 sequence) to a token that starts a whole
@@ -160,11 +163,7 @@ class IncrementalDetokenizer:
 
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         """The new text that ``tokens`` complete; with ``final``, everything left."""
-        window = self.extend(tokens, final)
-        if window is None:
-            return ""
-        [text] = self.tokenizer.decode_batch([window])
-        return self.take(text, final)
+        return push_batch(self.tokenizer, [(self, tokens, final)])[0]
 
     def extend(self, tokens: Sequence[int], final: bool = False) -> list[int] | None:
         """``push`` in two halves, so that many detokenizers decode in one ``decode_batch``
@@ -174,17 +173,29 @@ class IncrementalDetokenizer:
         self._tokens.extend(tokens)
         return self._tokens[self._anchor :]
 
-    def take(self, text: str, final: bool = False) -> str:
-        """The second half of ``push``: the delta, given the text of ``extend``'s window."""
+    def resync_window(self) -> list[int] | None:
+        """After the window moved up: its tokens whose text is out already, to be decoded with
+        the next window (``take``'s ``resynced``); None otherwise."""
+        if self._resync_end is None:
+            return None
+        return self._tokens[self._anchor : self._resync_end]
+
+    def take(self, text: str, final: bool = False, resynced: str | None = None) -> str:
+        """The second half of ``push``: the delta, given the text of ``extend``'s window (and
+        of ``resync_window``'s, when it had one)."""
+        if resynced is not None:
+            self._sent = len(resynced)
+            self._resync_end = None
         stable = len(text) if final else len(text.rstrip(_REPLACEMENT))
         delta = text[self._sent : stable] if stable > self._sent else ""
         self._sent = max(self._sent, stable)
         if self._sent == len(text) and len(self._tokens) - self._anchor > (
             2 * DETOKENIZE_CONTEXT_TOKENS
         ):
-            # Everything is out: move the window up, keeping some context.
+            # Everything is out: move the window up, keeping some context. The length of the
+            # text kept is learned in the next push's decode, not with a decode of its own.
             self._anchor = len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS
-            self._sent = len(self._window())
+            self._resync_end = len(self._tokens)
         return delta
 
 
@@ -193,9 +204,24 @@ def push_batch(
 ) -> list[str]:
     """``detokenizer.push(tokens, final)`` for every item, with one ``decode_batch`` call for
     all of them (they all use ``tokenizer``)."""
-    windows = [detokenizer.extend(tokens, final) for detokenizer, tokens, final in items]
-    texts = iter(tokenizer.decode_batch([window for window in windows if window is not None]))
-    return [
-        "" if window is None else detokenizer.take(next(texts), final)
-        for window, (detokenizer, _, final) in zip(windows, items, strict=True)
-    ]
+    windows: list[list[int]] = []
+    resyncing: list[bool | None] = []  # per item: None (nothing to decode), or a resync first
+    for detokenizer, tokens, final in items:
+        window = detokenizer.extend(tokens, final)
+        if window is None:
+            resyncing.append(None)
+            continue
+        resync = detokenizer.resync_window()
+        if resync is not None:
+            windows.append(resync)
+        windows.append(window)
+        resyncing.append(resync is not None)
+    texts = iter(tokenizer.decode_batch(windows) if windows else ())
+    deltas = []
+    for resyncs, (detokenizer, _, final) in zip(resyncing, items, strict=True):
+        if resyncs is None:
+            deltas.append("")
+            continue
+        resynced = next(texts) if resyncs else None
+        deltas.append(detokenizer.take(next(texts), final, resynced))
+    return deltas

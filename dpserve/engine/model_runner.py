@@ -335,18 +335,25 @@ class ModelRunner:
             for sampled in self.backend.step():
                 finished = []
                 decode_new_tokens(sampled.sequences, sampled.tokens)
-                for row, sequence in enumerate(sampled.sequences):
+                logprobs, tops = sampled.logprobs, sampled.top
+                generated = 0
+                for row, (sequence, token) in enumerate(
+                    zip(sampled.sequences, sampled.tokens, strict=True)
+                ):
                     before = len(sequence.tokens)
-                    logprob = sampled.logprobs[row] if sampled.logprobs is not None else None
-                    top = sampled.top[row] if sampled.top is not None else None
                     if sequence.matcher is not None:
-                        advance(sequence.matcher, sampled.tokens[row])
-                    update = sequence.accept(sampled.tokens[row], logprob, top)
-                    self._tokens_generated += len(sequence.tokens) > before
+                        advance(sequence.matcher, token)
+                    update = sequence.accept(
+                        token,
+                        None if logprobs is None else logprobs[row],
+                        None if tops is None else tops[row],
+                    )
+                    generated += len(sequence.tokens) > before
                     if update is not None:
                         updates.append(update)
                         if update.finish_reason is not None:
                             finished.append(sequence)
+                self._tokens_generated += generated
                 if finished:
                     for sequence in finished:
                         del self._live[sequence.request_id]

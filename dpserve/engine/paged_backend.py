@@ -96,6 +96,9 @@ class PagedBackend:
         self.device: torch.device = model.device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._sequences: dict[int, Sequence] = {}
+        # The tracked sequences whose sampling is more than an argmax (``bare_argmax``): while
+        # there are none, a step samples with one argmax and reads nothing per sequence.
+        self._sampled_fully: set[int] = set()
         self.scheduler: Scheduler[Sequence] | None = None
         self.prefill_tokens = 0
         overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -239,10 +242,13 @@ class PagedBackend:
     def add(self, sequence: Sequence) -> None:
         assert self.scheduler is not None
         self._sequences[sequence.request_id] = sequence
+        if not sequence.bare_argmax:
+            self._sampled_fully.add(sequence.request_id)
         self.scheduler.add(sequence)
 
     def cancel(self, request_id: int) -> bool:
         sequence = self._sequences.pop(request_id, None)
+        self._sampled_fully.discard(request_id)
         return sequence is not None and self._forget(sequence)
 
     def has_work(self) -> bool:
@@ -253,6 +259,7 @@ class PagedBackend:
     def _forget(self, sequence: Sequence) -> bool:
         if self._sequences.get(sequence.request_id) is sequence:
             del self._sequences[sequence.request_id]
+            self._sampled_fully.discard(sequence.request_id)
         assert self.scheduler is not None
         if self.inputs is not None:
             self.inputs.release(sequence)
@@ -294,8 +301,12 @@ class PagedBackend:
             assert self.model is not None
             # Penalty counts and grammar states are read from the host; such sequences have no
             # token in flight (see ``keep`` below), so nothing changes them until the step is
-            # collected.
-            histories, matchers = token_histories(sampled), grammar_matchers(sampled)
+            # collected. Without any of them (nor temperatures or log-probs) a step is sampled
+            # by one argmax, and nothing is read per sequence.
+            bare = not self._sampled_fully
+            histories = matchers = None
+            if not bare:
+                histories, matchers = token_histories(sampled), grammar_matchers(sampled)
             prompt_targets = None
             if built.prompt_rows:
                 prompt_targets = [
@@ -309,8 +320,9 @@ class PagedBackend:
                 built.batch,
                 late,
                 previous.launched if previous is not None and late is not None else None,
-                [sequence.params for sequence in sampled],
-                [sequence.context_length() for sequence in sampled],
+                len(sampled),
+                None if bare else [sequence.params for sequence in sampled],
+                None if bare else [sequence.context_length() for sequence in sampled],
                 histories,
                 matchers,
                 prompt_targets,
@@ -326,8 +338,8 @@ class PagedBackend:
             self._in_flight.append(_InFlight(sampled, submitted, built.prompt_rows, prompt_out))
             # A sequence whose sampling reads host state (penalties, a grammar) or that
             # records prompt log-probs is taken in before the next step is built.
-            launched = not built.prompt_rows and not any(
-                sequence.needs_host_state for sequence in sampled
+            launched = not built.prompt_rows and (
+                bare or not any(sequence.needs_host_state for sequence in sampled)
             )
         # With overlap the step just submitted stays in flight while the runner takes in the
         # one before it; the next call prepares its successor.
@@ -342,15 +354,17 @@ class PagedBackend:
         batch: ForwardBatch,
         late: PendingTokens | None,
         previous: Launched | None,
-        params: list[SamplingParams],
-        positions: list[int],
+        rows: int,
+        params: list[SamplingParams] | None,
+        positions: list[int] | None,
         histories: list[sampler.TokenHistory] | None = None,
         matchers: list[grammar.Matcher | None] | None = None,
         prompt_targets: list[int] | None = None,
         prompt_k: int = 0,
         prompt_out: list[sampler.SampleOutput] | None = None,
     ) -> sampler.SampleOutput:
-        """The device's part of a step; reads no sequence (the host has moved on)."""
+        """The device's part of a step; reads no sequence (the host has moved on). ``rows``
+        sampled rows; ``params`` None: every one of them by a bare argmax."""
         if late is not None and previous is not None:
             apply_pending(batch, late, previous.device_tokens())
         logits = self._forward(batch)
@@ -362,10 +376,12 @@ class PagedBackend:
         if prompt_targets is not None and prompt_out is not None:
             # The rows after the sampled ones are prompt positions (paged_batch).
             targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device)
-            prompt_out.append(sampler.log_probs_of(logits[len(params) :], targets, prompt_k))
-            logits = logits[: len(params)]
-        if not params:
+            prompt_out.append(sampler.log_probs_of(logits[rows:], targets, prompt_k))
+            logits = logits[:rows]
+        if not rows:
             return sampler.SampleOutput(logits.new_zeros(0, dtype=torch.long))
+        if params is None or positions is None:
+            return sampler.SampleOutput(sampler.greedy(logits))
         return sampler.sample(logits, params, positions, histories, allowed)
 
     def _collect(self, in_flight: _InFlight) -> list[Sampled]:

@@ -82,6 +82,8 @@ class SampleOutput:
     def to_host(self) -> HostSample:
         """Everything as Python lists with one device-to-host copy: float64 holds every token
         id exactly, so all of it travels as one tensor."""
+        if self.logprobs is None and self.top_ids is None:
+            return HostSample(self.tokens.tolist(), None, None)
         columns = [self.tokens.double().unsqueeze(1)]
         if self.logprobs is not None:
             columns.append(self.logprobs.double().unsqueeze(1))
@@ -146,7 +148,7 @@ def _sample(
         # The common batch: argmax in the model's dtype. The fp32 copy and its clean-up would
         # be three passes over [batch, vocab] (0.2 ms a step at batch 256 of a 128k vocabulary
         # on an H100) for the same tokens: the fp32 values are the same numbers.
-        return SampleOutput(_greedy(logits))
+        return SampleOutput(greedy(logits))
     clean = _finite_above(logits)
     scores = clean
     penalized = [row for row, p in enumerate(params) if p.has_penalties]
@@ -351,7 +353,7 @@ def log_probs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> SampleOu
     return SampleOutput(tokens, chosen, top_ids, top_logprobs, (k,) * tokens.shape[0])
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row, NaN counted as -inf (``_finite_above``'s rule; a row of all
     -inf or NaN gives 0)."""
     inf = float("inf")

@@ -185,6 +185,18 @@ class Sequence:
         return self.params.prompt_logprobs and not self.prompt_logprobs_sent
 
     @property
+    def bare_argmax(self) -> bool:
+        """Its next token is the logits' argmax and nothing else is read from them: no
+        temperature, penalties, grammar or log-probs."""
+        params = self.params
+        return (
+            params.greedy
+            and not params.has_penalties
+            and not params.return_log_probs
+            and self.matcher is None
+        )
+
+    @property
     def needs_host_state(self) -> bool:
         """Sampling it reads its accepted tokens on the host (penalty counts, grammar state):
         its step's result must be taken in before its next step is built."""

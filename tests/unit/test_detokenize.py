@@ -15,6 +15,7 @@ from dpserve.tokenizer import (
     ByteTokenizer,
     HuggingFaceTokenizer,
     IncrementalDetokenizer,
+    push_batch,
 )
 
 TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
@@ -63,6 +64,38 @@ def test_model_tokenizer_deltas_equal_its_full_decode(tiny_model_path: Path) -> 
     [full] = tokenizer.decode_batch([tokens])
     for resume_at in range(0, len(tokens) + 1, 7):
         assert stream_text(tokenizer, tokens, resume_at, seed=resume_at) == full, resume_at
+
+
+def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(tiny_model_path: Path) -> None:
+    # One decode_batch call a step for every sequence, windows that move up included (their
+    # kept text is measured in that same call).
+    from transformers import AutoTokenizer
+
+    tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    texts = [TEXT[i:] + TEXT[:i] for i in range(0, len(TEXT), 5)]
+    token_lists = tokenizer.encode_batch(texts)
+    detokenizers = [IncrementalDetokenizer(tokenizer) for _ in token_lists]
+    sent = [""] * len(token_lists)
+    calls = 0
+    decode_batch = tokenizer.decode_batch
+
+    def counted(windows: list[list[int]]) -> list[str]:
+        nonlocal calls
+        calls += 1
+        return decode_batch(windows)
+
+    tokenizer.decode_batch = counted  # type: ignore[method-assign]
+    longest = max(map(len, token_lists))
+    for position in range(longest + 1):
+        items = [
+            (detokenizer, tokens[position : position + 1], position + 1 >= len(tokens))
+            for detokenizer, tokens in zip(detokenizers, token_lists, strict=True)
+            if position < len(tokens)
+        ]
+        for (detokenizer, _, _), delta in zip(items, push_batch(tokenizer, items), strict=True):
+            sent[detokenizers.index(detokenizer)] += delta
+    assert calls == longest
+    assert sent == decode_batch(token_lists)
 
 
 def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:
