@@ -12,7 +12,8 @@ logits. Prompts are 32-512 tokens, greedy, EOS ignored. Each figure is the media
 * ``batch=64`` / ``batch=256``: every sequence decoding, nothing streamed;
 * ``batch=256 streaming+stop``: every request streaming (the server's 50 ms stream interval)
   with one stop string each;
-* ``prefill chunks=30``: 30 prompts arriving, then one step that admits them, one chunk each;
+* ``prefill chunks=30``: 30 prompts arriving, then one step that admits them, one chunk each
+  (the step; the requests' intake, which hashes their prompts' blocks, is given after it);
 * ``ops/layer decode``: torch ops per decoder layer of a real decode step (``layer_ops``).
 
 ``--device-ms`` makes the stub forward take that long, as a GPU would (it sleeps, so the host
@@ -133,8 +134,10 @@ class Workload:
         self.rng = random.Random(seed)
         self.next_id = 0
 
-    def add(self, count: int) -> None:
+    def requests(self, count: int) -> list[protocol.EngineRequest]:
+        """``count`` requests as the coordinator sends them (random prompts)."""
         vocab = self.runner.vocab_size
+        requests = []
         for _ in range(count):
             prompt = [self.rng.randrange(16, vocab) for _ in range(self.rng.randint(*PROMPTS))]
             params = SamplingParams(
@@ -144,12 +147,20 @@ class Workload:
                 stream=self.stream,
                 stop_strings=(STOP,) if self.stop else (),
             )
-            self.server._on_request(
+            requests.append(
                 protocol.EngineRequest(
                     self.next_id, protocol.pack_tokens(prompt), params.serialize(), b""
                 )
             )
             self.next_id += 1
+        return requests
+
+    def submit(self, requests: list[protocol.EngineRequest]) -> None:
+        for request in requests:
+            self.server._on_request(request)
+
+    def add(self, count: int) -> None:
+        self.submit(self.requests(count))
 
     def step(self) -> None:
         self.server._absorb(self.runner.step())
@@ -198,23 +209,26 @@ def decode_figure(
     return median_of_runs(runs, steps, work.step, clock)
 
 
-def prefill_figure(path: Path, chunks: int, runs: int) -> float:
+def prefill_figures(path: Path, chunks: int, runs: int) -> tuple[float, float]:
+    """ms of host time: the intake of ``chunks`` requests, then the step that admits them
+    (medians). The intake hashes each prompt's blocks (the scheduler keeps a waiting request's
+    cached prefix from eviction), as vLLM's does when a request is created."""
     runner = make_runner(path, chunks, max_num_batched_tokens=chunks * PROMPTS[1])
     runner.backend._forward = StubForward(runner.vocab_size, chunks)  # type: ignore[attr-defined]
     work = Workload(runner, stream=False, stop=False)
-    timings = []
+    intakes, steps = [], []
     for run in range(runs + 1):
-        # The requests' intake is timed too: the scheduler hashes a prompt's blocks when it
-        # arrives (to keep its cached prefix from eviction while it waits), work that the
-        # step itself did before.
+        requests = work.requests(chunks)  # drawing random prompts is not the engine's work
         start = time.thread_time()
-        work.add(chunks)
+        work.submit(requests)
+        taken = time.thread_time()
         work.step()
-        elapsed = (time.thread_time() - start) * 1000
+        done = time.thread_time()
         if run:  # the first one warms up
-            timings.append(elapsed)
+            intakes.append((taken - start) * 1000)
+            steps.append((done - taken) * 1000)
         work.cancel_all()
-    return statistics.median(timings)
+    return statistics.median(intakes), statistics.median(steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,8 +249,10 @@ def main(argv: list[str] | None = None) -> None:
             "host ms/step batch=256 streaming+stop": decode_figure(
                 path, 256, args.runs, args.steps, True, True
             ),
-            "host ms/step prefill chunks=30": prefill_figure(path, 30, args.runs),
         }
+        intake, step = prefill_figures(path, 30, args.runs)
+        figures["host ms/step prefill chunks=30"] = step
+        figures["host ms intake of those 30 requests"] = intake
         if args.device_ms:
             # Wall times, all three: the host alone (a forward that takes no time), then a
             # forward of --device-ms with the overlap off and on.

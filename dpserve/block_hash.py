@@ -23,7 +23,7 @@ BlockHash = int  # unsigned 64-bit
 # The parent of a prompt's first block (no block has this hash but by a 2**-64 accident).
 ROOT_HASH: Final[BlockHash] = 0
 _DIGEST_BYTES: Final = 8
-_PARENT: Final = struct.Struct("<Q")
+_PARENT_AND_LENGTH: Final = struct.Struct("<QQ")
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _TOKEN_BYTES: Final = 4  # token ids are int32, as on the wire
 
@@ -38,16 +38,30 @@ def extra_keys(cache_salt: str | None) -> bytes:
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
     """The hash of one full block: ``parent`` is the previous block's hash (``ROOT_HASH`` for
     the first), ``extra`` the request's ``extra_keys``."""
+    return _hash(parent, _pack_tokens(tokens), extra)
+
+
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
     packed = array("i", tokens)
     if not _LITTLE_ENDIAN:
         packed.byteswap()
-    digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    digest.update(_PARENT.pack(parent))
-    # Lengths first: (tokens, extra) pairs can never be re-split into another valid pair.
-    digest.update(_PARENT.pack(len(packed) * _TOKEN_BYTES))
-    digest.update(packed.tobytes())
-    digest.update(extra)
-    return int.from_bytes(digest.digest(), "little")
+    return packed.tobytes()
+
+
+def _chain(parent: BlockHash, packed: bytes, step: int, extra: bytes) -> list[BlockHash]:
+    """The chained hashes of each ``step`` bytes of ``packed`` (whole blocks only)."""
+    hashes = []
+    for first in range(0, len(packed) - step + 1, step):
+        parent = _hash(parent, packed[first : first + step], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def _hash(parent: BlockHash, block: bytes, extra: bytes) -> BlockHash:
+    # The parent, then the block's length: (tokens, extra) pairs can never be re-split into
+    # another valid pair.
+    data = _PARENT_AND_LENGTH.pack(parent, len(block)) + block + extra
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
 
 
 def block_hashes(
@@ -62,11 +76,11 @@ def block_hashes(
     block ``start - 1``); a trailing partial block has none."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes = []
-    for first in range(start * block_size, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[first : first + block_size], extra)
-        hashes.append(parent)
-    return hashes
+    full = len(tokens) // block_size * block_size
+    if full <= start * block_size:
+        return []
+    packed = _pack_tokens(tokens[start * block_size : full])
+    return _chain(parent, packed, block_size * _TOKEN_BYTES, extra)
 
 
 def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:

@@ -84,6 +84,7 @@ class _InFlight:
     # leaves their log-probs (filled before the step's result is ready).
     prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     prompt_out: list[sampler.SampleOutput] = field(default_factory=list)
+    forgotten: int = 0  # the backend's count of forgotten sequences when it was launched
 
 
 class PagedBackend:
@@ -96,6 +97,7 @@ class PagedBackend:
         self.device: torch.device = model.device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._sequences: dict[int, Sequence] = {}
+        self._forgotten = 0  # sequences forgotten so far (finished, cancelled)
         # The tracked sequences whose sampling is more than an argmax (``bare_argmax``): while
         # there are none, a step samples with one argmax and reads nothing per sequence.
         self._sampled_fully: set[int] = set()
@@ -257,6 +259,7 @@ class PagedBackend:
         )
 
     def _forget(self, sequence: Sequence) -> bool:
+        self._forgotten += 1
         if self._sequences.get(sequence.request_id) is sequence:
             del self._sequences[sequence.request_id]
             self._sampled_fully.discard(sequence.request_id)
@@ -335,7 +338,9 @@ class PagedBackend:
             for sequence in sampled:
                 sequence.pending += 1
             # Tracked even without sampled rows, so that its errors surface here.
-            self._in_flight.append(_InFlight(sampled, submitted, built.prompt_rows, prompt_out))
+            self._in_flight.append(
+                _InFlight(sampled, submitted, built.prompt_rows, prompt_out, self._forgotten)
+            )
             # A sequence whose sampling reads host state (penalties, a grammar) or that
             # records prompt log-probs is taken in before the next step is built.
             launched = not built.prompt_rows and (
@@ -392,6 +397,8 @@ class PagedBackend:
             _record_prompt_logprobs(in_flight.prompt_rows, in_flight.prompt_out[0].to_host())
         for sequence in in_flight.sequences:
             sequence.pending -= 1
+        if in_flight.forgotten == self._forgotten:  # every one of them still tracked
+            return [Sampled(in_flight.sequences, host.tokens, host.logprobs, host.top)]
         rows = [
             row
             for row, sequence in enumerate(in_flight.sequences)

@@ -16,6 +16,7 @@ prefix-cache hit) is handled like any chunk: its cached part is read through its
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -113,11 +114,25 @@ class BatchBuilder(Generic[T]):
                 ids += new
             written_of[sequence] = len(blocks)
         if ids:
-            update = self._to_device([rows, columns, ids])
+            update = self._to_device(rows, columns, ids)
             self.table[update[0], update[1]] = update[2].to(torch.int32)
 
-    def _to_device(self, values: list[list[int]] | list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.long, pin_memory=self._pin)
+    def _to_device(self, *columns: list[int]) -> torch.Tensor:
+        """Equal-length int lists as one int64 tensor on the device: ``[n]`` for one,
+        ``[len(columns), n]`` for more. Through an ``array`` buffer: ``torch.tensor`` of a
+        Python list costs 3-4x more host time."""
+        values = array("q", columns[0])
+        for column in columns[1:]:
+            values.extend(column)
+        host = (
+            torch.frombuffer(values, dtype=torch.long)
+            if values
+            else torch.empty(0, dtype=torch.long)
+        )
+        if len(columns) > 1:
+            host = host.view(len(columns), -1)
+        if self._pin:
+            host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------------------ build
@@ -179,7 +194,7 @@ class BatchBuilder(Generic[T]):
                 logit_rows.append(offset - 1)
                 sampled.append(sequence)
 
-        meta = self._to_device([starts, table_rows])
+        meta = self._to_device(starts, table_rows)
         input_ids = self._to_device(tokens)
         segment_starts, segment_rows = meta[0], meta[1]
         if prefills:

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from dpserve.block_hash import ROOT_HASH, BlockHash, hash_block
+from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes
 from dpserve.engine.kv_cache import BlockPool
 
 
@@ -221,12 +221,12 @@ class Scheduler(Generic[S]):
     def _hashes(self, sequence: S, full_blocks: int) -> list[BlockHash]:
         """The sequence's block hashes, computed up to ``full_blocks`` blocks."""
         hashes = sequence.block_hashes
-        block_size = self.block_size
-        while len(hashes) < full_blocks:
-            index = len(hashes)
+        done = len(hashes)
+        if done < full_blocks:
+            size = self.block_size
+            tokens = sequence.tokens_between(done * size, full_blocks * size)
             parent = hashes[-1] if hashes else ROOT_HASH
-            tokens = sequence.tokens_between(index * block_size, (index + 1) * block_size)
-            hashes.append(hash_block(parent, tokens, sequence.cache_extra))
+            hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
         return hashes
 
     def _cache_filled_blocks(self, sequence: S, since: int) -> None:

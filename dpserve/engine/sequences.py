@@ -227,6 +227,8 @@ class Sequence:
         prompt = self.request.prompt_tokens
         if end <= len(prompt):
             return prompt[start:end]
+        if start >= len(prompt):
+            return self.tokens[start - len(prompt) : end - len(prompt)]
         return self.context()[start:end]
 
     def keeps(self, token: int) -> bool:
