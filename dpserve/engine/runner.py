@@ -79,12 +79,13 @@ class Runner(Protocol):
 
     def step(self) -> list[TokenUpdate]:
         """One scheduling step: admit waiting requests, prefill them, decode the running ones
-        and retire the finished. Returns an update per request that has tokens to report: a
-        streaming one each time it produced some, one that does not stream for its first
-        tokens and its end (``unreported`` gives the rest on demand)."""
+        and retire the finished. Returns an update per request whose first tokens came or
+        that ended; what a request produced in between is taken with ``unreported``."""
 
     def unreported(self) -> list[TokenUpdate]:
-        """An update per request with tokens that ``step`` has not reported yet."""
+        """An update per running request with tokens not reported yet (the engine server
+        takes them once per stream interval, and all of them when it hands its requests
+        over)."""
 
     def release(self) -> None:
         """Suspend: free the model's and KV cache's memory; requests stay queued."""

@@ -37,10 +37,11 @@ class StopText:
 
     __slots__ = (
         "_ends",
+        "_last_chars",
         "_longest",
         "_next_delta",
         "_sent_tail",
-        "_stop_chars",
+        "_tail_chars",
         "_unsent",
         "detokenizer",
         "stops",
@@ -50,7 +51,10 @@ class StopText:
         self.detokenizer = detokenizer
         self.stops = tuple(stops)
         self._longest = max(map(len, self.stops))
-        self._stop_chars = frozenset("".join(self.stops))
+        # A stop string can only end where one of its last characters is; a held-back tail
+        # (the beginning of a stop string) can only end in one of its other characters.
+        self._last_chars = frozenset(stop[-1] for stop in self.stops)
+        self._tail_chars = frozenset("".join(stop[:-1] for stop in self.stops))
         self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
@@ -69,10 +73,11 @@ class StopText:
         (one that ends in the newest token's text) ends the request before them."""
         newest_start = self._ends[-2] if len(self._ends) > 1 else 0
         newest = self._unsent[newest_start:]
-        if newest and self._stop_chars.isdisjoint(newest):
+        if newest and newest[-1] not in self._tail_chars and self._last_chars.isdisjoint(newest):
             # The common case, decided without building the window: a stop string that ends
-            # in the newest text, or a held-back tail that begins one, would have a character
-            # of a stop string there. Nothing is held and everything may go.
+            # in the newest text would have its last character there, and a held-back tail
+            # (which ends the text) a character of a stop string's beginning at the very end.
+            # Nothing is held and everything may go.
             return len(self._ends), False
         window = self._sent_tail + self._unsent
         base = len(self._sent_tail)
@@ -269,16 +274,16 @@ class Sequence:
         if finish is not None:
             return self.emit(ready, finish)
         self.ready = ready
-        # A request that does not stream reports its first tokens (the end of its prefill)
-        # and then nothing until it ends: its tokens wait here, not in an update per token.
-        if ready > self.emitted and (self.params.stream or not self.reported):
+        # A request reports its first tokens (the end of its prefill) at once, and then
+        # nothing until it ends: its tokens wait here, not in an update per token, until the
+        # engine takes them (``unreported``: once per stream interval, or at a hand-off).
+        if ready > self.emitted and not self.reported:
             return self.emit(ready, None)
         return None
 
     def unreported(self) -> TokenUpdate | None:
-        """The tokens that may be reported and were not (a request that does not stream
-        reports only its first tokens before it ends): for an engine that hands its requests
-        over."""
+        """The tokens that may be reported and were not yet (a stop string's possible
+        beginning held back)."""
         if self.ready > self.emitted:
             return self.emit(self.ready, None)
         return None

@@ -472,7 +472,12 @@ class EngineServer:
 
     def _flush(self, now: float) -> None:
         held = self._held
-        if self._stream_dirty and now - self._last_stream_flush >= self.stream_interval:
+        interval_over = now - self._last_stream_flush >= self.stream_interval
+        if interval_over and any(request.stream for request in held.values()):
+            # What the running requests produced since the last interval, taken in one pass:
+            # the streaming ones' tokens go out now (the others' wait in ``_held``).
+            self._absorb(self.runner.unreported())
+        if self._stream_dirty and interval_over:
             self._outbox += self._entries([(i, held[i], None) for i in self._stream_dirty])
             self._stream_dirty.clear()
             self._last_stream_flush = now

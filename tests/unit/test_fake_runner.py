@@ -13,11 +13,16 @@ from dpserve.engine.runner import RequestRejected, RunnerRequest
 from dpserve.sampling import SamplingParams
 
 
-def run_to_end(runner: FakeRunner, request: RunnerRequest) -> tuple[list[int], str]:
+def run_to_end(
+    runner: FakeRunner, request: RunnerRequest, every_step: bool = False
+) -> tuple[list[int], str]:
+    """The tokens reported, to the end; with ``every_step`` taken after each step too (as an
+    engine streaming them does): what was reported is never taken back, so the tokens are the
+    same either way."""
     runner.add(request)
     tokens: list[int] = []
     while runner.has_work():
-        for update in runner.step():
+        for update in runner.step() + (runner.unreported() if every_step else []):
             tokens += update.tokens
             if update.finish_reason is not None:
                 return tokens, update.finish_reason
@@ -63,9 +68,19 @@ def reference(request: RunnerRequest, context_size: int) -> tuple[list[int], str
     min_fraction=st.floats(0, 1),
     stops=st.lists(st.text("abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=4), max_size=3),
     context_size=st.integers(8, 100),
+    every_step=st.booleans(),
 )
 def test_fake_finishes_like_token_by_token_generation(
-    prompt, seed, num_tokens, resume, termination, ignore_eos, min_fraction, stops, context_size
+    prompt,
+    seed,
+    num_tokens,
+    resume,
+    termination,
+    ignore_eos,
+    min_fraction,
+    stops,
+    context_size,
+    every_step,
 ):
     if len(prompt) + resume >= context_size:
         return  # rejected: covered below
@@ -82,7 +97,7 @@ def test_fake_finishes_like_token_by_token_generation(
     earlier, _ = reference(RunnerRequest(0, prompt, unconstrained), context_size)
     request = RunnerRequest(1, prompt, params, earlier[:resume])
     expected = reference(request, context_size)
-    assert run_to_end(FakeRunner(max_context=context_size), request) == expected
+    assert run_to_end(FakeRunner(max_context=context_size), request, every_step) == expected
 
 
 def test_context_size_ends_a_request_with_length():

@@ -64,8 +64,10 @@ def run(
     *,
     on_step: Callable[[int], None] | None = None,
     max_steps: int = 2000,
+    every_step: bool = False,
 ) -> dict[int, Outcome]:
-    """Add each request at its step, step until everything finished; collect per request."""
+    """Add each request at its step, step until everything finished; collect per request
+    (with ``every_step`` also what each step produced that it did not report)."""
     outcomes: dict[int, Outcome] = {}
     step = 0
     while step <= max(schedule, default=0) or runner.has_work():
@@ -74,7 +76,7 @@ def run(
             runner.add(request)
         if on_step is not None:
             on_step(step)
-        for update in runner.step():
+        for update in runner.step() + (runner.unreported() if every_step else []):
             outcome = outcomes[update.request_id]
             assert outcome.finish is None, "update after the request finished"
             outcome.updates.append(update)
@@ -452,10 +454,10 @@ def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
     runner.eos_token_ids = frozenset()
     long_prompts = random_prompts(5, seed=27, low=180, high=200)
     schedule = {
-        0: [request(0, [7, 8, 9], num_tokens_to_generate=30, stream=True)],
+        0: [request(0, [7, 8, 9], num_tokens_to_generate=30)],
         2: [request(i, long_prompts[i - 1], num_tokens_to_generate=3) for i in range(1, 6)],
     }
-    outcomes = run(runner, schedule)
+    outcomes = run(runner, schedule, every_step=True)
     # ~950 prompt tokens arrive at step 2 and are prefilled 23 at a time beside request 0,
     # which still gets a token in every step: one per step, finishing at step 29.
     assert [len(update.tokens) for update in outcomes[0].updates] == [1] * 30
@@ -464,7 +466,7 @@ def test_decoding_goes_on_every_step_during_a_burst_of_long_prompts(
     assert runner.stats()["prefill_tokens"] == 3 + sum(map(len, long_prompts))
 
 
-def test_a_request_that_does_not_stream_reports_its_first_tokens_and_its_end(
+def test_a_request_reports_its_first_tokens_and_its_end_and_the_rest_when_taken(
     runner: ModelRunner, reference: Any
 ) -> None:
     prompt = random_prompts(1, seed=31)[0]
