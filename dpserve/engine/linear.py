@@ -25,19 +25,6 @@ log = logging.getLogger(__name__)
 
 _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
-# Fewer rows than this are padded with zero rows for a oneDNN matmul. Its kernel for 1-2 rows
-# streams the weight more slowly than the one for 3-6 (SmolLM2-135M's MLP projections, one
-# thread, weights from memory as in a decode step, AMD EPYC Zen 4, torch 2.13: 0.28 / 0.33 /
-# 0.27 / 0.25 ms for 1 / 2 / 3 / 4 rows): a decode step of 2 sequences took 57 ms against 41
-# for 4. The padding is one small copy per projection.
-MIN_ONEDNN_ROWS = 4
-
-
-def _padded(x: torch.Tensor) -> torch.Tensor:
-    padded = x.new_zeros((MIN_ONEDNN_ROWS, x.shape[1]))
-    padded[: x.shape[0]] = x
-    return padded
-
 
 @functools.cache
 def _onednn_works(dtype: torch.dtype) -> bool:
@@ -74,22 +61,16 @@ class Linear:
         self.bias = bias
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else MIN_ONEDNN_ROWS
-        if rows < MIN_ONEDNN_ROWS:
-            x = _padded(x)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
             x, self.weight, self.bias, post_op, [], ""
         )
-        return out if rows >= MIN_ONEDNN_ROWS else out[:rows]
+        return out
 
     def _onednn_binary(self, x: torch.Tensor, other: torch.Tensor, post_op: str) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else MIN_ONEDNN_ROWS
-        if rows < MIN_ONEDNN_ROWS:
-            x, other = _padded(x), _padded(other)
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
             x, other, self.weight, self.bias, post_op
         )
-        return out if rows >= MIN_ONEDNN_ROWS else out[:rows]
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
