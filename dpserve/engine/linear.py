@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 
 _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 
+# The fewest rows a oneDNN matmul is worth running with: its kernels for 1-2 rows stream the
+# weight more slowly than the one for 3-6 (SmolLM2-135M's MLP projections, one thread, weights
+# from memory as in a decode step, AMD EPYC Zen 4, torch 2.13: 0.28 / 0.33 / 0.27 / 0.25 ms for
+# 1 / 2 / 3 / 4 rows; a decode step of 2 sequences took 57 ms against 41 for 4). Smaller decode
+# batches are padded up to it (``paged_batch.pad_decodes``).
+ONEDNN_MIN_ROWS = 4
+
 
 @functools.cache
 def _onednn_works(dtype: torch.dtype) -> bool:

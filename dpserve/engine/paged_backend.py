@@ -54,9 +54,10 @@ from dpserve.engine.kv_cache import (
     num_blocks_for_budget,
 )
 from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.linear import ONEDNN_MIN_ROWS
 from dpserve.engine.llama import ForwardBatch, PagedLlama
 from dpserve.engine.paged_attention import decode_attention_backend
-from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending
+from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending, pad_decodes
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
@@ -124,6 +125,8 @@ class PagedBackend:
                 enable_prefix_caching=self.config.prefix_caching,
             )
         self.context_size = min(self.model.context_size, self.cache.token_capacity)
+        # oneDNN's kernels for 1-2 rows are slower than for 4: smaller decode steps are padded.
+        self._min_decode_rows = ONEDNN_MIN_ROWS if self.model.lm_head.onednn else 0
         self.max_num_seqs = self.config.max_num_seqs or max(
             1,
             min(
@@ -425,6 +428,10 @@ class PagedBackend:
         assert self.model is not None and self.cache is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
+        count = batch.num_decodes
+        if count < self._min_decode_rows and not batch.prefills:
+            padded = pad_decodes(batch, self._min_decode_rows)
+            return self.model.forward(padded, self.cache)[:count]
         return self.model.forward(batch, self.cache)
 
 

@@ -253,3 +253,25 @@ def apply_pending(batch: ForwardBatch, late: PendingTokens, tokens: torch.Tensor
     rows = torch.tensor(late.rows, dtype=torch.long).to(device, non_blocking=True)
     sources = torch.tensor(late.sources, dtype=torch.long).to(device, non_blocking=True)
     batch.input_ids.index_copy_(0, rows, tokens.index_select(0, sources))
+
+
+def pad_decodes(batch: ForwardBatch, rows: int) -> ForwardBatch:
+    """A decode-only batch padded to ``rows`` rows. Padding rows feed token 0 at position 0,
+    write their key/value to slot 0 (block 0, never handed out) and attend to that one slot,
+    as the CUDA graphs' padding does: they touch nothing a sequence owns, and their logits
+    (the last rows) are dropped by the caller."""
+    assert not batch.prefills and batch.block_tables is not None and batch.seq_lens is not None
+    extra = rows - batch.num_decodes
+    zeros = batch.input_ids.new_zeros(extra)
+    return ForwardBatch(
+        input_ids=torch.cat([batch.input_ids, zeros]),
+        positions=torch.cat([batch.positions, zeros]),
+        slot_mapping=torch.cat([batch.slot_mapping, zeros]),
+        num_decodes=rows,
+        block_tables=torch.cat(
+            [batch.block_tables, batch.block_tables.new_zeros(extra, batch.block_tables.shape[1])]
+        ),
+        seq_lens=torch.cat([batch.seq_lens, batch.seq_lens.new_ones(extra)]),
+        prefills=[],
+        logits_indices=None,
+    )

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from dpserve.engine.linear import ONEDNN_MIN_ROWS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
@@ -486,6 +487,29 @@ def test_a_request_reports_its_first_tokens_and_its_end_and_the_rest_when_taken(
     assert [len(tokens) for tokens in taken] == [5]
     assert outcomes[0].tokens[:1] + taken[0] + outcomes[0].tokens[1:] == expected
     assert runner.unreported() == []
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_decode_steps_padded_to_onednns_rows_give_the_same_tokens_and_logprobs(
+    tiny_model_path: Path, count: int
+) -> None:
+    prompts = random_prompts(count, seed=40 + count)
+    schedule = {
+        0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
+            for i, prompt in enumerate(prompts)]
+    }  # fmt: skip
+    outcomes = {}
+    for padded in (False, True):
+        runner = ModelRunner(str(tiny_model_path), max_num_seqs=4, device="cpu")
+        backend: Any = runner.backend
+        if padded and backend._min_decode_rows <= count:
+            pytest.skip("this torch build has no oneDNN linears: no padding")
+        backend._min_decode_rows = ONEDNN_MIN_ROWS if padded else 0
+        outcomes[padded] = run(runner, schedule)
+    for i in range(count):
+        padded, plain = outcomes[True][i], outcomes[False][i]
+        assert padded.tokens == plain.tokens
+        torch.testing.assert_close(padded.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
 
 
 def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
