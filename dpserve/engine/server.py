@@ -1,9 +1,9 @@
 """The engine process: protocol, control states and draining around any ``Runner``.
 
 One loop: handle everything the coordinator sent, heartbeat, run one runner step when there is
-work and the engine is not paused, send one ENGINE_REPLY with every finished request (and, at
-the stream interval, the new tokens of streaming requests). The same loop serves the fake and
-the model runner.
+work and the engine is not paused, send one ENGINE_REPLY with every finished request and every
+request's first tokens (and, at the stream interval, the new tokens of streaming requests, taken
+from the runner in one pass). The same loop serves the fake and the model runner.
 
 Liveness: the coordinator answers every HEARTBEAT. It counts as silent only when a heartbeat
 went unanswered for ``coordinator_timeout`` *as of a moment the engine looked at its socket*:
