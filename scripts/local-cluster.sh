@@ -277,7 +277,23 @@ load_images() {  # import each archive once per build (markers next to container
     name="$(basename "$archive")"
     [[ -f "$CONTAINERD_ROOT/imported/$name" ]] && continue
     log "importing $name into containerd (k8s.io)"
-    ctr --address "$SOCK" -n k8s.io images import "$archive" >&2
+    if ! ctr --address "$SOCK" -n k8s.io images import "$archive" >&2; then
+      # The persistent root can be left inconsistent by an earlier node (seen: "parent snapshot
+      # ... does not exist" for a layer whose image was still listed). Once per run: start
+      # containerd from an empty root and import every archive again.
+      [[ -z "${CONTAINERD_ROOT_RESET:-}" ]] || die "importing $name failed on an empty containerd root"
+      CONTAINERD_ROOT_RESET=1
+      log "import failed: starting containerd from an empty root"
+      stop_daemon containerd
+      { grep -o " $CONTAINERD_ROOT/root/[^ ]*" /proc/mounts || true; } | sort -r | while read -r mount; do
+        umount -l "$mount" || true
+      done
+      rm -rf "$CONTAINERD_ROOT/root" "$CONTAINERD_ROOT/imported"
+      start_daemon containerd containerd --config "$STATE/containerd/config.toml"
+      wait_until "containerd" 30 ctr --address "$SOCK" version
+      load_images
+      return
+    fi
     # Markers of older builds of the same image (name-<hash>.tar) go.
     rm -f "$CONTAINERD_ROOT/imported/${name%-*.tar}"-*.tar
     touch "$CONTAINERD_ROOT/imported/$name"
