@@ -145,7 +145,6 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # parallel to tokens[len(resume):]
     emitted: int = 0  # how many of ``tokens`` the caller has (resume tokens count as had)
     ready: int = 0  # how many of ``tokens`` may be reported (a stop string's tail held back)
-    reported: bool = False  # an update was emitted
     # The paged cache's view of it (see ``scheduler``): its blocks and cached context tokens.
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
@@ -188,6 +187,11 @@ class Sequence:
         must compute its whole prompt: it must not take cached prefix blocks (the prefix cache
         checks this flag before sharing blocks with it)."""
         return self.params.prompt_logprobs and not self.prompt_logprobs_sent
+
+    @property
+    def reported(self) -> bool:
+        """Some of the tokens it generated here were reported (resume tokens count as had)."""
+        return self.emitted > len(self.request.resume_tokens)
 
     @property
     def bare_argmax(self) -> bool:
@@ -292,7 +296,6 @@ class Sequence:
         """Report tokens up to ``ready``; ``cut``: the rest was dropped at a stop string."""
         start = self.emitted
         self.emitted = ready
-        self.reported = True
         logprobs = top = None
         if self.params.return_log_probs:
             # logprobs has no entries for resume tokens: shift indices by their count.
