@@ -22,6 +22,7 @@ from typing import Any, Final
 import torch
 from torch.nn import functional
 
+from dpserve.engine import triton_layer_ops, triton_prefill
 from dpserve.engine.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.linear import Linear, uses_onednn
 from dpserve.engine.paged_attention import (
@@ -63,6 +64,13 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
+def uses_triton_layers(device: torch.device) -> bool:
+    """Whether the layer's glue (RoPE with the KV write, SiLU x up) and the prefill attention
+    run as Triton kernels (``triton_layer_ops``, ``triton_prefill``): on CUDA, where torch
+    launches a kernel per element-wise step; on CPU torch's operations are the fast path."""
+    return device.type == "cuda" and triton_layer_ops.available(device)
+
+
 @dataclass(slots=True)
 class PrefillSlice:
     """One prefill chunk's rows in a ``ForwardBatch``."""
@@ -92,9 +100,10 @@ class _MLP:
 
     With oneDNN the gate and up projections stay separate so SiLU and the product ride in
     their epilogues (three operations in all); otherwise they are one fused matmul followed
-    by SiLU and a product."""
+    by SiLU and a product, one Triton kernel where ``fused`` (CUDA)."""
 
-    def __init__(self, mlp: Any) -> None:
+    def __init__(self, mlp: Any, fused: bool) -> None:
+        self.fused = fused
         if uses_onednn(mlp.gate_proj.weight):
             self.gate: Linear | None = Linear(*_weights(mlp.gate_proj))
             self.up: Linear | None = Linear(*_weights(mlp.up_proj))
@@ -110,8 +119,11 @@ class _MLP:
             activated = self.up.times(normed, self.gate.silu(normed))
         else:
             assert self.gate_up is not None
-            gate, up = self.gate_up(normed).chunk(2, dim=-1)
-            activated = functional.silu(gate).mul_(up)
+            if self.fused:
+                activated = triton_layer_ops.silu_times_up(self.gate_up(normed))
+            else:
+                gate, up = self.gate_up(normed).chunk(2, dim=-1)
+                activated = functional.silu(gate).mul_(up)
         return self.down.plus(activated, residual)
 
 
@@ -169,7 +181,9 @@ def _pair_rotary_dims(
     return weight, bias
 
 
-def _convert_layer(layer: Any, num_heads: int, num_kv_heads: int, head_dim: int) -> _Layer:
+def _convert_layer(
+    layer: Any, num_heads: int, num_kv_heads: int, head_dim: int, fused: bool
+) -> _Layer:
     attention = layer.self_attn
     q_weight, q_bias = _pair_rotary_dims(*_weights(attention.q_proj), num_heads, head_dim)
     k_weight, k_bias = _pair_rotary_dims(*_weights(attention.k_proj), num_kv_heads, head_dim)
@@ -188,7 +202,7 @@ def _convert_layer(layer: Any, num_heads: int, num_kv_heads: int, head_dim: int)
         qkv=Linear(qkv_weight, qkv_bias),
         o_proj=Linear(*_weights(attention.o_proj)),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        mlp=_MLP(layer.mlp),
+        mlp=_MLP(layer.mlp, fused),
     )
 
 
@@ -212,10 +226,12 @@ def _rotate_in_place(pairs: torch.Tensor, rotation: torch.Tensor) -> None:
 class _StepInputs:
     """What every layer of one forward shares, computed once per step."""
 
-    rotation: torch.Tensor  # [tokens, 1, head_dim / 2] complex: RoPE at each row's position
-    write_index: tuple[torch.Tensor, torch.Tensor]  # index_put_ into a layer's kv pair
+    # The torch path's RoPE ([tokens, 1, head_dim / 2] complex, each row's position) and KV
+    # write (index_put_ into a layer's kv pair); None where the Triton kernel does both.
+    rotation: torch.Tensor | None
+    write_index: tuple[torch.Tensor, torch.Tensor] | None
     decode: DecodeLayout | None  # None: no decode rows, or the Triton kernel reads the tables
-    prefill: PrefillLayout | None
+    prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None
 
 
 class PagedLlama:
@@ -246,11 +262,16 @@ class PagedLlama:
         self.lm_head = Linear(model.lm_head.weight.detach())
         self.vocab_size = self.lm_head.out_features
         self.rotation = self._rope_rotation(decoder.rotary_emb)
+        self.triton_layers = uses_triton_layers(self.device)
         self.layers: list[_Layer] = []
         for index in range(len(decoder.layers)):
             self.layers.append(
                 _convert_layer(
-                    decoder.layers[index], self.num_heads, self.num_kv_heads, self.head_dim
+                    decoder.layers[index],
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.triton_layers,
                 )
             )
             decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
@@ -290,7 +311,9 @@ class PagedLlama:
         return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
 
     def warm_up_kernels(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
-        """Compile the Triton decode kernel's variants a run can hit (nothing elsewhere)."""
+        """Compile the Triton kernels' variants a run can hit (nothing elsewhere)."""
+        if self.triton_layers:
+            self._warm_up_prefill(cache)
         if self.decode_backend != "triton":
             return
         from dpserve.engine import triton_decode
@@ -305,6 +328,25 @@ class PagedLlama:
             max_batch,
             max_blocks,
         )
+
+    def _warm_up_prefill(self, cache: PagedKVCache) -> None:
+        """Two prefill chunks after one decode row and without: the query rows start at an
+        aligned and an unaligned address, two compiled variants of each kernel."""
+        ids = torch.zeros(4, dtype=torch.long, device=self.device)
+        slots = ids.clone()  # block 0 is never handed out: writing it is harmless
+        for decodes in (0, 1):
+            chunks = [PrefillSlice(decodes, 2, 0, None), PrefillSlice(decodes + 2, 2, 0, None)]
+            batch = ForwardBatch(
+                input_ids=ids[: decodes + 4],
+                positions=ids[: decodes + 4],
+                slot_mapping=slots[: decodes + 4],
+                num_decodes=decodes,
+                block_tables=torch.zeros((decodes, 1), dtype=torch.int32, device=self.device),
+                seq_lens=torch.ones(decodes, dtype=torch.int32, device=self.device),
+                prefills=chunks,
+                logits_indices=None,
+            )
+            self.forward(batch, cache)
 
     # ---------------------------------------------------------------------------- forward
 
@@ -321,14 +363,22 @@ class PagedLlama:
 
     def _step_inputs(self, batch: ForwardBatch, block_size: int) -> _StepInputs:
         slots = batch.slot_mapping
-        pair = torch.arange(2, device=slots.device).unsqueeze(1)
-        decode = prefill = None
+        decode = None
+        prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None = None
         decodes = batch.num_decodes
         if decodes and self.decode_backend != "triton":
             assert batch.block_tables is not None and batch.seq_lens is not None
             decode = decode_layout(batch.block_tables, batch.seq_lens, block_size, self.dtype)
-        if batch.prefills:
-            chunks = batch.prefills
+        chunks = batch.prefills
+        if chunks and self.triton_layers:
+            prefill = triton_prefill.varlen_layout(
+                lengths=[chunk.length for chunk in chunks],
+                cached=[chunk.cached for chunk in chunks],
+                cached_blocks=[chunk.blocks for chunk in chunks],
+                slot_mapping=slots[decodes:],
+                block_size=block_size,
+            )
+        elif chunks:
             prefill = prefill_layout(
                 offsets=[chunk.offset - decodes for chunk in chunks],
                 lengths=[chunk.length for chunk in chunks],
@@ -339,9 +389,11 @@ class PagedLlama:
                 group=self.group,
                 dtype=self.dtype,
             )
+        if self.triton_layers:
+            return _StepInputs(rotation=None, write_index=None, decode=decode, prefill=prefill)
         return _StepInputs(
             rotation=self.rotation.index_select(0, batch.positions),
-            write_index=(pair, slots.unsqueeze(0)),
+            write_index=(torch.arange(2, device=slots.device).unsqueeze(1), slots.unsqueeze(0)),
             decode=decode,
             prefill=prefill,
         )
@@ -356,15 +408,27 @@ class PagedLlama:
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
-        rotated_heads = self.num_heads + self.num_kv_heads
-        _rotate_in_place(
-            qkv[:, : self.q_size + self.kv_size].view(tokens, rotated_heads, -1, 2),
-            step.rotation,
-        )
-        key_value = qkv[:, self.q_size :].view(tokens, 2, self.num_kv_heads, self.head_dim)
-        kv_pair.view(2, -1, self.num_kv_heads, self.head_dim).index_put_(
-            step.write_index, key_value.transpose(0, 1)
-        )
+        if step.rotation is None or step.write_index is None:
+            triton_layer_ops.rotate_and_write_kv(
+                qkv,
+                self.rotation,
+                batch.positions,
+                batch.slot_mapping,
+                kv_pair,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        else:
+            rotated_heads = self.num_heads + self.num_kv_heads
+            _rotate_in_place(
+                qkv[:, : self.q_size + self.kv_size].view(tokens, rotated_heads, -1, 2),
+                step.rotation,
+            )
+            key_value = qkv[:, self.q_size :].view(tokens, 2, self.num_kv_heads, self.head_dim)
+            kv_pair.view(2, -1, self.num_kv_heads, self.head_dim).index_put_(
+                step.write_index, key_value.transpose(0, 1)
+            )
         query = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         hidden = layer.o_proj.plus(self._attention(query, kv_pair, batch, step), hidden)
         return layer.mlp.plus(rms_norm(hidden, layer.post_norm, self.eps), hidden)
@@ -377,7 +441,13 @@ class PagedLlama:
         parts = []
         if decodes:
             parts.append(self._decode(query[:decodes], kv_pair, batch, step))
-        if step.prefill is not None:
+        if isinstance(step.prefill, triton_prefill.VarlenPrefillLayout):
+            parts.append(
+                triton_prefill.varlen_prefill_attention_triton(
+                    query[decodes:], kv_pair, step.prefill, self.scale
+                )
+            )
+        elif step.prefill is not None:
             parts.append(
                 varlen_prefill_attention(query[decodes:], kv_pair, step.prefill, self.scale)
             )

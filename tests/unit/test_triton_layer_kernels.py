@@ -1,0 +1,223 @@
+"""The Triton layer kernels (``triton_layer_ops``, ``triton_prefill``) equal the torch code they
+replace on CUDA (CPU, Triton's interpreter).
+
+As in ``test_triton_decode``: ``TRITON_INTERPRET=1`` must be set before triton is first imported
+and must not leak into a process that runs GPU tests, so the cases run in a child process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional
+
+from dpserve.engine import triton_layer_ops, triton_prefill
+from dpserve.engine.llama import _rotate_in_place
+from dpserve.engine.paged_attention import prefill_attention
+
+pytest.importorskip(
+    "triton", reason="triton is not installed (pip install '.[test]' brings it for the interpreter)"
+)
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_case = pytest.mark.skipif(
+    not IN_INTERPRETER,
+    reason="a kernel case: run by test_the_layer_kernel_cases_pass_in_the_interpreter in a "
+    "child process with TRITON_INTERPRET=1",
+)
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="this process is already the interpreter run")
+def test_the_layer_kernel_cases_pass_in_the_interpreter() -> None:
+    root = Path(__file__).resolve().parents[2]
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=root,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    summary = child.stdout.strip().splitlines()[-1]
+    assert re.search(r"\d+ passed, 1 skipped", summary), child.stdout[-2000:]
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not triton_layer_ops.available(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_layer_ops.silu_times_up(torch.zeros(2, 8))
+
+
+def _rotation(positions: int, half: int, seed: int) -> torch.Tensor:
+    angles = torch.rand(positions, half, generator=torch.Generator().manual_seed(seed)) * 6.3
+    return torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+
+
+@interpreter_case
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "dtype"),
+    [
+        (4, 2, 16, torch.float32),
+        (8, 2, 32, torch.bfloat16),
+        (6, 3, 8, torch.float32),  # head counts that are no powers of two
+    ],
+)
+def test_rotate_and_write_equals_the_torch_rotation_and_index_put(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(heads + head_dim)
+    tokens, block_size, blocks = 7, 4, 6
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size).to(dtype)
+    rotation = _rotation(32, head_dim // 2, seed=head_dim)
+    positions = torch.randint(0, 32, (tokens,))
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    kv_pair = torch.randn(2, blocks, block_size, kv_heads, head_dim).to(dtype)
+
+    expected_qkv, expected_kv = qkv.clone(), kv_pair.clone()
+    _rotate_in_place(
+        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
+        rotation.index_select(0, positions),
+    )
+    flat = expected_kv.view(2, -1, kv_heads, head_dim)
+    flat[:, slots] = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim).transpose(0, 1)
+
+    triton_layer_ops.rotate_and_write_kv(
+        qkv, rotation, positions, slots, kv_pair, heads, kv_heads, head_dim
+    )
+    # bf16: within one unit of the last place (Triton's interpreter truncates where the GPU
+    # rounds to nearest; tests/gpu checks the compiled kernel bit for bit).
+    exact = {"rtol": 1e-6 if dtype == torch.float32 else 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(qkv[:, :q_size], expected_qkv[:, :q_size], **exact)
+    # Everything else in the pool is untouched; the written slots hold the rotated keys.
+    torch.testing.assert_close(kv_pair, expected_kv, **exact)
+
+
+@interpreter_case
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [24, 1500])  # one program's block, and several
+def test_silu_times_up_equals_silu_then_mul(dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(
+        dtype
+    )
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = functional.silu(gate).mul_(up)
+    got = triton_layer_ops.silu_times_up(gate_up)
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+# (cached, length) per chunk: fresh prompts, chunks after cached tokens, block boundaries, a
+# one-token chunk, and chunks longer than a tile of query rows.
+PREFILL_STEPS = [
+    [(0, 9)],
+    [(5, 1), (0, 3), (8, 4)],
+    [(11, 6), (0, 16), (3, 13), (16, 1)],
+    [(0, 37), (20, 25)],
+]
+
+
+@interpreter_case
+@pytest.mark.parametrize("chunks", PREFILL_STEPS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (6, 2), (4, 4)])
+def test_varlen_prefill_kernel_equals_the_reference_chunk_by_chunk(
+    chunks: list[tuple[int, int]], heads: int, kv_heads: int
+) -> None:
+    head_dim, block_size = 16, 4
+    seed = sum(cached * 7 + length for cached, length in chunks) + heads
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    contexts = [cached + length for cached, length in chunks]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 4
+    kv_pair = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)  # noise everywhere
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    queries, slots, cached_blocks, sequences = [], [], [], []
+    for cached, length in chunks:
+        blocks = [free.pop() for _ in range(-(-(cached + length) // block_size))]
+        table = torch.tensor(blocks)
+        keys = torch.randn(cached + length, kv_heads, head_dim)
+        values = torch.randn(cached + length, kv_heads, head_dim)
+        for position in range(cached + length):
+            block, offset = blocks[position // block_size], position % block_size
+            kv_pair[0, block, offset], kv_pair[1, block, offset] = keys[position], values[position]
+        slots += [
+            blocks[p // block_size] * block_size + p % block_size
+            for p in range(cached, cached + length)
+        ]
+        cached_blocks.append(table if cached else None)
+        sequences.append((keys, values))
+        queries.append(torch.randn(length, heads, head_dim))
+    layout = triton_prefill.varlen_layout(
+        lengths=[n for _, n in chunks],
+        cached=[c for c, _ in chunks],
+        cached_blocks=cached_blocks,
+        slot_mapping=torch.tensor(slots),
+        block_size=block_size,
+    )
+    # The query rows as the model hands them: a strided view of a wider projection.
+    wide = torch.randn(sum(n for _, n in chunks), heads * head_dim + 8)
+    query = wide[:, : heads * head_dim].view(-1, heads, head_dim)
+    query.copy_(torch.cat(queries))
+    scale = head_dim**-0.5
+    out = triton_prefill.varlen_prefill_attention_triton(query, kv_pair, layout, scale)
+    assert out.shape == (sum(n for _, n in chunks), heads * head_dim)
+    offset = 0
+    for (keys, values), (_, length), chunk_queries in zip(sequences, chunks, queries, strict=True):
+        expected = prefill_attention(chunk_queries, keys, values, scale)
+        rows = out[offset : offset + length].view(-1, heads, head_dim)
+        torch.testing.assert_close(rows, expected, rtol=1e-5, atol=1e-5)
+        offset += length
+
+
+@interpreter_case
+def test_the_model_gives_the_same_tokens_with_the_triton_layers(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole engine on CPU with the CUDA path's kernels (interpreted) against torch's:
+    prefill chunks after cached prefixes, mixed steps, decodes; same tokens and log-probs."""
+    from dpserve.engine import llama
+    from dpserve.engine.model_runner import ModelRunner
+    from dpserve.engine.runner import RunnerRequest
+    from dpserve.sampling import SamplingParams
+
+    rng = random.Random(5)
+    shared = [rng.randrange(5, 380) for _ in range(9)]  # a cached prefix for the later ones
+    prompts = [
+        shared + [rng.randrange(5, 380) for _ in range(rng.randint(1, 14))] for _ in range(5)
+    ]
+    outcomes = []
+    for triton_layers in (False, True):
+        monkeypatch.setattr(llama, "uses_triton_layers", lambda _device, on=triton_layers: on)
+        runner = ModelRunner(
+            str(tiny_model_path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=24,
+        )
+        runner.eos_token_ids = frozenset()
+        assert runner.backend.model.triton_layers is triton_layers
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=6, return_log_probs=True)
+        for request_id, prompt in enumerate(prompts):
+            runner.add(RunnerRequest(request_id, prompt, params))
+        got: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in range(len(prompts))}
+        while runner.has_work():
+            for update in runner.step():
+                got[update.request_id][0].extend(update.tokens)
+                got[update.request_id][1].extend(update.logprobs or [])
+        assert runner.stats()["prefix_cache_hits"] > 0
+        outcomes.append(got)
+    torch_run, triton_run = outcomes
+    for request_id in torch_run:
+        assert triton_run[request_id][0] == torch_run[request_id][0]
+        assert triton_run[request_id][1] == pytest.approx(torch_run[request_id][1], abs=1e-4)
