@@ -101,9 +101,6 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         with torch.cuda.device(device):
-            # Eager steps (prefill chunks, batches past the largest bucket) read tables of
-            # other widths than the graphs': their kernel variants compile now, not mid-serving.
-            model.warm_up_kernels(cache, max_batch, max_blocks_per_sequence)
             self._capture(model, cache)
 
     def _capture(self, model: PagedLlama, cache: PagedKVCache) -> None:

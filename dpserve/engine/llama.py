@@ -310,12 +310,24 @@ class PagedLlama:
         element: int = self.embedding.element_size()
         return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
 
-    def warm_up_kernels(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
-        """Compile the Triton kernels' variants a run can hit (nothing elsewhere)."""
-        if self.triton_layers:
-            self._warm_up_prefill(cache)
-        if self.decode_backend != "triton":
+    def warm_up(
+        self, cache: PagedKVCache, max_batch: int, max_blocks: int, max_tokens: int
+    ) -> None:
+        """Before serving, on CUDA: compile every Triton kernel variant a run can hit and run
+        one step of ``max_tokens`` prompt tokens, so that the first requests wait for neither
+        the JIT nor the allocator's growth, and a step that does not fit beside the pool fails
+        here, at start, rather than mid-serving. Only block 0 (never handed out) is written."""
+        if self.device.type != "cuda":
             return
+        with torch.cuda.device(self.device):
+            if self.triton_layers:
+                for decodes in (0, 1):  # the query rows at an aligned and an unaligned address
+                    self.forward(_warm_up_batch(decodes, 4, self.device), cache)
+            self.forward(_warm_up_batch(0, max_tokens, self.device), cache)
+            if self.decode_backend == "triton":
+                self._warm_up_decode(cache, max_batch, max_blocks)
+
+    def _warm_up_decode(self, cache: PagedKVCache, max_batch: int, max_blocks: int) -> None:
         from dpserve.engine import triton_decode
 
         triton_decode.warm_up(
@@ -328,25 +340,6 @@ class PagedLlama:
             max_batch,
             max_blocks,
         )
-
-    def _warm_up_prefill(self, cache: PagedKVCache) -> None:
-        """Two prefill chunks after one decode row and without: the query rows start at an
-        aligned and an unaligned address, two compiled variants of each kernel."""
-        ids = torch.zeros(4, dtype=torch.long, device=self.device)
-        slots = ids.clone()  # block 0 is never handed out: writing it is harmless
-        for decodes in (0, 1):
-            chunks = [PrefillSlice(decodes, 2, 0, None), PrefillSlice(decodes + 2, 2, 0, None)]
-            batch = ForwardBatch(
-                input_ids=ids[: decodes + 4],
-                positions=ids[: decodes + 4],
-                slot_mapping=slots[: decodes + 4],
-                num_decodes=decodes,
-                block_tables=torch.zeros((decodes, 1), dtype=torch.int32, device=self.device),
-                seq_lens=torch.ones(decodes, dtype=torch.int32, device=self.device),
-                prefills=chunks,
-                logits_indices=None,
-            )
-            self.forward(batch, cache)
 
     # ---------------------------------------------------------------------------- forward
 
@@ -463,3 +456,25 @@ class PagedLlama:
             query, kv_pair[0], kv_pair[1], batch.block_tables, batch.seq_lens, self.scale
         )
         return out.reshape(query.shape[0], self.q_size)
+
+
+def _warm_up_batch(decodes: int, prompt_tokens: int, device: torch.device) -> ForwardBatch:
+    """``decodes`` decode rows and ``prompt_tokens`` prompt tokens in chunks of up to 512,
+    every one at position 0 and slot 0; logits of each chunk's last row."""
+    lengths = [min(512, prompt_tokens - start) for start in range(0, prompt_tokens, 512)]
+    offsets = [decodes + sum(lengths[:index]) for index in range(len(lengths))]
+    zeros = torch.zeros(decodes + prompt_tokens, dtype=torch.long, device=device)
+    last_rows = [offset + length - 1 for offset, length in zip(offsets, lengths, strict=True)]
+    return ForwardBatch(
+        input_ids=zeros,
+        positions=zeros,
+        slot_mapping=zeros,
+        num_decodes=decodes,
+        block_tables=torch.zeros((decodes, 1), dtype=torch.int32, device=device),
+        seq_lens=torch.ones(decodes, dtype=torch.int32, device=device),
+        prefills=[
+            PrefillSlice(offset, length, 0, None)
+            for offset, length in zip(offsets, lengths, strict=True)
+        ],
+        logits_indices=torch.tensor([*range(decodes), *last_rows], device=device),
+    )

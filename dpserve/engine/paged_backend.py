@@ -147,18 +147,20 @@ class PagedBackend:
             self.scheduler.preemptions = previous.preemptions
             self.scheduler.prefix_queries = previous.prefix_queries
             self.scheduler.prefix_hits = previous.prefix_hits
+        blocks_per_sequence = shape.blocks_for(self.context_size)
         self.inputs: BatchBuilder[Sequence] | None = BatchBuilder(
-            self.max_num_seqs, shape.blocks_for(self.context_size), shape.block_size, self.device
+            self.max_num_seqs, blocks_per_sequence, shape.block_size, self.device
         )
+        with torch.inference_mode():
+            self.model.warm_up(
+                self.cache, self.max_num_seqs, blocks_per_sequence, self.max_num_batched_tokens
+            )
         self.graphs: DecodeGraphs | None = None
         if self._use_graphs():
             try:
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
-                        self.model,
-                        self.cache,
-                        self.max_num_seqs,
-                        shape.blocks_for(self.context_size),
+                        self.model, self.cache, self.max_num_seqs, blocks_per_sequence
                     )
             except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
                 log.error("CUDA graph capture failed, decoding eagerly: %s", exc)

@@ -49,48 +49,40 @@ def _rotate_and_write_kernel(  # type: ignore[no-untyped-def]
     v_cache_ptr,
     qkv_stride,
     cache_stride_slot,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    Q_SIZE: tl.constexpr,
+    KV_SIZE: tl.constexpr,
     HALF: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_ROTATED: tl.constexpr,
     BLOCK_KV: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    heads = tl.arange(0, BLOCK_HEADS)
-    pairs = tl.arange(0, BLOCK_HALF)
-    pair_mask = pairs < HALF
-    # Query heads, then key heads: each head's dimensions come in RoPE pairs (llama.py's
-    # _rotary_pair_order), so a pair is two neighbouring elements.
-    offsets = heads[:, None] * (2 * HALF) + 2 * pairs[None, :]
-    rotated = (heads < NUM_HEADS + NUM_KV_HEADS)[:, None] & pair_mask[None, :]
     row_ptr = qkv_ptr + row * qkv_stride
-    first = tl.load(row_ptr + offsets, mask=rotated, other=0.0).to(tl.float32)
-    second = tl.load(row_ptr + offsets + 1, mask=rotated, other=0.0).to(tl.float32)
-    # rotation: [positions, half] complex64 read as (cos, sin) float pairs.
-    table = rotation_ptr + position * (2 * HALF) + 2 * pairs
-    cos = tl.load(table, mask=pair_mask, other=1.0)[None, :]
-    sin = tl.load(table + 1, mask=pair_mask, other=0.0)[None, :]
-    out_first = (first * cos - second * sin).to(qkv_ptr.dtype.element_ty)
-    out_second = (second * cos + first * sin).to(qkv_ptr.dtype.element_ty)
-
-    is_query = (heads < NUM_HEADS)[:, None] & pair_mask[None, :]
-    tl.store(row_ptr + offsets, out_first, mask=is_query)
-    tl.store(row_ptr + offsets + 1, out_second, mask=is_query)
-    is_key = rotated & (heads >= NUM_HEADS)[:, None]
-    key_offsets = offsets - NUM_HEADS * (2 * HALF)
     slot_base = slot * cache_stride_slot
-    tl.store(k_cache_ptr + slot_base + key_offsets, out_first, mask=is_key)
-    tl.store(k_cache_ptr + slot_base + key_offsets + 1, out_second, mask=is_key)
+    # The query heads, then the key heads, read as one contiguous run of the row. Each head's
+    # dimensions come in RoPE pairs (llama.py's _rotary_pair_order): split into the pairs'
+    # first and second elements, rotated, and joined back in place.
+    columns = tl.arange(0, BLOCK_ROTATED)
+    rotated = columns < Q_SIZE + KV_SIZE
+    heads = tl.load(row_ptr + columns, mask=rotated, other=0.0).to(tl.float32)
+    first, second = tl.split(tl.reshape(heads, [BLOCK_ROTATED // 2, 2]))
+    # rotation: [positions, half] complex64 read as (cos, sin) float pairs.
+    table = rotation_ptr + position * (2 * HALF) + 2 * (tl.arange(0, BLOCK_ROTATED // 2) % HALF)
+    cos = tl.load(table)
+    sin = tl.load(table + 1)
+    out = tl.reshape(
+        tl.join(first * cos - second * sin, second * cos + first * sin), [BLOCK_ROTATED]
+    ).to(qkv_ptr.dtype.element_ty)
+    tl.store(row_ptr + columns, out, mask=columns < Q_SIZE)
+    is_key = rotated & (columns >= Q_SIZE)
+    tl.store(k_cache_ptr + slot_base + (columns - Q_SIZE), out, mask=is_key)
 
-    columns = tl.arange(0, BLOCK_KV)
-    kv_size = NUM_KV_HEADS * 2 * HALF
+    kv_columns = tl.arange(0, BLOCK_KV)
     values = tl.load(
-        row_ptr + (NUM_HEADS * 2 * HALF + kv_size) + columns, mask=columns < kv_size, other=0.0
+        row_ptr + (Q_SIZE + KV_SIZE) + kv_columns, mask=kv_columns < KV_SIZE, other=0.0
     )
-    tl.store(v_cache_ptr + slot_base + columns, values, mask=columns < kv_size)
+    tl.store(v_cache_ptr + slot_base + kv_columns, values, mask=kv_columns < KV_SIZE)
 
 
 def _silu_times_up_kernel(  # type: ignore[no-untyped-def]  # unannotated for Triton: see above
@@ -180,12 +172,12 @@ def rotate_and_write_kv(
         kv_pair[1],
         qkv.stride(0),
         cache_slot_stride,
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
+        Q_SIZE=num_heads * head_dim,
+        KV_SIZE=num_kv_heads * head_dim,
         HALF=half,
-        BLOCK_HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_ROTATED=triton.next_power_of_2((num_heads + num_kv_heads) * head_dim),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim),
+        **({} if qkv.device.type == "cpu" else {"num_warps": 8}),
     )
 
 
