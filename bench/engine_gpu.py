@@ -340,6 +340,7 @@ def measure_decode_step(
     replay_ms = replay_decode_graph(runner, batch, args.step_count)
     if args.profile_dir is not None:
         profile_steps(runner, Path(args.profile_dir) / f"profile_{shape.layers}l.txt")
+    mixed_line = measure_mixed_steps(runner, shape, args, first_id, batch, step_ms)
     for offset in range(batch):
         runner.cancel(first_id + offset)
     while runner.has_work():
@@ -355,7 +356,45 @@ def measure_decode_step(
             f"   decode graph replay alone (forward, no host work) {replay_ms:.2f} ms; "
             f"step / replay {step_ms / replay_ms:.2f}x (goal <= 1.3x)"
         )
+    if mixed_line:
+        lines.append(mixed_line)
     return lines
+
+
+def measure_mixed_steps(
+    runner: ModelRunner,
+    shape: LlamaShape,
+    args: argparse.Namespace,
+    first_id: int,
+    batch: int,
+    decode_ms: float,
+) -> str:
+    """ms per step while a new prompt of ``--mixed-prompt`` tokens arrives every step beside a
+    batch of decoding sequences (``--mixed-count`` of the batch's sequences cancelled first to
+    make room): such steps run eagerly, not from a graph. The prompt's own compute is ~2 FLOPs
+    per parameter per token, printed beside it."""
+    count, length = args.mixed_count, args.mixed_prompt
+    if count <= 0 or batch < count:
+        return ""
+    for offset in range(count):
+        runner.cancel(first_id + offset)
+    for _ in range(3):
+        runner.step()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(16, shape.vocab) for _ in range(length)] for _ in range(count)]
+    synchronize(args.device)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        runner.add(RunnerRequest(first_id + batch + index, prompt, engine_params(4, shape.vocab)))
+        runner.step()
+    synchronize(args.device)
+    mixed_ms = (time.perf_counter() - start) * 1e3 / count
+    for index in range(count):
+        runner.cancel(first_id + batch + index)
+    return (
+        f"   mixed step, {batch - count} decoding + one new {length}-token prompt each step: "
+        f"{mixed_ms:.2f} ms per step (decode-only {decode_ms:.2f} ms; +{mixed_ms - decode_ms:.2f})"
+    )
 
 
 def replay_decode_graph(runner: ModelRunner, batch: int, count: int) -> float | None:
@@ -443,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-batch", type=int, default=256, help="0: no decode-step figure")
     parser.add_argument("--step-context", type=int, default=512)
     parser.add_argument("--step-count", type=int, default=50)
+    parser.add_argument("--mixed-count", type=int, default=16, help="0: no mixed-step figure")
+    parser.add_argument("--mixed-prompt", type=int, default=128)
     parser.add_argument("--profile-dir", default=None, help="write a profiler table per shape")
     parser.add_argument("--skip", action="append", default=[], help="static, stack (repeatable)")
     args = parser.parse_args(argv)
