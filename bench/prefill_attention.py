@@ -25,6 +25,7 @@ from bench.engine_gpu import SHAPES
 from dpserve.engine.paged_attention import prefill_layout, varlen_prefill_attention
 from dpserve.engine.triton_prefill import (
     GPU_LAUNCH,
+    GPU_LAUNCH_WIDE_HEADS,
     PrefillLaunch,
     varlen_layout,
     varlen_prefill_attention_triton,
@@ -33,7 +34,7 @@ from dpserve.engine.triton_prefill import (
 BLOCK_SIZE = 16
 LAUNCHES = [
     GPU_LAUNCH,
-    PrefillLaunch(rows=64, tokens=64, num_warps=4, num_stages=2),
+    GPU_LAUNCH_WIDE_HEADS,
     PrefillLaunch(rows=128, tokens=32, num_warps=4, num_stages=2),
     PrefillLaunch(rows=128, tokens=64, num_warps=4, num_stages=3),
     PrefillLaunch(rows=128, tokens=128, num_warps=8, num_stages=2),

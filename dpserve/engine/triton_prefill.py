@@ -48,8 +48,17 @@ class PrefillLaunch:
     num_stages: int = 2
 
 
+# The fastest of bench/prefill_attention.py's launches on an H100 (BENCHMARKS.md): for heads of
+# 64 dimensions 128 rows in 8 warps; for 128 dimensions the tiles' registers favour 64 rows.
 GPU_LAUNCH = PrefillLaunch(rows=128, tokens=64, num_warps=8, num_stages=2)
+GPU_LAUNCH_WIDE_HEADS = PrefillLaunch(rows=64, tokens=64, num_warps=4, num_stages=2)
 INTERPRETER_LAUNCH = PrefillLaunch(rows=16, tokens=16)
+
+
+def default_launch(head_dim: int, interpret: bool) -> PrefillLaunch:
+    if interpret:
+        return INTERPRETER_LAUNCH
+    return GPU_LAUNCH if head_dim <= 64 else GPU_LAUNCH_WIDE_HEADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +226,7 @@ def varlen_prefill_attention_triton(
     group = num_heads // num_kv_heads
     interpret = query.device.type == "cpu"
     if launch is None:
-        launch = INTERPRETER_LAUNCH if interpret else GPU_LAUNCH
+        launch = default_launch(head_dim, interpret)
     block_group = triton.next_power_of_2(group)
     rows = max(launch.rows, block_group, _MIN_DOT_DIM)
     out = query.new_empty(tokens, num_heads, head_dim)
