@@ -40,6 +40,7 @@ class StopText:
         "_last_chars",
         "_longest",
         "_next_delta",
+        "_prefixes_ending_in",
         "_sent_tail",
         "_tail_chars",
         "_unsent",
@@ -55,6 +56,14 @@ class StopText:
         # (the beginning of a stop string) can only end in one of its other characters.
         self._last_chars = frozenset(stop[-1] for stop in self.stops)
         self._tail_chars = frozenset("".join(stop[:-1] for stop in self.stops))
+        # The proper beginnings of the stop strings by their last character, longest first:
+        # a held-back tail ends the text, so only those ending in its last character can be.
+        prefixes: dict[str, list[str]] = {}
+        for prefix in sorted(
+            {stop[:n] for stop in self.stops for n in range(1, len(stop))}, key=len, reverse=True
+        ):
+            prefixes.setdefault(prefix[-1], []).append(prefix)
+        self._prefixes_ending_in = {char: tuple(found) for char, found in prefixes.items()}
         self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
@@ -81,29 +90,28 @@ class StopText:
             return len(self._ends), False
         window = self._sent_tail + self._unsent
         base = len(self._sent_tail)
-        newest_from = base + newest_start
-        match_at = min(
-            (
-                i
-                for i in (
-                    window.find(stop, max(0, newest_from - len(stop) + 1)) for stop in self.stops
-                )
-                if i >= 0
-            ),
-            default=-1,
-        )
-        if match_at >= 0:
-            return bisect_right(self._ends, match_at - base), True
+        if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
+            newest_from = base + newest_start
+            match_at = min(
+                (
+                    i
+                    for i in (
+                        window.find(stop, max(0, newest_from - len(stop) + 1))
+                        for stop in self.stops
+                    )
+                    if i >= 0
+                ),
+                default=-1,
+            )
+            if match_at >= 0:
+                return bisect_right(self._ends, match_at - base), True
         # Hold back a tail that is the beginning of a stop string: it may complete next step.
-        held = max(
-            (
-                n
-                for stop in self.stops
-                for n in range(len(stop) - 1, 0, -1)
-                if window.endswith(stop[:n])
-            ),
-            default=0,
-        )
+        held = 0
+        if window:
+            for prefix in self._prefixes_ending_in.get(window[-1], ()):
+                if window.endswith(prefix):
+                    held = len(prefix)
+                    break
         return bisect_right(self._ends, len(window) - held - base), False
 
     def release(self, count: int, final: bool) -> str:
