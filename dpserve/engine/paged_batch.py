@@ -98,8 +98,9 @@ class BatchBuilder(Generic[T]):
         columns: list[int] = []
         ids: list[int] = []
         written_of = self._written
-        sequences = [*plan.decodes, *(chunk.sequence for chunk in plan.prefills)]
-        # Only sequences that are new or got blocks since the last step do any work.
+        # Only sequences that are new or got blocks since the last step do any work: decodes
+        # get blocks only from the scheduler's ``grown``, new sequences start as prefills.
+        sequences = [*plan.grown, *(chunk.sequence for chunk in plan.prefills)]
         for sequence in [s for s in sequences if written_of.get(s) != len(s.blocks)]:
             written = written_of.get(sequence)
             if written is None:
@@ -149,6 +150,7 @@ class BatchBuilder(Generic[T]):
         # One row per decode and per prefill chunk: (token or 0, first position, table row).
         starts = [sequence.num_cached for sequence in decodes]
         table_rows = [row_of[sequence] for sequence in decodes]
+        longest = max(starts, default=0)
         late = PendingTokens([], [])
         if pending:
             # Their fed token is the one the previous step sampled: 0 here, patched on the
@@ -228,7 +230,7 @@ class BatchBuilder(Generic[T]):
         block_tables = seq_lens = None
         if decodes:
             decode_positions = positions[:num_decodes]
-            width = -(-(max(starts[:num_decodes]) + 1) // block_size)
+            width = -(-(longest + 1) // block_size)
             block_tables = self.table[:, :width].index_select(0, segment_rows[:num_decodes])
             seq_lens = (decode_positions + 1).to(torch.int32)
         # Prompt log-prob rows come after the sampled ones.

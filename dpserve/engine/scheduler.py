@@ -79,6 +79,9 @@ class StepPlan(Generic[S]):
     decodes: list[S] = field(default_factory=list)
     prefills: list[PrefillChunk[S]] = field(default_factory=list)
     preempted: list[S] = field(default_factory=list)
+    # Decodes that got a new block this step: with the prefills, the only sequences whose
+    # block tables changed (the batch builder appends only theirs).
+    grown: list[S] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -150,8 +153,11 @@ class Scheduler(Generic[S]):
             if sequence.context_length() - cached != 1:
                 continue
             # A new block only when the fed token starts one (every block_size tokens).
-            if cached < len(sequence.blocks) * block_size or self._reserve(sequence, plan):
+            if cached < len(sequence.blocks) * block_size:
                 decodes.append(sequence)
+            elif self._reserve(sequence, plan):
+                decodes.append(sequence)
+                plan.grown.append(sequence)
         budget = self.max_num_batched_tokens - len(plan.decodes)
         for sequence in self.running if len(decodes) < len(self.running) else ():
             remaining = sequence.context_length() - sequence.num_cached
