@@ -225,3 +225,26 @@ def push_batch(
         resynced = next(texts) if resyncs else None
         deltas.append(detokenizer.take(next(texts), final, resynced))
     return deltas
+
+
+def push_each(
+    tokenizer: BatchTokenizer, detokenizers: Sequence[IncrementalDetokenizer], tokens: Sequence[int]
+) -> list[str]:
+    """``detokenizer.push([token])`` for each pair, with one ``decode_batch`` call: what
+    ``push_batch`` does for one new token each (a decode step), in one pass over them without
+    its per-item calls (~2x less Python per sequence)."""
+    windows: list[list[int]] = []
+    append = windows.append
+    for detokenizer, token in zip(detokenizers, tokens, strict=True):
+        window = detokenizer._tokens
+        window.append(token)
+        if detokenizer._resync_end is not None:
+            append(window[detokenizer._anchor : detokenizer._resync_end])
+        append(window[detokenizer._anchor :])
+    texts = iter(tokenizer.decode_batch(windows) if windows else ())
+    deltas = []
+    for detokenizer in detokenizers:
+        # A moved window's resync text comes first (as it was appended).
+        resynced = None if detokenizer._resync_end is None else next(texts)
+        deltas.append(detokenizer.take(next(texts), False, resynced))
+    return deltas

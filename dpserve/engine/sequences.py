@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer, push_batch
+from dpserve.tokenizer import IncrementalDetokenizer, push_each
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher as GrammarMatcher
@@ -130,16 +130,17 @@ class StopText:
 def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
     """Decode the text each sequence with stop strings gets from its new token, for all of them
     in one ``decode_batch`` call (``accept`` then finds it decoded)."""
-    texts = [
-        (sequence.stop_text, token)
-        for sequence, token in zip(sequences, tokens, strict=True)
-        if sequence.stop_text is not None and sequence.keeps(token)
-    ]
+    texts: list[StopText] = []
+    kept: list[int] = []
+    for sequence, token in zip(sequences, tokens, strict=True):
+        text = sequence.stop_text
+        if text is not None and sequence.keeps(token):
+            texts.append(text)
+            kept.append(token)
     if not texts:
         return
-    tokenizer = texts[0][0].detokenizer.tokenizer
-    deltas = push_batch(tokenizer, [(text.detokenizer, [token], False) for text, token in texts])
-    for (text, _), delta in zip(texts, deltas, strict=True):
+    deltas = push_each(texts[0].detokenizer.tokenizer, [t.detokenizer for t in texts], kept)
+    for text, delta in zip(texts, deltas, strict=True):
         text._next_delta = delta
 
 

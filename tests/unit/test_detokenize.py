@@ -16,6 +16,7 @@ from dpserve.tokenizer import (
     HuggingFaceTokenizer,
     IncrementalDetokenizer,
     push_batch,
+    push_each,
 )
 
 TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
@@ -96,6 +97,28 @@ def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(tiny_model_pa
             sent[detokenizers.index(detokenizer)] += delta
     assert calls == longest
     assert sent == decode_batch(token_lists)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_push_each_gives_each_detokenizers_own_deltas(kind: str, tiny_model_path: Path) -> None:
+    # A decode step's one-token-each pass: the same deltas, step after step, as pushing each
+    # detokenizer alone (windows moving up, characters split over tokens, resumed ones).
+    tokenizer: BatchTokenizer = ByteTokenizer()
+    if kind == "bpe":
+        from transformers import AutoTokenizer
+
+        tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    token_lists = tokenizer.encode_batch([TEXT[i:] + TEXT[:i] for i in range(0, 40, 3)])
+    resumed = [i % 3 for i in range(len(token_lists))]  # tokens generated elsewhere first
+    starts = list(zip(token_lists, resumed, strict=True))
+    batched = [IncrementalDetokenizer(tokenizer, t[:r]) for t, r in starts]
+    alone = [IncrementalDetokenizer(tokenizer, t[:r]) for t, r in starts]
+    steps = min(map(len, token_lists)) - max(resumed)
+    for step in range(steps):
+        tokens = [t[r + step] for t, r in starts]
+        expected = [d.push([token]) for d, token in zip(alone, tokens, strict=True)]
+        assert push_each(tokenizer, batched, tokens) == expected, step
+    assert steps > 20
 
 
 def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:
