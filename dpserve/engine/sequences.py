@@ -258,40 +258,42 @@ class Sequence:
     ) -> TokenUpdate | None:
         """Apply the finishing rules to a sampled token; the update to report, if any (one
         with a ``finish_reason`` when the sequence is done)."""
-        finish: str | None = None
-        if not self.keeps(token):
-            finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
-            ready = len(self.tokens)
-            self.stop_token = token
-            if logprob is not None and self.params.return_log_probs:
-                self.stop_logprob = (logprob, top if self.params.top_logprobs else None)
+        tokens = self.tokens
+        params = self.params
+        if token in self.stop_ids and len(tokens) >= params.min_tokens:  # not ``keeps``
+            self.stop_token = token  # the stop token itself is not returned (as in OpenAI's API)
+            if logprob is not None and params.return_log_probs:
+                self.stop_logprob = (logprob, top if params.top_logprobs else None)
+            return self.emit(len(tokens), "stop")
+        tokens.append(token)
+        if logprob is not None and params.return_log_probs:
+            self.logprobs.append(logprob)
+            if params.top_logprobs:
+                self.top_logprobs.append(top or [])
+        ready = len(tokens)
+        if ready >= self.max_generated:
+            finish: str | None = "length"
         else:
-            self.tokens.append(token)
-            if logprob is not None and self.params.return_log_probs:
-                self.logprobs.append(logprob)
-                if self.params.top_logprobs:
-                    self.top_logprobs.append(top or [])
-            ready = len(self.tokens)
-            text = self.stop_text
-            if text is not None:
-                text.add(token)
-                if len(self.tokens) > self.params.min_tokens:
-                    releasable, matched = text.scan()
+            finish = None
+        text = self.stop_text
+        if text is not None:
+            text.add(token)
+            if ready > params.min_tokens:
+                releasable, matched = text.scan()
+                if matched:
                     ready = self.emitted + releasable
-                    if matched:
-                        del self.tokens[ready:]
-                        return self.emit(ready, "stop", cut=True)
-            if len(self.tokens) >= self.max_generated:
-                finish = "length"
-                ready = len(self.tokens)
+                    del tokens[ready:]
+                    return self.emit(ready, "stop", cut=True)
+                if finish is None:
+                    ready = self.emitted + releasable
         if finish is not None:
             return self.emit(ready, finish)
         self.ready = ready
         # A request reports its first tokens (the end of its prefill) at once, and then
         # nothing until it ends: its tokens wait here, not in an update per token, until the
         # engine takes them (``unreported``: once per stream interval, or at a hand-off).
-        if ready > self.emitted and not self.reported:
-            return self.emit(ready, None)
+        if ready > self.emitted and self.emitted <= len(self.request.resume_tokens):
+            return self.emit(ready, None)  # nothing ``reported`` yet
         return None
 
     def unreported(self) -> TokenUpdate | None:
