@@ -146,8 +146,9 @@ class Scheduler(Generic[S]):
         plan: StepPlan[S] = StepPlan()
         decodes = plan.decodes
         block_size = self.block_size
+        preempted = plan.preempted
         for sequence in list(self.running):
-            if plan.preempted and sequence in plan.preempted:  # made room for an older one
+            if preempted and sequence in preempted:  # made room for an older one
                 continue
             cached = sequence.num_cached
             if sequence.context_length() - cached != 1:
@@ -178,11 +179,14 @@ class Scheduler(Generic[S]):
     def commit(self, plan: StepPlan[S]) -> None:
         """The step's forward ran: its tokens are in the cache now, and the blocks they
         filled can be found by their hashes."""
+        block_size = self.block_size
         caching = self.pool.enable_caching
         for sequence in plan.decodes:
             sequence.num_cached += 1
-            if caching and sequence.num_cached % self.block_size == 0:
-                self._cache_filled_blocks(sequence, sequence.num_cached - 1)
+        if caching:  # a decode fills its block when its fed token is the block's last
+            for sequence in plan.decodes:
+                if not sequence.num_cached % block_size:
+                    self._cache_filled_blocks(sequence, sequence.num_cached - 1)
         for chunk in plan.prefills:
             chunk.sequence.num_cached = chunk.start + chunk.length
             if caching:
