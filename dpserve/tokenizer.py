@@ -243,8 +243,25 @@ def push_each(
         append(window[detokenizer._anchor :])
     texts = iter(tokenizer.decode_batch(windows) if windows else ())
     deltas = []
+    delta = ""
     for detokenizer in detokenizers:
-        # A moved window's resync text comes first (as it was appended).
-        resynced = None if detokenizer._resync_end is None else next(texts)
-        deltas.append(detokenizer.take(next(texts), False, resynced))
+        # ``take(text, final=False, resynced)``, inlined (a call per sequence costs as much as
+        # its work). A moved window's resync text comes first (as it was appended).
+        if detokenizer._resync_end is not None:
+            detokenizer._sent = len(next(texts))
+            detokenizer._resync_end = None
+        text = next(texts)
+        sent = detokenizer._sent
+        stable = len(text.rstrip(_REPLACEMENT)) if text.endswith(_REPLACEMENT) else len(text)
+        if stable > sent:
+            delta = text[sent:stable]
+            detokenizer._sent = sent = stable
+        else:
+            delta = ""
+        if sent == len(text) and len(window := detokenizer._tokens) - detokenizer._anchor > (
+            2 * DETOKENIZE_CONTEXT_TOKENS
+        ):
+            detokenizer._anchor = len(window) - DETOKENIZE_CONTEXT_TOKENS
+            detokenizer._resync_end = len(window)
+        deltas.append(delta)
     return deltas

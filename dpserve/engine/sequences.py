@@ -42,7 +42,6 @@ class StopText:
         "_next_delta",
         "_prefixes_ending_in",
         "_sent_tail",
-        "_tail_chars",
         "_unsent",
         "detokenizer",
         "stops",
@@ -52,10 +51,8 @@ class StopText:
         self.detokenizer = detokenizer
         self.stops = tuple(stops)
         self._longest = max(map(len, self.stops))
-        # A stop string can only end where one of its last characters is; a held-back tail
-        # (the beginning of a stop string) can only end in one of its other characters.
+        # A stop string can only end where one of its last characters is.
         self._last_chars = frozenset(stop[-1] for stop in self.stops)
-        self._tail_chars = frozenset("".join(stop[:-1] for stop in self.stops))
         # The proper beginnings of the stop strings by their last character, longest first:
         # a held-back tail ends the text, so only those ending in its last character can be.
         prefixes: dict[str, list[str]] = {}
@@ -80,17 +77,13 @@ class StopText:
     def scan(self) -> tuple[int, bool]:
         """How many of the tokens not returned yet may be returned, and whether a stop string
         (one that ends in the newest token's text) ends the request before them."""
-        newest_start = self._ends[-2] if len(self._ends) > 1 else 0
-        newest = self._unsent[newest_start:]
-        if newest and newest[-1] not in self._tail_chars and self._last_chars.isdisjoint(newest):
-            # The common case, decided without building the window: a stop string that ends
-            # in the newest text would have its last character there, and a held-back tail
-            # (which ends the text) a character of a stop string's beginning at the very end.
-            # Nothing is held and everything may go.
-            return len(self._ends), False
-        window = self._sent_tail + self._unsent
-        base = len(self._sent_tail)
+        ends = self._ends
+        unsent = self._unsent
+        newest_start = ends[-2] if len(ends) > 1 else 0
+        newest = unsent[newest_start:]
         if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
+            window = self._sent_tail + unsent
+            base = len(self._sent_tail)
             newest_from = base + newest_start
             match_at = min(
                 (
@@ -104,15 +97,20 @@ class StopText:
                 default=-1,
             )
             if match_at >= 0:
-                return bisect_right(self._ends, match_at - base), True
+                return bisect_right(ends, match_at - base), True
         # Hold back a tail that is the beginning of a stop string: it may complete next step.
-        held = 0
-        if window:
-            for prefix in self._prefixes_ending_in.get(window[-1], ()):
-                if window.endswith(prefix):
-                    held = len(prefix)
-                    break
-        return bisect_right(self._ends, len(window) - held - base), False
+        # It ends the text, so only the beginnings ending in the text's last character can be
+        # (usually none: then everything may go, decided without building the window).
+        end = unsent or self._sent_tail
+        candidates = self._prefixes_ending_in.get(end[-1], ()) if end else ()
+        for prefix in candidates:
+            if (
+                unsent.endswith(prefix)
+                if len(prefix) <= len(unsent)
+                else (self._sent_tail + unsent).endswith(prefix)
+            ):
+                return bisect_right(ends, len(unsent) - len(prefix)), False
+        return len(ends), False
 
     def release(self, count: int, final: bool) -> str:
         """The text of the next ``count`` tokens, now returned; with ``final`` (the request
@@ -134,7 +132,9 @@ def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
     kept: list[int] = []
     for sequence, token in zip(sequences, tokens, strict=True):
         text = sequence.stop_text
-        if text is not None and sequence.keeps(token):
+        if text is not None and (
+            token not in sequence.stop_ids or len(sequence.tokens) < sequence.params.min_tokens
+        ):  # ``keeps``, inlined
             texts.append(text)
             kept.append(token)
     if not texts:
