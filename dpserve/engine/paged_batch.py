@@ -179,7 +179,7 @@ class BatchBuilder(Generic[T]):
             tokens = [sequence.last_token() for sequence in decodes]
         num_decodes = len(decodes)
         sampled = list(decodes)
-        logit_rows = list(range(num_decodes))
+        logit_rows = list(range(num_decodes)) if plan.prefills else []  # with prefills only
         prompt_rows: list[tuple[T, int, int]] = []
         prompt_logit_rows: list[int] = []
         lengths: list[int] = []

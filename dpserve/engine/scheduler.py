@@ -181,12 +181,14 @@ class Scheduler(Generic[S]):
         filled can be found by their hashes."""
         block_size = self.block_size
         caching = self.pool.enable_caching
-        for sequence in plan.decodes:
-            sequence.num_cached += 1
-        if caching:  # a decode fills its block when its fed token is the block's last
+        if caching:
             for sequence in plan.decodes:
-                if not sequence.num_cached % block_size:
-                    self._cache_filled_blocks(sequence, sequence.num_cached - 1)
+                sequence.num_cached = cached = sequence.num_cached + 1
+                if not cached % block_size:  # its fed token was its block's last
+                    self._cache_filled_blocks(sequence, cached - 1)
+        else:
+            for sequence in plan.decodes:
+                sequence.num_cached += 1
         for chunk in plan.prefills:
             chunk.sequence.num_cached = chunk.start + chunk.length
             if caching:

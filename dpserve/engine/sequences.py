@@ -66,21 +66,27 @@ class StopText:
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
         self._next_delta: str | None = None  # decoded ahead by ``decode_new_tokens``
 
-    def add(self, token: int) -> None:
+    def add(self, token: int) -> str:
+        """Take in the next token; the text it adds."""
         delta = self._next_delta
         if delta is None:
             delta = self.detokenizer.push([token])
         self._next_delta = None
         self._unsent += delta
         self._ends.append(len(self._unsent))
+        return delta
 
     def scan(self) -> tuple[int, bool]:
         """How many of the tokens not returned yet may be returned, and whether a stop string
         (one that ends in the newest token's text) ends the request before them."""
         ends = self._ends
+        return self.scan_newest(self._unsent[ends[-2] if len(ends) > 1 else 0 :])
+
+    def scan_newest(self, newest: str) -> tuple[int, bool]:
+        """``scan``, given the newest token's text (what ``add`` returned)."""
+        ends = self._ends
         unsent = self._unsent
-        newest_start = ends[-2] if len(ends) > 1 else 0
-        newest = unsent[newest_start:]
+        newest_start = len(unsent) - len(newest)
         if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
             window = self._sent_tail + unsent
             base = len(self._sent_tail)
@@ -277,9 +283,9 @@ class Sequence:
             finish = None
         text = self.stop_text
         if text is not None:
-            text.add(token)
+            delta = text.add(token)
             if ready > params.min_tokens:
-                releasable, matched = text.scan()
+                releasable, matched = text.scan_newest(delta)
                 if matched:
                     ready = self.emitted + releasable
                     del tokens[ready:]
