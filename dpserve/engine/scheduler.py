@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes
+from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
 from dpserve.engine.kv_cache import BlockPool
 
 
@@ -238,7 +238,10 @@ class Scheduler(Generic[S]):
             size = self.block_size
             tokens = sequence.tokens_between(done * size, full_blocks * size)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
+            if done + 1 == full_blocks:  # a decode filled one block: hash it directly
+                hashes.append(hash_block(parent, tokens, sequence.cache_extra))
+            else:
+                hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
         return hashes
 
     def _cache_filled_blocks(self, sequence: S, since: int) -> None:
