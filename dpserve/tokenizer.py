@@ -50,6 +50,18 @@ class ByteTokenizer:
         lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
+    def token_texts(self) -> Sequence[str | None]:
+        """``token_texts`` of the protocol: ASCII bytes are characters of their own, the
+        others halves of one; EOS decodes to nothing."""
+        return _BYTE_TEXTS
+
+
+_BYTE_TEXTS: tuple[str | None, ...] = (
+    *(chr(byte) for byte in range(128)),
+    *(None for _ in range(128, 256)),
+    "",
+)
+
 
 class HuggingFaceTokenizer:
     """Adapter over a transformers tokenizer (fast tokenizers batch in Rust)."""
@@ -64,6 +76,28 @@ class HuggingFaceTokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self._rust_decoder = backend if backend is not None and not cleans_up else None
+        self._token_texts: Sequence[str | None] | None = None
+        self._token_texts_known = False
+
+    def token_texts(self) -> Sequence[str | None] | None:
+        """Each token's text where a sequence's text is the concatenation of its tokens'
+        (``IncrementalDetokenizer``'s fast path), None for a token whose bytes are no whole
+        characters; None for a tokenizer whose decoding is not that. A byte-level BPE decoder
+        (GPT-2's, Llama 3's, Qwen's, SmolLM's) maps each token to bytes on its own and decodes
+        their concatenation as UTF-8: there, a token that decodes alone to whole characters
+        adds exactly those characters to any text that ends on a whole character. Decoded
+        once, on first use, in one batch of the whole vocabulary."""
+        if not self._token_texts_known:
+            self._token_texts_known = True
+            from tokenizers import decoders
+
+            decoder = self._rust_decoder
+            if decoder is not None and isinstance(decoder.decoder, decoders.ByteLevel):
+                texts = decoder.decode_batch(
+                    [[token] for token in range(self.vocab_size)], skip_special_tokens=True
+                )
+                self._token_texts = [None if _REPLACEMENT in text else text for text in texts]
+        return self._token_texts
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
@@ -132,7 +166,7 @@ class IncrementalDetokenizer:
     Started with the tokens generated elsewhere already (``resume_tokens``), its deltas begin
     where the text of those tokens, so held back, ends."""
 
-    __slots__ = ("_anchor", "_resync_end", "_sent", "_tokens", "tokenizer")
+    __slots__ = ("_anchor", "_clean", "_resync_end", "_sent", "_texts", "_tokens", "tokenizer")
 
     def __init__(self, tokenizer: BatchTokenizer, resume_tokens: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
@@ -140,10 +174,16 @@ class IncrementalDetokenizer:
         self._anchor = self._clean_anchor(len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS)
         # What the text of ``resume_tokens`` held back is its trailing replacement characters:
         # the window starts on a whole character, so none of them is leading context.
-        self._sent = len(self._window().rstrip(_REPLACEMENT)) if self._tokens else 0
+        window = self._window() if self._tokens else ""
+        self._sent = len(window.rstrip(_REPLACEMENT))
         # Set when the window moved up: ``_sent`` is then the length of the text of
         # ``_tokens[_anchor:_resync_end]``, decoded with the next window (``resync_window``).
         self._resync_end: int | None = None
+        # All of the window's text is out and it ends on a whole character: with a tokenizer
+        # that has ``token_texts``, a token with a text of its own adds just that (no decode).
+        self._clean = self._sent == len(window)
+        texts = getattr(tokenizer, "token_texts", None)
+        self._texts: Sequence[str | None] | None = texts() if texts is not None else None
 
     def _clean_anchor(self, anchor: int) -> int:
         """``anchor``, moved back (by at most a UTF-8 sequence) to a token that starts a whole
@@ -189,14 +229,24 @@ class IncrementalDetokenizer:
         stable = len(text) if final else len(text.rstrip(_REPLACEMENT))
         delta = text[self._sent : stable] if stable > self._sent else ""
         self._sent = max(self._sent, stable)
-        if self._sent == len(text) and len(self._tokens) - self._anchor > (
-            2 * DETOKENIZE_CONTEXT_TOKENS
-        ):
-            # Everything is out: move the window up, keeping some context. The length of the
-            # text kept is learned in the next push's decode, not with a decode of its own.
-            self._anchor = len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS
-            self._resync_end = len(self._tokens)
+        self._clean = self._sent == len(text)
+        if self._clean and len(self._tokens) - self._anchor > (2 * DETOKENIZE_CONTEXT_TOKENS):
+            self._move_window()
         return delta
+
+    def _move_window(self) -> None:
+        """Everything is out: move the window up, keeping some context. The length of the text
+        kept is the sum of its tokens' own texts where they all have one, else it is learned
+        in the next push's decode (not with a decode of its own)."""
+        self._anchor = anchor = len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS
+        texts = self._texts
+        if texts is not None:
+            kept = [texts[t] if 0 <= t < len(texts) else None for t in self._tokens[anchor:]]
+            if None not in kept:
+                self._sent = sum(map(len, kept))  # type: ignore[arg-type]
+                return
+        self._resync_end = len(self._tokens)
+        self._clean = False
 
 
 def push_batch(
@@ -224,4 +274,54 @@ def push_batch(
             continue
         resynced = next(texts) if resyncs else None
         deltas.append(detokenizer.take(next(texts), final, resynced))
+    return deltas
+
+
+def push_each(
+    tokenizer: BatchTokenizer, detokenizers: Sequence[IncrementalDetokenizer], tokens: Sequence[int]
+) -> list[str]:
+    """``detokenizer.push([token])`` for each pair, with at most one ``decode_batch`` call: what
+    ``push_batch`` does for one new token each (a decode step), in one pass over them without
+    its per-item calls. A token with a text of its own (``token_texts``) after a window whose
+    text is all out adds that text, decoding nothing."""
+    deltas: list[str] = []
+    windows: list[list[int]] = []
+    slow: list[tuple[int, IncrementalDetokenizer]] = []
+    for detokenizer, token in zip(detokenizers, tokens, strict=True):
+        window = detokenizer._tokens
+        window.append(token)
+        texts = detokenizer._texts
+        if detokenizer._clean and texts is not None and 0 <= token < len(texts):
+            text = texts[token]
+            if text is not None:
+                detokenizer._sent += len(text)
+                if len(window) - detokenizer._anchor > 2 * DETOKENIZE_CONTEXT_TOKENS:
+                    detokenizer._move_window()
+                deltas.append(text)
+                continue
+        slow.append((len(deltas), detokenizer))
+        deltas.append("")
+        if detokenizer._resync_end is not None:
+            windows.append(window[detokenizer._anchor : detokenizer._resync_end])
+        windows.append(window[detokenizer._anchor :])
+    if not slow:
+        return deltas
+    decoded = iter(tokenizer.decode_batch(windows))
+    for index, detokenizer in slow:
+        # ``take(text, final=False, resynced)``, inlined (a call per sequence costs as much as
+        # its work). A moved window's resync text comes first (as it was appended).
+        if detokenizer._resync_end is not None:
+            detokenizer._sent = len(next(decoded))
+            detokenizer._resync_end = None
+        text = next(decoded)
+        sent = detokenizer._sent
+        stable = len(text.rstrip(_REPLACEMENT)) if text.endswith(_REPLACEMENT) else len(text)
+        if stable > sent:
+            deltas[index] = text[sent:stable]
+            detokenizer._sent = sent = stable
+        detokenizer._clean = sent == len(text)
+        if detokenizer._clean and len(detokenizer._tokens) - detokenizer._anchor > (
+            2 * DETOKENIZE_CONTEXT_TOKENS
+        ):
+            detokenizer._move_window()
     return deltas

@@ -336,24 +336,28 @@ class ModelRunner:
                 finished = []
                 decode_new_tokens(sampled.sequences, sampled.tokens)
                 logprobs, tops = sampled.logprobs, sampled.top
-                generated = 0
-                for row, (sequence, token) in enumerate(
-                    zip(sampled.sequences, sampled.tokens, strict=True)
-                ):
-                    before = len(sequence.tokens)
+                # accept() keeps its token unless the sequence finishes with "stop" (a stop
+                # token is not returned; a stop string cuts the token it starts in): every
+                # other row adds one generated token.
+                stopped = 0
+                pairs = zip(sampled.sequences, sampled.tokens, strict=True)
+                for row, (sequence, token) in enumerate(pairs):
                     if sequence.matcher is not None:
                         advance(sequence.matcher, token)
-                    update = sequence.accept(
-                        token,
-                        None if logprobs is None else logprobs[row],
-                        None if tops is None else tops[row],
-                    )
-                    generated += len(sequence.tokens) > before
+                    if logprobs is None and tops is None:
+                        update = sequence.accept(token, None)
+                    else:
+                        update = sequence.accept(
+                            token,
+                            None if logprobs is None else logprobs[row],
+                            None if tops is None else tops[row],
+                        )
                     if update is not None:
                         updates.append(update)
                         if update.finish_reason is not None:
                             finished.append(sequence)
-                self._tokens_generated += generated
+                            stopped += update.finish_reason == "stop"
+                self._tokens_generated += len(sampled.tokens) - stopped
                 if finished:
                     for sequence in finished:
                         del self._live[sequence.request_id]

@@ -86,6 +86,9 @@ class _InFlight:
     prompt_rows: list[tuple[Sequence, int, int]] = field(default_factory=list)
     prompt_out: list[sampler.SampleOutput] = field(default_factory=list)
     forgotten: int = 0  # the backend's count of forgotten sequences when it was launched
+    # Its sequences count its token as pending (only a step that stays in flight after the
+    # call that launched it: one collected at once is never seen pending).
+    counted: bool = False
 
 
 class PagedBackend:
@@ -340,17 +343,20 @@ class PagedBackend:
             submitted = self._queue.submit(job)
             self.scheduler.commit(plan)
             self.prefill_tokens += sum(chunk.length for chunk in plan.prefills)
-            for sequence in sampled:
-                sequence.pending += 1
-            # Tracked even without sampled rows, so that its errors surface here.
-            self._in_flight.append(
-                _InFlight(sampled, submitted, built.prompt_rows, prompt_out, self._forgotten)
-            )
             # A sequence whose sampling reads host state (penalties, a grammar) or that
             # records prompt log-probs is taken in before the next step is built.
             launched = not built.prompt_rows and (
                 bare or not any(sequence.needs_host_state for sequence in sampled)
             )
+            in_flight = _InFlight(
+                sampled, submitted, built.prompt_rows, prompt_out, self._forgotten
+            )
+            if launched and self._queue.overlap:  # stays in flight: its tokens are pending
+                in_flight.counted = True
+                for sequence in sampled:
+                    sequence.pending += 1
+            # Tracked even without sampled rows, so that its errors surface here.
+            self._in_flight.append(in_flight)
         # With overlap the step just submitted stays in flight while the runner takes in the
         # one before it; the next call prepares its successor.
         keep = 1 if launched and self._queue.overlap else 0
@@ -400,8 +406,9 @@ class PagedBackend:
         host = in_flight.launched.wait()
         if in_flight.prompt_rows:
             _record_prompt_logprobs(in_flight.prompt_rows, in_flight.prompt_out[0].to_host())
-        for sequence in in_flight.sequences:
-            sequence.pending -= 1
+        if in_flight.counted:
+            for sequence in in_flight.sequences:
+                sequence.pending -= 1
         if in_flight.forgotten == self._forgotten:  # every one of them still tracked
             return [Sampled(in_flight.sequences, host.tokens, host.logprobs, host.top)]
         rows = [

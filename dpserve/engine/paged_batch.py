@@ -2,13 +2,15 @@
 proportional to what changed since the last step.
 
 The block tables live on the device, in one persistent ``[rows, max_blocks]`` int32 table
-(``BatchBuilder.table``): a sequence gets a row when it first runs and keeps it until it is
-finished, cancelled or preempted; block ids the scheduler appended since the last step are
-written into it with one small copy (usually none: a decode needs a new block every
-``block_size`` tokens). Per step the host sends only what is new: each row's fed token (unless
-it is still on the device, ``pending``), position and table row, as one tensor; positions of
-prefill chunks, sequence lengths, block tables and slot mappings are computed on the device
-from them. Host buffers are pinned on CUDA and copied without blocking.
+(``BatchBuilder.table``), with a copy on the host (on CPU they are one array): a sequence gets
+a row when it first runs and keeps it until it is finished, cancelled or preempted; block ids
+the scheduler appended since the last step (``StepPlan.grown``, new sequences) are written into
+both with one small copy (usually none: a decode needs a new block every ``block_size``
+tokens). Per step the host computes each token's position and slot from its copy with numpy
+(a few vector operations, ~1 us each, where each torch operation costs several) and sends
+tokens, positions, slots, the decodes' table rows and lengths as one buffer; the decodes' block
+tables are gathered from the device's table. Host buffers are pinned on CUDA and copied without
+blocking. A fed token still on the device (``pending``) is sent as 0 and patched there.
 
 A sequence whose first scheduled token is not position 0 (a chunked prefill continuing, a
 prefix-cache hit) is handled like any chunk: its cached part is read through its table row.
@@ -20,6 +22,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from dpserve.engine.llama import ForwardBatch, PrefillSlice
@@ -72,7 +75,11 @@ class BatchBuilder(Generic[T]):
         self._pin = device.type == "cuda"
         # Row r holds the block ids of the sequence in row r; unused entries point at block 0
         # (reserved, never handed out): a row is cleared before it is handed out again.
-        self.table = torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=device)
+        # The host keeps a copy (``_host_table``) to compute slot mappings with numpy, whose
+        # small operations cost ~1 us of host time where torch's cost 3-10: on CPU the two are
+        # one array.
+        self._host_table = np.zeros((max_rows, max_blocks), dtype=np.int32)
+        self.table = torch.from_numpy(self._host_table).to(device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._row: dict[T, int] = {}
         self._written: dict[T, int] = {}  # block ids of a sequence already in its row
@@ -92,14 +99,17 @@ class BatchBuilder(Generic[T]):
     def _sync_rows(self, plan: StepPlan[T]) -> None:
         """Give new sequences a row and append the block ids added since the last step."""
         if self._to_clear:
-            self.table[self._to_device(self._to_clear)] = 0
+            self._host_table[self._to_clear] = 0
+            if self.device.type != "cpu":
+                self.table[self._to_device(self._to_clear)] = 0
             self._to_clear = []
         rows: list[int] = []
         columns: list[int] = []
         ids: list[int] = []
         written_of = self._written
-        sequences = [*plan.decodes, *(chunk.sequence for chunk in plan.prefills)]
-        # Only sequences that are new or got blocks since the last step do any work.
+        # Only sequences that are new or got blocks since the last step do any work: decodes
+        # get blocks only from the scheduler's ``grown``, new sequences start as prefills.
+        sequences = [*plan.grown, *(chunk.sequence for chunk in plan.prefills)]
         for sequence in [s for s in sequences if written_of.get(s) != len(s.blocks)]:
             written = written_of.get(sequence)
             if written is None:
@@ -114,8 +124,10 @@ class BatchBuilder(Generic[T]):
                 ids += new
             written_of[sequence] = len(blocks)
         if ids:
-            update = self._to_device(rows, columns, ids)
-            self.table[update[0], update[1]] = update[2].to(torch.int32)
+            self._host_table[rows, columns] = ids
+            if self.device.type != "cpu":
+                update = self._to_device(rows, columns, ids)
+                self.table[update[0], update[1]] = update[2].to(torch.int32)
 
     def _to_device(self, *columns: list[int]) -> torch.Tensor:
         """Equal-length int lists as one int64 tensor on the device: ``[n]`` for one,
@@ -149,6 +161,7 @@ class BatchBuilder(Generic[T]):
         # One row per decode and per prefill chunk: (token or 0, first position, table row).
         starts = [sequence.num_cached for sequence in decodes]
         table_rows = [row_of[sequence] for sequence in decodes]
+        longest = max(starts, default=0)
         late = PendingTokens([], [])
         if pending:
             # Their fed token is the one the previous step sampled: 0 here, patched on the
@@ -166,7 +179,7 @@ class BatchBuilder(Generic[T]):
             tokens = [sequence.last_token() for sequence in decodes]
         num_decodes = len(decodes)
         sampled = list(decodes)
-        logit_rows = list(range(num_decodes))
+        logit_rows = list(range(num_decodes)) if plan.prefills else []  # with prefills only
         prompt_rows: list[tuple[T, int, int]] = []
         prompt_logit_rows: list[int] = []
         lengths: list[int] = []
@@ -194,49 +207,54 @@ class BatchBuilder(Generic[T]):
                 logit_rows.append(offset - 1)
                 sampled.append(sequence)
 
-        meta = self._to_device(starts, table_rows)
-        input_ids = self._to_device(tokens)
-        segment_starts, segment_rows = meta[0], meta[1]
+        # Positions, table rows and slots on the host (numpy), sent with the tokens, the
+        # decodes' rows and their lengths as one int64 buffer: one copy, no per-step ops on
+        # the device but the block tables' gather.
+        total = offset
+        row_starts = np.array(starts, dtype=np.int64)
+        segment_rows = np.array(table_rows, dtype=np.int64)
         if prefills:
             # Each chunk's positions run from its start: repeat per token, add the offsets.
-            counts = self._to_device(lengths)
-            chunk_offsets = torch.cumsum(counts, 0) - counts
-            chunk_starts = segment_starts[num_decodes:]
-            total = offset - num_decodes
-            within = torch.arange(total, device=self.device) - torch.repeat_interleave(
-                chunk_offsets, counts, output_size=total
+            counts = np.array(lengths, dtype=np.int64)
+            chunk_offsets = np.cumsum(counts) - counts
+            within = np.arange(total - num_decodes) - np.repeat(chunk_offsets, counts)
+            positions = np.concatenate(
+                [row_starts[:num_decodes], np.repeat(row_starts[num_decodes:], counts) + within]
             )
-            positions = torch.cat(
-                [
-                    segment_starts[:num_decodes],
-                    torch.repeat_interleave(chunk_starts, counts, output_size=total) + within,
-                ]
-            )
-            token_rows = torch.cat(
-                [
-                    segment_rows[:num_decodes],
-                    torch.repeat_interleave(segment_rows[num_decodes:], counts, output_size=total),
-                ]
+            token_rows = np.concatenate(
+                [segment_rows[:num_decodes], np.repeat(segment_rows[num_decodes:], counts)]
             )
         else:
-            positions, token_rows = segment_starts, segment_rows
-        block_index = torch.div(positions, block_size, rounding_mode="floor")
-        slot_mapping = self.table[token_rows, block_index].long() * block_size + (
-            positions - block_index * block_size
+            positions, token_rows = row_starts, segment_rows
+        packed = np.empty(3 * total + 2 * num_decodes, dtype=np.int64)
+        packed[:total] = tokens
+        packed[total : 2 * total] = positions
+        slots = packed[2 * total : 3 * total]
+        block_index = positions // block_size
+        np.multiply(
+            self._host_table[token_rows, block_index], block_size, out=slots, dtype=np.int64
         )
+        slots += positions - block_index * block_size
+        packed[3 * total : 3 * total + num_decodes] = segment_rows[:num_decodes]
+        packed[3 * total + num_decodes :] = row_starts[:num_decodes] + 1
+        host = torch.from_numpy(packed)
+        if self._pin:
+            host = host.pin_memory()
+        sent = host.to(self.device, non_blocking=True)
+        input_ids = sent[:total]
 
         block_tables = seq_lens = None
         if decodes:
-            decode_positions = positions[:num_decodes]
-            width = -(-(max(starts[:num_decodes]) + 1) // block_size)
-            block_tables = self.table[:, :width].index_select(0, segment_rows[:num_decodes])
-            seq_lens = (decode_positions + 1).to(torch.int32)
+            width = -(-(longest + 1) // block_size)
+            decode_rows = sent[3 * total : 3 * total + num_decodes]
+            block_tables = self.table[:, :width].index_select(0, decode_rows)
+            seq_lens = sent[3 * total + num_decodes :].to(torch.int32)
         # Prompt log-prob rows come after the sampled ones.
         logits_indices = self._to_device(logit_rows + prompt_logit_rows) if prefills else None
         batch = ForwardBatch(
             input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
+            positions=sent[total : 2 * total],
+            slot_mapping=sent[2 * total : 3 * total],
             num_decodes=num_decodes,
             block_tables=block_tables,
             seq_lens=seq_lens,

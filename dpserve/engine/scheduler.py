@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes
+from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
 from dpserve.engine.kv_cache import BlockPool
 
 
@@ -79,6 +79,9 @@ class StepPlan(Generic[S]):
     decodes: list[S] = field(default_factory=list)
     prefills: list[PrefillChunk[S]] = field(default_factory=list)
     preempted: list[S] = field(default_factory=list)
+    # Decodes that got a new block this step: with the prefills, the only sequences whose
+    # block tables changed (the batch builder appends only theirs).
+    grown: list[S] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -143,15 +146,19 @@ class Scheduler(Generic[S]):
         plan: StepPlan[S] = StepPlan()
         decodes = plan.decodes
         block_size = self.block_size
+        preempted = plan.preempted
         for sequence in list(self.running):
-            if plan.preempted and sequence in plan.preempted:  # made room for an older one
+            if preempted and sequence in preempted:  # made room for an older one
                 continue
             cached = sequence.num_cached
             if sequence.context_length() - cached != 1:
                 continue
             # A new block only when the fed token starts one (every block_size tokens).
-            if cached < len(sequence.blocks) * block_size or self._reserve(sequence, plan):
+            if cached < len(sequence.blocks) * block_size:
                 decodes.append(sequence)
+            elif self._reserve(sequence, plan):
+                decodes.append(sequence)
+                plan.grown.append(sequence)
         budget = self.max_num_batched_tokens - len(plan.decodes)
         for sequence in self.running if len(decodes) < len(self.running) else ():
             remaining = sequence.context_length() - sequence.num_cached
@@ -172,11 +179,16 @@ class Scheduler(Generic[S]):
     def commit(self, plan: StepPlan[S]) -> None:
         """The step's forward ran: its tokens are in the cache now, and the blocks they
         filled can be found by their hashes."""
+        block_size = self.block_size
         caching = self.pool.enable_caching
-        for sequence in plan.decodes:
-            sequence.num_cached += 1
-            if caching and sequence.num_cached % self.block_size == 0:
-                self._cache_filled_blocks(sequence, sequence.num_cached - 1)
+        if caching:
+            for sequence in plan.decodes:
+                sequence.num_cached = cached = sequence.num_cached + 1
+                if not cached % block_size:  # its fed token was its block's last
+                    self._cache_filled_blocks(sequence, cached - 1)
+        else:
+            for sequence in plan.decodes:
+                sequence.num_cached += 1
         for chunk in plan.prefills:
             chunk.sequence.num_cached = chunk.start + chunk.length
             if caching:
@@ -226,7 +238,10 @@ class Scheduler(Generic[S]):
             size = self.block_size
             tokens = sequence.tokens_between(done * size, full_blocks * size)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
+            if done + 1 == full_blocks:  # a decode filled one block: hash it directly
+                hashes.append(hash_block(parent, tokens, sequence.cache_extra))
+            else:
+                hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
         return hashes
 
     def _cache_filled_blocks(self, sequence: S, since: int) -> None:

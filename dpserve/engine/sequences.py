@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer, push_batch
+from dpserve.tokenizer import IncrementalDetokenizer, push_each
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher as GrammarMatcher
@@ -40,8 +40,8 @@ class StopText:
         "_last_chars",
         "_longest",
         "_next_delta",
+        "_prefixes_ending_in",
         "_sent_tail",
-        "_tail_chars",
         "_unsent",
         "detokenizer",
         "stops",
@@ -51,60 +51,72 @@ class StopText:
         self.detokenizer = detokenizer
         self.stops = tuple(stops)
         self._longest = max(map(len, self.stops))
-        # A stop string can only end where one of its last characters is; a held-back tail
-        # (the beginning of a stop string) can only end in one of its other characters.
+        # A stop string can only end where one of its last characters is.
         self._last_chars = frozenset(stop[-1] for stop in self.stops)
-        self._tail_chars = frozenset("".join(stop[:-1] for stop in self.stops))
+        # The proper beginnings of the stop strings by their last character, longest first:
+        # a held-back tail ends the text, so only those ending in its last character can be.
+        prefixes: dict[str, list[str]] = {}
+        for prefix in sorted(
+            {stop[:n] for stop in self.stops for n in range(1, len(stop))}, key=len, reverse=True
+        ):
+            prefixes.setdefault(prefix[-1], []).append(prefix)
+        self._prefixes_ending_in = {char: tuple(found) for char, found in prefixes.items()}
         self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
         self._next_delta: str | None = None  # decoded ahead by ``decode_new_tokens``
 
-    def add(self, token: int) -> None:
+    def add(self, token: int) -> str:
+        """Take in the next token; the text it adds."""
         delta = self._next_delta
         if delta is None:
             delta = self.detokenizer.push([token])
         self._next_delta = None
         self._unsent += delta
         self._ends.append(len(self._unsent))
+        return delta
 
     def scan(self) -> tuple[int, bool]:
         """How many of the tokens not returned yet may be returned, and whether a stop string
         (one that ends in the newest token's text) ends the request before them."""
-        newest_start = self._ends[-2] if len(self._ends) > 1 else 0
-        newest = self._unsent[newest_start:]
-        if newest and newest[-1] not in self._tail_chars and self._last_chars.isdisjoint(newest):
-            # The common case, decided without building the window: a stop string that ends
-            # in the newest text would have its last character there, and a held-back tail
-            # (which ends the text) a character of a stop string's beginning at the very end.
-            # Nothing is held and everything may go.
-            return len(self._ends), False
-        window = self._sent_tail + self._unsent
-        base = len(self._sent_tail)
-        newest_from = base + newest_start
-        match_at = min(
-            (
-                i
-                for i in (
-                    window.find(stop, max(0, newest_from - len(stop) + 1)) for stop in self.stops
-                )
-                if i >= 0
-            ),
-            default=-1,
-        )
-        if match_at >= 0:
-            return bisect_right(self._ends, match_at - base), True
+        ends = self._ends
+        return self.scan_newest(self._unsent[ends[-2] if len(ends) > 1 else 0 :])
+
+    def scan_newest(self, newest: str) -> tuple[int, bool]:
+        """``scan``, given the newest token's text (what ``add`` returned)."""
+        ends = self._ends
+        unsent = self._unsent
+        newest_start = len(unsent) - len(newest)
+        if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
+            window = self._sent_tail + unsent
+            base = len(self._sent_tail)
+            newest_from = base + newest_start
+            match_at = min(
+                (
+                    i
+                    for i in (
+                        window.find(stop, max(0, newest_from - len(stop) + 1))
+                        for stop in self.stops
+                    )
+                    if i >= 0
+                ),
+                default=-1,
+            )
+            if match_at >= 0:
+                return bisect_right(ends, match_at - base), True
         # Hold back a tail that is the beginning of a stop string: it may complete next step.
-        held = max(
-            (
-                n
-                for stop in self.stops
-                for n in range(len(stop) - 1, 0, -1)
-                if window.endswith(stop[:n])
-            ),
-            default=0,
-        )
-        return bisect_right(self._ends, len(window) - held - base), False
+        # It ends the text, so only the beginnings ending in the text's last character can be
+        # (usually none: then everything may go, decided without building the window).
+        end = unsent or self._sent_tail
+        candidates = self._prefixes_ending_in.get(end[-1], ()) if end else ()
+        for prefix in candidates:
+            if (
+                unsent.endswith(prefix)
+                if len(prefix) <= len(unsent)
+                else (self._sent_tail + unsent).endswith(prefix)
+            ):
+                return bisect_right(ends, len(unsent) - len(prefix)), False
+        return len(ends), False
 
     def release(self, count: int, final: bool) -> str:
         """The text of the next ``count`` tokens, now returned; with ``final`` (the request
@@ -122,16 +134,19 @@ class StopText:
 def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
     """Decode the text each sequence with stop strings gets from its new token, for all of them
     in one ``decode_batch`` call (``accept`` then finds it decoded)."""
-    texts = [
-        (sequence.stop_text, token)
-        for sequence, token in zip(sequences, tokens, strict=True)
-        if sequence.stop_text is not None and sequence.keeps(token)
-    ]
+    texts: list[StopText] = []
+    kept: list[int] = []
+    for sequence, token in zip(sequences, tokens, strict=True):
+        text = sequence.stop_text
+        if text is not None and (
+            token not in sequence.stop_ids or len(sequence.tokens) < sequence.params.min_tokens
+        ):  # ``keeps``, inlined
+            texts.append(text)
+            kept.append(token)
     if not texts:
         return
-    tokenizer = texts[0][0].detokenizer.tokenizer
-    deltas = push_batch(tokenizer, [(text.detokenizer, [token], False) for text, token in texts])
-    for (text, _), delta in zip(texts, deltas, strict=True):
+    deltas = push_each(texts[0].detokenizer.tokenizer, [t.detokenizer for t in texts], kept)
+    for text, delta in zip(texts, deltas, strict=True):
         text._next_delta = delta
 
 
@@ -249,40 +264,42 @@ class Sequence:
     ) -> TokenUpdate | None:
         """Apply the finishing rules to a sampled token; the update to report, if any (one
         with a ``finish_reason`` when the sequence is done)."""
-        finish: str | None = None
-        if not self.keeps(token):
-            finish = "stop"  # the stop token itself is not returned (as in OpenAI's API)
-            ready = len(self.tokens)
-            self.stop_token = token
-            if logprob is not None and self.params.return_log_probs:
-                self.stop_logprob = (logprob, top if self.params.top_logprobs else None)
+        tokens = self.tokens
+        params = self.params
+        if token in self.stop_ids and len(tokens) >= params.min_tokens:  # not ``keeps``
+            self.stop_token = token  # the stop token itself is not returned (as in OpenAI's API)
+            if logprob is not None and params.return_log_probs:
+                self.stop_logprob = (logprob, top if params.top_logprobs else None)
+            return self.emit(len(tokens), "stop")
+        tokens.append(token)
+        if logprob is not None and params.return_log_probs:
+            self.logprobs.append(logprob)
+            if params.top_logprobs:
+                self.top_logprobs.append(top or [])
+        ready = len(tokens)
+        if ready >= self.max_generated:
+            finish: str | None = "length"
         else:
-            self.tokens.append(token)
-            if logprob is not None and self.params.return_log_probs:
-                self.logprobs.append(logprob)
-                if self.params.top_logprobs:
-                    self.top_logprobs.append(top or [])
-            ready = len(self.tokens)
-            text = self.stop_text
-            if text is not None:
-                text.add(token)
-                if len(self.tokens) > self.params.min_tokens:
-                    releasable, matched = text.scan()
+            finish = None
+        text = self.stop_text
+        if text is not None:
+            delta = text.add(token)
+            if ready > params.min_tokens:
+                releasable, matched = text.scan_newest(delta)
+                if matched:
                     ready = self.emitted + releasable
-                    if matched:
-                        del self.tokens[ready:]
-                        return self.emit(ready, "stop", cut=True)
-            if len(self.tokens) >= self.max_generated:
-                finish = "length"
-                ready = len(self.tokens)
+                    del tokens[ready:]
+                    return self.emit(ready, "stop", cut=True)
+                if finish is None:
+                    ready = self.emitted + releasable
         if finish is not None:
             return self.emit(ready, finish)
         self.ready = ready
         # A request reports its first tokens (the end of its prefill) at once, and then
         # nothing until it ends: its tokens wait here, not in an update per token, until the
         # engine takes them (``unreported``: once per stream interval, or at a hand-off).
-        if ready > self.emitted and not self.reported:
-            return self.emit(ready, None)
+        if ready > self.emitted and self.emitted <= len(self.request.resume_tokens):
+            return self.emit(ready, None)  # nothing ``reported`` yet
         return None
 
     def unreported(self) -> TokenUpdate | None:

@@ -16,6 +16,7 @@ from dpserve.tokenizer import (
     HuggingFaceTokenizer,
     IncrementalDetokenizer,
     push_batch,
+    push_each,
 )
 
 TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
@@ -96,6 +97,63 @@ def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(tiny_model_pa
             sent[detokenizers.index(detokenizer)] += delta
     assert calls == longest
     assert sent == decode_batch(token_lists)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_push_each_gives_each_detokenizers_own_deltas(kind: str, tiny_model_path: Path) -> None:
+    # A decode step's one-token-each pass: the same deltas, step after step, as pushing each
+    # detokenizer alone (windows moving up, characters split over tokens, resumed ones).
+    tokenizer: BatchTokenizer = ByteTokenizer()
+    if kind == "bpe":
+        from transformers import AutoTokenizer
+
+        tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    token_lists = tokenizer.encode_batch([TEXT[i:] + TEXT[:i] for i in range(0, 40, 3)])
+    resumed = [i % 3 for i in range(len(token_lists))]  # tokens generated elsewhere first
+    starts = list(zip(token_lists, resumed, strict=True))
+    batched = [IncrementalDetokenizer(tokenizer, t[:r]) for t, r in starts]
+    alone = [IncrementalDetokenizer(tokenizer, t[:r]) for t, r in starts]
+    steps = min(map(len, token_lists)) - max(resumed)
+    decoded = 0
+    decode_batch = tokenizer.decode_batch
+    for step in range(steps):
+        tokens = [t[r + step] for t, r in starts]
+        expected = [d.push([token]) for d, token in zip(alone, tokens, strict=True)]
+
+        def counted(windows: list[list[int]]) -> list[str]:
+            nonlocal decoded
+            decoded += len(windows)
+            return decode_batch(windows)
+
+        tokenizer.decode_batch = counted  # type: ignore[method-assign]
+        assert push_each(tokenizer, batched, tokens) == expected, step
+        tokenizer.decode_batch = decode_batch  # type: ignore[method-assign]
+    assert steps > 20
+    assert 0 < decoded < steps * len(batched)  # whole characters took the fast path
+    # Tokens of whole characters after text that is all out add their own text: no decode.
+    decoded = 0
+    tokenizer.decode_batch = counted  # type: ignore[method-assign]
+    [ascii_tokens] = tokenizer.encode_batch(["Plain words, 42 of them; and more.\n" * 3])
+    fresh = IncrementalDetokenizer(tokenizer)
+    pieces = [push_each(tokenizer, [fresh], [token])[0] for token in ascii_tokens]
+    assert "".join(pieces) == "Plain words, 42 of them; and more.\n" * 3
+    assert decoded == 0
+
+
+def test_token_texts_only_where_a_text_is_its_tokens_texts(tiny_model_path: Path) -> None:
+    from tokenizers import decoders
+    from transformers import AutoTokenizer
+
+    tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    texts = tokenizer.token_texts()
+    assert texts is not None and len(texts) == tokenizer.vocab_size
+    [tokens] = tokenizer.encode_batch(["plain ascii words, and more"])
+    assert "".join(str(texts[t]) for t in tokens) == "plain ascii words, and more"
+    assert any(text is None for text in texts)  # bytes of a multi-byte character
+    other = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+    assert other._rust_decoder is not None
+    other._rust_decoder.decoder = decoders.Metaspace()  # its text is no concatenation
+    assert other.token_texts() is None
 
 
 def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:

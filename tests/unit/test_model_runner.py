@@ -202,6 +202,30 @@ def test_termination_id_stops_without_returning_it(runner: ModelRunner, referenc
     assert outcome.tokens == expected[:stop_at]
 
 
+def test_tokens_generated_counts_the_tokens_kept(runner: ModelRunner, reference: Any) -> None:
+    # A stop token is not counted (not returned), a length finish's last token is.
+    prompts = random_prompts(3, seed=9)
+    expected = [greedy_reference(reference, prompt, 12)[0] for prompt in prompts]
+    stop_at = [next(i for i in range(3, 12) if e[i] not in e[:i]) for e in expected]
+    outcomes = run(
+        runner,
+        {
+            0: [
+                request(
+                    0, prompts[0], num_tokens_to_generate=12, termination_id=expected[0][stop_at[0]]
+                ),
+                request(1, prompts[1], num_tokens_to_generate=12),
+                request(
+                    2, prompts[2], num_tokens_to_generate=12, termination_id=expected[2][stop_at[2]]
+                ),
+            ]
+        },
+    )
+    assert [outcomes[i].finish for i in range(3)] == ["stop", "length", "stop"]
+    assert runner.stats()["tokens_generated"] == sum(len(o.tokens) for o in outcomes.values())
+    assert runner.stats()["tokens_generated"] == stop_at[0] + 12 + stop_at[2]
+
+
 def test_model_eos_stops_generation(runner: ModelRunner, reference: Any) -> None:
     prompt = random_prompts(1, seed=8)[0]
     expected, _ = greedy_reference(reference, prompt, 30)

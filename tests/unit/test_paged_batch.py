@@ -83,6 +83,8 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
             s.blocks += [next(next_block) for _ in range(max(0, needed))]
             if remaining == 1:
                 plan.decodes.append(s)
+                if needed > 0:
+                    plan.grown.append(s)  # as the scheduler reports them
             else:
                 plan.prefills.append(PrefillChunk(s, s.num_cached, min(remaining, 7)))
         if not plan:
@@ -129,7 +131,8 @@ def test_pending_tokens_are_fed_from_the_device() -> None:
         s.blocks = [1 + s.request_id * 4, 2 + s.request_id * 4, 3 + s.request_id * 4]
         s.num_cached = s.context_length()
         s.pending = 1  # sampled by the step in flight, not on the host yet
-    plan: StepPlan[Sequence] = StepPlan(decodes=[first, second])
+    # New to the builder as decodes: listed as grown, their tables are written.
+    plan: StepPlan[Sequence] = StepPlan(decodes=[first, second], grown=[first, second])
     built, late = builder.build(plan, {second: 0, first: 1})
     assert late is not None
     previous_tokens = torch.tensor([77, 66])  # the step in flight sampled these

@@ -15,6 +15,7 @@ import torch
 from dpserve.engine import sampler
 from dpserve.engine.sampler import (
     SampleOutput,
+    greedy,
     sample,
 )
 from dpserve.sampling import SamplingParams
@@ -69,6 +70,22 @@ def test_the_all_greedy_batch_picks_what_the_fp32_path_picks(dtype: torch.dtype)
     assert fast.logprobs is None and full.logprobs is not None
     assert fast.tokens.tolist() == full.tokens.tolist()
     assert fast.tokens[[3, 5, 6, 7, 8]].tolist() == [0, 9, 0, 200, 10]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_greedy_on_cpu_is_torchs_argmax(dtype: torch.dtype) -> None:
+    # On CPU greedy() takes numpy's argmax (vectorized): it must pick torch's tokens, for
+    # strided views, tensors that require grad and inference tensors alike.
+    generator = torch.Generator().manual_seed(1)
+    base = torch.randint(-3, 4, (300, 40), generator=generator).to(dtype)  # many ties
+    base[5] = float("nan")
+    base[6, 3] = float("inf")
+    for logits in (base, base.t(), base[:, ::3], base.clone().requires_grad_()):
+        expected = torch.nan_to_num(logits.detach(), nan=float("-inf")).argmax(dim=-1)
+        assert torch.equal(greedy(logits), expected)
+        with torch.inference_mode():
+            assert torch.equal(greedy(logits.detach().clone()), expected)
+    assert greedy(base[:0]).shape == (0,)
 
 
 @pytest.mark.parametrize("seeded", [False, True])

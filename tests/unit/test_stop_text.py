@@ -42,3 +42,25 @@ def test_released_text_is_never_taken_back_and_ends_before_the_stop(
     else:
         released += stop_text.release(unreleased, final=True)
     assert released == expected_text(text, stops)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text("abc\n", max_size=30),
+    stops=st.lists(st.text("abc\n", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_scan_holds_back_exactly_the_longest_stop_beginning(text: str, stops: list[str]) -> None:
+    # What may go after each token, against a brute-force reading of the whole text: all of
+    # it but its longest tail that begins a stop string (none is held more, or less).
+    stop_text = StopText(IncrementalDetokenizer(ByteTokenizer()), stops)
+    for end, token in enumerate(text.encode(), start=1):
+        stop_text.add(token)
+        releasable, matched = stop_text.scan()
+        if matched:
+            assert expected_text(text[:end], stops) != text[:end]
+            return
+        held = max(
+            (n for stop in stops for n in range(1, len(stop)) if text[:end].endswith(stop[:n])),
+            default=0,
+        )
+        assert releasable == end - held
