@@ -11,8 +11,8 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine import triton_layer_ops, triton_prefill
-from dpserve.engine.llama import _rotate_in_place
 from dpserve.engine.paged_attention import prefill_attention
+from tests.unit.test_triton_layer_kernels import rotated_by_torch
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: the compiled Triton kernels"
@@ -38,13 +38,9 @@ def test_rotate_and_write_equals_torch_on_cuda(
     positions = torch.randint(0, 2048, (tokens,), device="cuda")
     slots = torch.randperm(blocks * block_size, device="cuda")[:tokens]
     kv_pair = torch.randn(2, blocks, block_size, kv_heads, head_dim, device="cuda").to(dtype)
-    expected_qkv, expected_kv = qkv.clone(), kv_pair.clone()
-    _rotate_in_place(
-        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
-        rotation.index_select(0, positions),
+    expected_qkv, expected_kv = rotated_by_torch(
+        qkv, rotation, positions, slots, kv_pair, heads, kv_heads
     )
-    flat = expected_kv.view(2, -1, kv_heads, head_dim)
-    flat[:, slots] = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim).transpose(0, 1)
     triton_layer_ops.rotate_and_write_kv(
         qkv, rotation, positions, slots, kv_pair, heads, kv_heads, head_dim
     )

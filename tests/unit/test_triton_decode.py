@@ -13,11 +13,7 @@ child process with the variable set; the cases themselves run only there.
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,35 +22,20 @@ from dpserve.engine import triton_decode
 from dpserve.engine.paged_attention import paged_decode_attention_reference
 from dpserve.engine.triton_decode import TritonUnavailable, paged_decode_attention_triton
 from tests.paged_cases import make_paged_case, random_lengths
+from tests.triton_interpreter import (
+    assert_cases_pass_in_the_interpreter,
+    interpreter_case,
+    not_in_the_interpreter,
+)
 
 pytest.importorskip(
     "triton", reason="triton is not installed (pip install '.[test]' brings it for the interpreter)"
 )
 
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_case = pytest.mark.skipif(
-    not IN_INTERPRETER,
-    reason="a kernel case: run by test_the_kernel_cases_pass_in_the_interpreter in a child "
-    "process with TRITON_INTERPRET=1",
-)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process is already the interpreter run")
+@not_in_the_interpreter
 def test_the_kernel_cases_pass_in_the_interpreter() -> None:
-    root = Path(__file__).resolve().parents[2]
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    summary = child.stdout.strip().splitlines()[-1]
-    # Everything ran there except this test itself.
-    assert re.search(r"\d+ passed, 1 skipped", summary), child.stdout[-2000:]
+    assert_cases_pass_in_the_interpreter(__file__)
 
 
 @pytest.mark.parametrize(

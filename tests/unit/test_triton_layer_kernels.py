@@ -7,11 +7,7 @@ and must not leak into a process that runs GPU tests, so the cases run in a chil
 
 from __future__ import annotations
 
-import os
 import random
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,33 +17,20 @@ from torch.nn import functional
 from dpserve.engine import triton_layer_ops, triton_prefill
 from dpserve.engine.llama import _rotate_in_place
 from dpserve.engine.paged_attention import prefill_attention
+from tests.triton_interpreter import (
+    assert_cases_pass_in_the_interpreter,
+    interpreter_case,
+    not_in_the_interpreter,
+)
 
 pytest.importorskip(
     "triton", reason="triton is not installed (pip install '.[test]' brings it for the interpreter)"
 )
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_case = pytest.mark.skipif(
-    not IN_INTERPRETER,
-    reason="a kernel case: run by test_the_layer_kernel_cases_pass_in_the_interpreter in a "
-    "child process with TRITON_INTERPRET=1",
-)
 
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process is already the interpreter run")
+@not_in_the_interpreter
 def test_the_layer_kernel_cases_pass_in_the_interpreter() -> None:
-    root = Path(__file__).resolve().parents[2]
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    summary = child.stdout.strip().splitlines()[-1]
-    assert re.search(r"\d+ passed, 1 skipped", summary), child.stdout[-2000:]
+    assert_cases_pass_in_the_interpreter(__file__)
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,6 +43,29 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.Mon
 def _rotation(positions: int, half: int, seed: int) -> torch.Tensor:
     angles = torch.rand(positions, half, generator=torch.Generator().manual_seed(seed)) * 6.3
     return torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+
+
+def rotated_by_torch(
+    qkv: torch.Tensor,
+    rotation: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    kv_pair: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``qkv`` and ``kv_pair`` after the torch path's RoPE and KV write (llama.py's
+    ``_rotate_in_place`` and ``index_put_``): what ``rotate_and_write_kv`` must make of them."""
+    tokens, head_dim = qkv.shape[0], kv_pair.shape[-1]
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    expected_qkv, expected_kv = qkv.clone(), kv_pair.clone()
+    _rotate_in_place(
+        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
+        rotation.index_select(0, positions),
+    )
+    flat = expected_kv.view(2, -1, kv_heads, head_dim)
+    flat[:, slots] = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim).transpose(0, 1)
+    return expected_qkv, expected_kv
 
 
 @interpreter_case
@@ -83,19 +89,14 @@ def test_rotate_and_write_equals_the_torch_rotation_and_index_put(
     slots = torch.randperm(blocks * block_size)[:tokens]
     kv_pair = torch.randn(2, blocks, block_size, kv_heads, head_dim).to(dtype)
 
-    expected_qkv, expected_kv = qkv.clone(), kv_pair.clone()
-    _rotate_in_place(
-        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
-        rotation.index_select(0, positions),
+    expected_qkv, expected_kv = rotated_by_torch(
+        qkv, rotation, positions, slots, kv_pair, heads, kv_heads
     )
-    flat = expected_kv.view(2, -1, kv_heads, head_dim)
-    flat[:, slots] = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim).transpose(0, 1)
-
     triton_layer_ops.rotate_and_write_kv(
         qkv, rotation, positions, slots, kv_pair, heads, kv_heads, head_dim
     )
     # bf16: within one unit of the last place (Triton's interpreter truncates where the GPU
-    # rounds to nearest; tests/gpu checks the compiled kernel bit for bit).
+    # rounds to nearest).
     exact = {"rtol": 1e-6 if dtype == torch.float32 else 2**-7, "atol": 1e-6}
     torch.testing.assert_close(qkv[:, :q_size], expected_qkv[:, :q_size], **exact)
     # Everything else in the pool is untouched; the written slots hold the rotated keys.
