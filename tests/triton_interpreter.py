@@ -3,8 +3,8 @@
 ``TRITON_INTERPRET=1`` only works if it is set before triton is first imported (triton's own
 ``tl.max``/``tl.sum`` are decorated at import), and it must never leak into a process that runs
 the GPU tests. So a kernel test file marks its cases ``interpreter_case`` (they run only where
-the variable is set) and has one test, ``assert_cases_pass_in_the_interpreter(__file__)``, that
-runs the file again in a child process with it set.
+the variable is set) and has one test, ``test_... = interpreter_run(__file__)``, that runs the
+file again in a child process with it set.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,14 +24,21 @@ interpreter_case = pytest.mark.skipif(
     reason="a kernel case: run by the file's interpreter test in a child process with "
     "TRITON_INTERPRET=1",
 )
-not_in_the_interpreter = pytest.mark.skipif(
-    IN_INTERPRETER, reason="this process is already the interpreter run"
-)
+TRITON_MISSING = "triton is not installed (pip install '.[test]' brings it for the interpreter)"
 
 
-def assert_cases_pass_in_the_interpreter(test_file: str) -> None:
-    """Run ``test_file`` with ``TRITON_INTERPRET=1``: everything in it must pass there except
-    the test that calls this (skipped in the child)."""
+def interpreter_run(test_file: str) -> Callable[[], None]:
+    """The test that runs ``test_file`` with ``TRITON_INTERPRET=1``: everything in it must pass
+    there but this test itself (skipped in the child)."""
+
+    @pytest.mark.skipif(IN_INTERPRETER, reason="this process is already the interpreter run")
+    def run_in_the_interpreter() -> None:
+        _assert_cases_pass(test_file)
+
+    return run_in_the_interpreter
+
+
+def _assert_cases_pass(test_file: str) -> None:
     root = Path(__file__).resolve().parents[1]
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],

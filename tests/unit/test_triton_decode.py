@@ -22,20 +22,10 @@ from dpserve.engine import triton_decode
 from dpserve.engine.paged_attention import paged_decode_attention_reference
 from dpserve.engine.triton_decode import TritonUnavailable, paged_decode_attention_triton
 from tests.paged_cases import make_paged_case, random_lengths
-from tests.triton_interpreter import (
-    assert_cases_pass_in_the_interpreter,
-    interpreter_case,
-    not_in_the_interpreter,
-)
+from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
-pytest.importorskip(
-    "triton", reason="triton is not installed (pip install '.[test]' brings it for the interpreter)"
-)
-
-
-@not_in_the_interpreter
-def test_the_kernel_cases_pass_in_the_interpreter() -> None:
-    assert_cases_pass_in_the_interpreter(__file__)
+pytest.importorskip("triton", reason=TRITON_MISSING)
+test_the_kernel_cases_pass_in_the_interpreter = interpreter_run(__file__)
 
 
 @pytest.mark.parametrize(

@@ -17,20 +17,10 @@ from torch.nn import functional
 from dpserve.engine import triton_layer_ops, triton_prefill
 from dpserve.engine.llama import _rotate_in_place
 from dpserve.engine.paged_attention import prefill_attention
-from tests.triton_interpreter import (
-    assert_cases_pass_in_the_interpreter,
-    interpreter_case,
-    not_in_the_interpreter,
-)
+from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
-pytest.importorskip(
-    "triton", reason="triton is not installed (pip install '.[test]' brings it for the interpreter)"
-)
-
-
-@not_in_the_interpreter
-def test_the_layer_kernel_cases_pass_in_the_interpreter() -> None:
-    assert_cases_pass_in_the_interpreter(__file__)
+pytest.importorskip("triton", reason=TRITON_MISSING)
+test_the_layer_kernel_cases_pass_in_the_interpreter = interpreter_run(__file__)
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
