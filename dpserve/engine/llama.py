@@ -4,8 +4,12 @@ Why not transformers' forward: on a GPU it is kernel-launch bound and its caches
 (issue 10). Here one forward covers a whole step — every sequence's tokens flattened into one
 ``[tokens, hidden]`` matrix, so the projections and the MLP are one matmul each — and attention
 reads and writes the paged cache directly: new keys and values go in through the slot mapping
-(``index_copy_`` into the flattened pool), decode rows use ``paged_decode_attention`` and each
-prefill chunk ``prefill_attention``.
+(``index_put_`` into the flattened pool), the decode rows in one ``paged_decode_attention`` call
+and every prefill chunk of the step in one ``varlen_prefill_attention`` call.
+
+On CUDA (``uses_triton_layers``) the element-wise glue and the prefill attention are Triton
+kernels: RoPE with the KV write and SiLU x up (``triton_layer_ops``), the step's prefill chunks
+read straight from the pool (``triton_prefill``); the decode rows use ``triton_decode``.
 
 The weights are taken from the transformers model that ``dpserve.models`` loaded (any
 directory, hub id or the GGUF default): q/k/v and gate/up are fused into one matrix each, and
