@@ -111,6 +111,9 @@ class PagedBackend:
         self._queue = DeviceQueue(self.device, overlap)
         self._in_flight: deque[_InFlight] = deque()
         self._ready: list[Sampled] = []  # collected by release(), returned by the next step
+        # The last step the host took in (its sequences and tokens): the next step's decodes
+        # are usually those sequences, fed those tokens (``BatchBuilder.build``).
+        self._last_sampled: tuple[list[Sequence], list[int]] | None = None
         # KV events of pools already released (their hashes are gone), not yet taken.
         self._released_events: list[KVEvent] = []
         self._build(model)
@@ -287,6 +290,7 @@ class PagedBackend:
             self.cache.pool.clear_cache()
             self._released_events += self.cache.pool.take_events()
         self.model = self.cache = self.graphs = self.inputs = None
+        self._last_sampled = None
 
     def reload(self, model: Any) -> None:
         self._build(model)
@@ -307,7 +311,7 @@ class PagedBackend:
             pending = None
             if previous is not None:
                 pending = {s: row for row, s in enumerate(previous.sequences) if s.pending}
-            built, late = self.inputs.build(plan, pending)
+            built, late = self.inputs.build(plan, pending, self._last_sampled)
             sampled = built.sampled
             assert self.model is not None
             # Penalty counts and grammar states are read from the host; such sequences have no
@@ -363,6 +367,10 @@ class PagedBackend:
         results: list[Sampled] = []
         while len(self._in_flight) > keep:
             results += self._collect(self._in_flight.popleft())
+        # The runner accepts every one of these tokens before the next step is built.
+        self._last_sampled = (
+            (results[0].sequences, results[0].tokens) if len(results) == 1 else None
+        )
         return results
 
     def _device_step(

@@ -10,7 +10,10 @@ tokens). Per step the host computes each token's position and slot from its copy
 (a few vector operations, ~1 us each, where each torch operation costs several) and sends
 tokens, positions, slots, the decodes' table rows and lengths as one buffer; the decodes' block
 tables are gathered from the device's table. Host buffers are pinned on CUDA and copied without
-blocking. A fed token still on the device (``pending``) is sent as 0 and patched there.
+blocking. A fed token still on the device (``pending``) is sent as 0 and patched there. While
+the same sequences decode step after step (most steps), their table rows and positions are
+carried over from the last step (one position further) and their fed tokens are those the last
+step sampled: nothing is read per sequence.
 
 A sequence whose first scheduled token is not position 0 (a chunked prefill continuing, a
 prefix-cache hit) is handled like any chunk: its cached part is read through its table row.
@@ -84,6 +87,12 @@ class BatchBuilder(Generic[T]):
         self._row: dict[T, int] = {}
         self._written: dict[T, int] = {}  # block ids of a sequence already in its row
         self._to_clear: list[int] = []  # rows released since the last step
+        # The last step's decodes, their table rows and fed positions: while the same
+        # sequences decode (most steps), each is one position further and nothing is read
+        # per sequence.
+        self._decodes: list[T] | None = None  # None: read them from the sequences
+        self._decode_rows = np.empty(0, dtype=np.int64)
+        self._decode_positions = np.empty(0, dtype=np.int64)
 
     # ------------------------------------------------------------------------------- rows
 
@@ -92,6 +101,7 @@ class BatchBuilder(Generic[T]):
         new ones will be written from the start): free its row."""
         row = self._row.pop(sequence, None)
         if row is not None:
+            self._decodes = None  # its row may be another sequence's by the next step
             del self._written[sequence]
             self._free_rows.append(row)
             self._to_clear.append(row)
@@ -149,21 +159,40 @@ class BatchBuilder(Generic[T]):
 
     # ------------------------------------------------------------------------------ build
 
+    def _decode_rows_and_positions(self, decodes: list[T]) -> tuple[np.ndarray, np.ndarray]:
+        """The decodes' table rows and fed positions (``num_cached``)."""
+        if decodes != self._decodes:  # identity per element: Sequence compares by identity
+            self._decodes = decodes
+            self._decode_rows = np.array([self._row[s] for s in decodes], dtype=np.int64)
+            self._decode_positions = np.array([s.num_cached for s in decodes], dtype=np.int64)
+        else:  # the last step committed them: each is one token further
+            self._decode_positions = self._decode_positions + 1
+        return self._decode_rows, self._decode_positions
+
     def build(
-        self, plan: StepPlan[T], pending: dict[T, int] | None = None
+        self,
+        plan: StepPlan[T],
+        pending: dict[T, int] | None = None,
+        last_sampled: tuple[list[T], list[int]] | None = None,
     ) -> tuple[BuiltBatch[T], PendingTokens | None]:
         """The forward's tensors for ``plan``. ``pending``: decoding sequences whose fed token
-        is not on the host yet, and its row in the previous step's sampled tokens."""
+        is not on the host yet, and its row in the previous step's sampled tokens.
+        ``last_sampled``: the sequences of the last step whose tokens the host took in (all of
+        them accepted since), and those tokens: when they are the decodes, in order, those
+        are the tokens fed."""
         self._sync_rows(plan)
         block_size = self.block_size
         row_of = self._row
         decodes = plan.decodes
         # One row per decode and per prefill chunk: (token or 0, first position, table row).
-        starts = [sequence.num_cached for sequence in decodes]
-        table_rows = [row_of[sequence] for sequence in decodes]
-        longest = max(starts, default=0)
+        decode_rows, decode_positions = self._decode_rows_and_positions(decodes)
+        longest = int(decode_positions.max()) if len(decodes) else 0
+        starts: list[int] = []
+        table_rows: list[int] = []
         late = PendingTokens([], [])
-        if pending:
+        if last_sampled is not None and not pending and last_sampled[0] == decodes:
+            tokens = list(last_sampled[1])
+        elif pending:
             # Their fed token is the one the previous step sampled: 0 here, patched on the
             # device (apply_pending).
             tokens = []
@@ -211,8 +240,11 @@ class BatchBuilder(Generic[T]):
         # decodes' rows and their lengths as one int64 buffer: one copy, no per-step ops on
         # the device but the block tables' gather.
         total = offset
-        row_starts = np.array(starts, dtype=np.int64)
-        segment_rows = np.array(table_rows, dtype=np.int64)
+        if prefills:
+            row_starts = np.concatenate([decode_positions, np.array(starts, dtype=np.int64)])
+            segment_rows = np.concatenate([decode_rows, np.array(table_rows, dtype=np.int64)])
+        else:
+            row_starts, segment_rows = decode_positions, decode_rows
         if prefills:
             # Each chunk's positions run from its start: repeat per token, add the offsets.
             counts = np.array(lengths, dtype=np.int64)
@@ -246,8 +278,8 @@ class BatchBuilder(Generic[T]):
         block_tables = seq_lens = None
         if decodes:
             width = -(-(longest + 1) // block_size)
-            decode_rows = sent[3 * total : 3 * total + num_decodes]
-            block_tables = self.table[:, :width].index_select(0, decode_rows)
+            sent_rows = sent[3 * total : 3 * total + num_decodes]
+            block_tables = self.table[:, :width].index_select(0, sent_rows)
             seq_lens = sent[3 * total + num_decodes :].to(torch.int32)
         # Prompt log-prob rows come after the sampled ones.
         logits_indices = self._to_device(logit_rows + prompt_logit_rows) if prefills else None

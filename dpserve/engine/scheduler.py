@@ -52,6 +52,9 @@ class PagedSequence(Protocol):
     block_hashes: list[BlockHash]
     cache_extra: bytes
     cached_prompt_tokens: int | None
+    # Context tokens sampled on the device and not on the host yet (overlap): counted in
+    # ``context_length`` but neither hashable nor readable.
+    pending: int
 
     def context_length(self) -> int: ...
 
@@ -184,8 +187,11 @@ class Scheduler(Generic[S]):
         if caching:
             for sequence in plan.decodes:
                 sequence.num_cached = cached = sequence.num_cached + 1
-                if not cached % block_size:  # its fed token was its block's last
-                    self._cache_filled_blocks(sequence, cached - 1)
+                # A block is hashed once its last token is cached and known on the host: at
+                # once without overlap (its fed token filled it), a step later with it (the
+                # token was still on the device).
+                if not cached % block_size or sequence.pending:
+                    self._cache_decoded_blocks(sequence)
         else:
             for sequence in plan.decodes:
                 sequence.num_cached += 1
@@ -226,7 +232,7 @@ class Scheduler(Generic[S]):
         # Whole blocks only, and never the last token: its logits are needed.
         # Tokens still on the device (overlap) cannot be hashed yet.
         length = sequence.context_length()
-        known = length - getattr(sequence, "pending", 0)
+        known = length - sequence.pending
         usable = min(length - 1, known) // self.block_size
         return self.pool.lookup(self._hashes(sequence, usable)[:usable])
 
@@ -246,13 +252,27 @@ class Scheduler(Generic[S]):
 
     def _cache_filled_blocks(self, sequence: S, since: int) -> None:
         """Hash the blocks completed by the tokens from context position ``since`` on."""
-        known = sequence.context_length() - getattr(sequence, "pending", 0)
+        known = sequence.context_length() - sequence.pending
         first = since // self.block_size
         full = min(sequence.num_cached, known) // self.block_size
         if full <= first:
             return
         hashes = self._hashes(sequence, full)
         for index in range(first, full):
+            parent = hashes[index - 1] if index else ROOT_HASH
+            self.pool.cache_full_block(sequence.blocks[index], hashes[index], parent)
+
+    def _cache_decoded_blocks(self, sequence: S) -> None:
+        """Hash the full, known blocks of a decoding sequence not hashed yet (a decoding
+        sequence's hashes are those of the blocks given to the pool: its prompt's were at
+        prefill)."""
+        known = sequence.context_length() - sequence.pending
+        full = min(sequence.num_cached, known) // self.block_size
+        done = len(sequence.block_hashes)
+        if full <= done:
+            return
+        hashes = self._hashes(sequence, full)
+        for index in range(done, full):
             parent = hashes[index - 1] if index else ROOT_HASH
             self.pool.cache_full_block(sequence.blocks[index], hashes[index], parent)
 

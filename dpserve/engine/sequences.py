@@ -184,6 +184,11 @@ class Sequence:
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
     # Its log-prob and alternatives (with return_log_probs), reported with it.
     stop_logprob: tuple[float, list[TopEntry] | None] | None = None
+    # len(request.prompt_tokens): read for every running sequence on every step.
+    prompt_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_tokens)
 
     @property
     def request_id(self) -> int:
@@ -194,7 +199,7 @@ class Sequence:
         return self.request.prompt_tokens + self.tokens
 
     def prompt_length(self) -> int:
-        return len(self.request.prompt_tokens)
+        return self.prompt_len
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -238,7 +243,7 @@ class Sequence:
             self.prompt_top_logprobs.extend(top)
 
     def context_length(self) -> int:
-        return len(self.request.prompt_tokens) + len(self.tokens) + self.pending
+        return self.prompt_len + len(self.tokens) + self.pending
 
     def token_at(self, position: int) -> int:
         prompt = self.request.prompt_tokens

@@ -109,3 +109,26 @@ def test_the_next_step_is_submitted_before_the_last_one_is_read(tiny_model_path:
         runner.add(RunnerRequest(0, [5, 6, 7], SamplingParams(temperature=0.0)))
         first = runner.step()
         assert sum(len(update.tokens) for update in first) == first_tokens
+
+
+def test_blocks_filled_by_decoding_are_cached_with_overlap(tiny_model_path: Path) -> None:
+    """A block whose last token was sampled by the step still in flight is hashed once that
+    token is known: a follow-up prompt that repeats the answer finds it, with or without
+    overlap (multi-turn chat)."""
+    cached = {}
+    for overlap in (False, True):
+        runner = ModelRunner(str(tiny_model_path), block_size=4, overlap=overlap)
+        runner.eos_token_ids = frozenset()
+        prompt = random_prompts(1, seed=2, low=9, high=10)[0]
+        runner.add(
+            RunnerRequest(0, prompt, SamplingParams(temperature=0.0, num_tokens_to_generate=23))
+        )
+        generated: list[int] = []
+        while runner.has_work():
+            for update in runner.step():
+                generated += update.tokens
+        assert len(generated) == 23
+        # The last generated token was never fed: its block is the one left out.
+        cached[overlap] = runner.stats()["kv_cached_blocks"]
+        assert cached[overlap] == (len(prompt) + len(generated) - 1) // 4, overlap
+    assert cached[False] == cached[True]

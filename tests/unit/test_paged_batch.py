@@ -65,11 +65,18 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
     next_block = iter(range(1, 10_000))
     running: list[Sequence] = []
     next_id = 0
+    # What the last step sampled (the builder feeds it when those sequences decode next), and
+    # how many steps decoded the same sequences as the step before: the builder then carries
+    # their rows, positions and tokens over instead of reading them.
+    last_sampled: tuple[list[Sequence], list[int]] | None = None
+    previous_decodes: list[Sequence] = []
+    carried = 0
     for step in range(60):
         # Some sequences leave (their rows are reused), new ones arrive, some mid-prefill.
         for s in [s for s in running if rng.random() < 0.08]:
             running.remove(s)
             builder.release(s)
+            previous_decodes = []
         while len(running) < 8 and rng.random() < 0.5:
             s = sequence(next_id, rng.randint(1, 40), rng)
             next_id += 1
@@ -89,7 +96,9 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
                 plan.prefills.append(PrefillChunk(s, s.num_cached, min(remaining, 7)))
         if not plan:
             continue
-        built, late = builder.build(plan)
+        carried += bool(plan.decodes) and plan.decodes == previous_decodes
+        built, late = builder.build(plan, None, last_sampled)
+        previous_decodes = plan.decodes
         assert late is None
         batch = built.batch
         expected = reference(plan)
@@ -121,6 +130,8 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
             chunk.sequence.num_cached = chunk.start + chunk.length
             if chunk.completes_prefill:
                 chunk.sequence.tokens.append(rng.randrange(5, 300))
+        last_sampled = (built.sampled, [s.tokens[-1] for s in built.sampled])
+    assert carried >= 10
 
 
 def test_pending_tokens_are_fed_from_the_device() -> None:

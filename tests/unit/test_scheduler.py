@@ -23,6 +23,7 @@ class FakeSequence:
     block_hashes: list[int] = field(default_factory=list)
     cache_extra: bytes = b""
     cached_prompt_tokens: int | None = None
+    pending: int = 0
 
     def context_length(self) -> int:
         return self.prompt + self.generated
