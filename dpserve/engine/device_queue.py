@@ -33,15 +33,19 @@ class _Copied:
 class Launched:
     """One submitted step: its sampled tokens on the device, and on the host once waited for."""
 
-    def __init__(self, future: Future[_Copied]) -> None:
-        self._future = future
+    def __init__(self, job: Future[_Copied] | _Copied) -> None:
+        self._job = job  # a _Copied when it ran inline (no overlap): no future to make
+
+    def _copied(self) -> _Copied:
+        job = self._job
+        return job.result() if isinstance(job, Future) else job
 
     def device_tokens(self) -> torch.Tensor:
         """The sampled ids where they were sampled (blocks until the job was enqueued)."""
-        return self._future.result().output.tokens
+        return self._copied().output.tokens
 
     def wait(self) -> HostSample:
-        copied = self._future.result()
+        copied = self._copied()
         if copied.event is not None:
             copied.event.synchronize()
         return copied.host.to_host()
@@ -62,9 +66,7 @@ class DeviceQueue:
 
     def submit(self, job: Callable[[], SampleOutput]) -> Launched:
         if self._worker is None:
-            future: Future[_Copied] = Future()
-            future.set_result(self._run(job))
-            return Launched(future)
+            return Launched(self._run(job))
         self._last = self._worker.submit(self._run, job)
         return Launched(self._last)
 

@@ -341,10 +341,11 @@ class ModelRunner:
                 # other row adds one generated token.
                 stopped = 0
                 pairs = zip(sampled.sequences, sampled.tokens, strict=True)
+                bare = logprobs is None and tops is None
                 for row, (sequence, token) in enumerate(pairs):
                     if sequence.matcher is not None:
                         advance(sequence.matcher, token)
-                    if logprobs is None and tops is None:
+                    if bare:
                         update = sequence.accept(token, None)
                     else:
                         update = sequence.accept(

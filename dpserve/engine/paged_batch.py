@@ -258,7 +258,8 @@ class BatchBuilder(Generic[T]):
             )
         else:
             positions, token_rows = row_starts, segment_rows
-        packed = np.empty(3 * total + 2 * num_decodes, dtype=np.int64)
+        # [tokens | positions | slots | decodes' table rows | their lengths as int32 pairs]
+        packed = np.empty(3 * total + num_decodes + (num_decodes + 1) // 2, dtype=np.int64)
         packed[:total] = tokens
         packed[total : 2 * total] = positions
         slots = packed[2 * total : 3 * total]
@@ -267,26 +268,30 @@ class BatchBuilder(Generic[T]):
             self._host_table[token_rows, block_index], block_size, out=slots, dtype=np.int64
         )
         slots += positions - block_index * block_size
-        packed[3 * total : 3 * total + num_decodes] = segment_rows[:num_decodes]
-        packed[3 * total + num_decodes :] = row_starts[:num_decodes] + 1
+        packed[3 * total : 3 * total + num_decodes] = decode_rows
+        packed[3 * total + num_decodes :].view(np.int32)[:num_decodes] = decode_positions + 1
         host = torch.from_numpy(packed)
         if self._pin:
             host = host.pin_memory()
         sent = host.to(self.device, non_blocking=True)
-        input_ids = sent[:total]
+        input_ids, positions_sent, slots_sent, sent_rows, sent_lengths = sent.split(
+            [total, total, total, num_decodes, (num_decodes + 1) // 2]
+        )
 
         block_tables = seq_lens = None
         if decodes:
             width = -(-(longest + 1) // block_size)
-            sent_rows = sent[3 * total : 3 * total + num_decodes]
-            block_tables = self.table[:, :width].index_select(0, sent_rows)
-            seq_lens = sent[3 * total + num_decodes :].to(torch.int32)
+            if self.device.type == "cpu":  # the host table is the table: gather with numpy
+                block_tables = torch.from_numpy(self._host_table[decode_rows, :width])
+            else:
+                block_tables = self.table[:, :width].index_select(0, sent_rows)
+            seq_lens = sent_lengths.view(torch.int32)[:num_decodes]
         # Prompt log-prob rows come after the sampled ones.
         logits_indices = self._to_device(logit_rows + prompt_logit_rows) if prefills else None
         batch = ForwardBatch(
             input_ids=input_ids,
-            positions=sent[total : 2 * total],
-            slot_mapping=sent[2 * total : 3 * total],
+            positions=positions_sent,
+            slot_mapping=slots_sent,
             num_decodes=num_decodes,
             block_tables=block_tables,
             seq_lens=seq_lens,

@@ -71,9 +71,10 @@ class StopText:
         delta = self._next_delta
         if delta is None:
             delta = self.detokenizer.push([token])
-        self._next_delta = None
-        self._unsent += delta
-        self._ends.append(len(self._unsent))
+        else:
+            self._next_delta = None
+        self._unsent = unsent = self._unsent + delta
+        self._ends.append(len(unsent))
         return delta
 
     def scan(self) -> tuple[int, bool]:
@@ -86,11 +87,10 @@ class StopText:
         """``scan``, given the newest token's text (what ``add`` returned)."""
         ends = self._ends
         unsent = self._unsent
-        newest_start = len(unsent) - len(newest)
         if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
             window = self._sent_tail + unsent
             base = len(self._sent_tail)
-            newest_from = base + newest_start
+            newest_from = base + len(unsent) - len(newest)
             match_at = min(
                 (
                     i
@@ -303,7 +303,8 @@ class Sequence:
         # A request reports its first tokens (the end of its prefill) at once, and then
         # nothing until it ends: its tokens wait here, not in an update per token, until the
         # engine takes them (``unreported``: once per stream interval, or at a hand-off).
-        if ready > self.emitted and self.emitted <= len(self.request.resume_tokens):
+        emitted = self.emitted
+        if ready > emitted and emitted <= len(self.request.resume_tokens):
             return self.emit(ready, None)  # nothing ``reported`` yet
         return None
 
