@@ -274,7 +274,7 @@ class BatchBuilder(Generic[T]):
         if self._pin:
             host = host.pin_memory()
         sent = host.to(self.device, non_blocking=True)
-        input_ids, positions_sent, slots_sent, sent_rows, sent_lengths = sent.split(
+        input_ids, positions_sent, slots_sent, sent_rows, sent_lengths = sent.split_with_sizes(
             [total, total, total, num_decodes, (num_decodes + 1) // 2]
         )
 
