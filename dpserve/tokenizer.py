@@ -8,8 +8,10 @@ string prompts work with fake engines and in tests.
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Sequence
+from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
 # Tokens before the first undecided one that are decoded with it: detokenizers need a little
@@ -55,12 +57,17 @@ class ByteTokenizer:
         others halves of one; EOS decodes to nothing."""
         return _BYTE_TEXTS
 
+    def token_bytes(self) -> Sequence[bytes]:
+        """``token_bytes`` of ``HuggingFaceTokenizer``: each byte itself; EOS nothing."""
+        return _BYTE_BYTES
+
 
 _BYTE_TEXTS: tuple[str | None, ...] = (
     *(chr(byte) for byte in range(128)),
     *(None for _ in range(128, 256)),
     "",
 )
+_BYTE_BYTES: tuple[bytes, ...] = (*(bytes([byte]) for byte in range(256)), b"")
 
 
 class HuggingFaceTokenizer:
@@ -77,6 +84,7 @@ class HuggingFaceTokenizer:
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
         self._rust_decoder = backend if backend is not None and not cleans_up else None
         self._token_texts: Sequence[str | None] | None = None
+        self._token_bytes: Sequence[bytes] | None = None
         self._token_texts_known = False
 
     def token_texts(self) -> Sequence[str | None] | None:
@@ -87,17 +95,42 @@ class HuggingFaceTokenizer:
         their concatenation as UTF-8: there, a token that decodes alone to whole characters
         adds exactly those characters to any text that ends on a whole character. Decoded
         once, on first use, in one batch of the whole vocabulary."""
-        if not self._token_texts_known:
-            self._token_texts_known = True
-            from tokenizers import decoders
-
-            decoder = self._rust_decoder
-            if decoder is not None and isinstance(decoder.decoder, decoders.ByteLevel):
-                texts = decoder.decode_batch(
-                    [[token] for token in range(self.vocab_size)], skip_special_tokens=True
-                )
-                self._token_texts = [None if _REPLACEMENT in text else text for text in texts]
+        self._learn_tokens()
         return self._token_texts
+
+    def token_bytes(self) -> Sequence[bytes] | None:
+        """Each token's bytes where a sequence's text is the UTF-8 decoding (invalid bytes
+        replaced) of its tokens' bytes concatenated, as a byte-level BPE decoder makes it; a
+        special token has none (decoding skips them). None for other tokenizers, and where a
+        token's bytes would not decode to what the tokenizer decodes it to alone. With them an
+        ``IncrementalDetokenizer`` decodes nothing through the tokenizer."""
+        self._learn_tokens()
+        return self._token_bytes
+
+    def _learn_tokens(self) -> None:
+        if self._token_texts_known:
+            return
+        self._token_texts_known = True
+        from tokenizers import decoders
+
+        decoder = self._rust_decoder
+        if decoder is None or not isinstance(decoder.decoder, decoders.ByteLevel):
+            return
+        ids = range(self.vocab_size)
+        texts = decoder.decode_batch([[token] for token in ids], skip_special_tokens=True)
+        self._token_texts = [None if _REPLACEMENT in text else text for text in texts]
+        special = {
+            token for token, added in decoder.get_added_tokens_decoder().items() if added.special
+        }
+        table = [
+            b"" if token in special else _byte_level_bytes(decoder.id_to_token(token))
+            for token in ids
+        ]
+        agrees = all(
+            piece.decode("utf-8", "replace") == text
+            for piece, text in zip(table, texts, strict=True)
+        )
+        self._token_bytes = table if agrees else None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
@@ -125,6 +158,27 @@ class HuggingFaceTokenizer:
             )
             return prompt
         return ByteTokenizer().apply_chat_template(messages)
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a token."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    alphabet = {chr(byte): byte for byte in printable}
+    alphabet.update({chr(256 + index): byte for index, byte in enumerate(others)})
+    return alphabet
+
+
+def _byte_level_bytes(piece: str | None) -> bytes:
+    """A byte-level token's bytes; a token with a character outside the alphabet (an added
+    token's plain text) stands for its own UTF-8, as the byte-level decoder has it."""
+    if piece is None:
+        return b""
+    alphabet = _byte_level_alphabet()
+    if all(char in alphabet for char in piece):
+        return bytes(alphabet[char] for char in piece)
+    return piece.encode("utf-8")
 
 
 def as_batch_tokenizer(tokenizer: Any) -> BatchTokenizer:
@@ -160,16 +214,40 @@ def load_tokenizer(path_or_id: str) -> BatchTokenizer:
 class IncrementalDetokenizer:
     """The text of a growing token sequence as deltas that concatenate to its text.
 
-    Each ``push`` decodes only a window: the tokens since the last point where all text was
-    out, plus ``DETOKENIZE_CONTEXT_TOKENS`` of context. A trailing replacement character is
-    held back (usually half a UTF-8 sequence that the next tokens complete) until ``final``.
-    Started with the tokens generated elsewhere already (``resume_tokens``), its deltas begin
-    where the text of those tokens, so held back, ends."""
+    With a tokenizer that has ``token_bytes`` (byte-level BPE), each token's bytes go through
+    an incremental UTF-8 decoder, which holds back an incomplete character: nothing is decoded
+    through the tokenizer. Otherwise each ``push`` decodes only a window: the tokens since the
+    last point where all text was out, plus ``DETOKENIZE_CONTEXT_TOKENS`` of context, and a
+    trailing replacement character is held back (usually half a UTF-8 sequence that the next
+    tokens complete) until ``final``. Started with the tokens generated elsewhere already
+    (``resume_tokens``), its deltas begin where the text of those tokens, so held back, ends."""
 
-    __slots__ = ("_anchor", "_clean", "_resync_end", "_sent", "_texts", "_tokens", "tokenizer")
+    __slots__ = (
+        "_anchor",
+        "_bytes",
+        "_clean",
+        "_resync_end",
+        "_sent",
+        "_texts",
+        "_tokens",
+        "_utf8",
+        "tokenizer",
+    )
 
     def __init__(self, tokenizer: BatchTokenizer, resume_tokens: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
+        table = getattr(tokenizer, "token_bytes", None)
+        self._bytes: Sequence[bytes] | None = table() if table is not None else None
+        self._utf8: codecs.IncrementalDecoder | None = None
+        if self._bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._utf8.decode(self._joined(resume_tokens))  # held back: an incomplete tail
+            self._tokens: list[int] = []
+            self._anchor = self._sent = 0
+            self._resync_end: int | None = None
+            self._clean = False
+            self._texts: Sequence[str | None] | None = None
+            return
         self._tokens = list(resume_tokens)
         self._anchor = self._clean_anchor(len(self._tokens) - DETOKENIZE_CONTEXT_TOKENS)
         # What the text of ``resume_tokens`` held back is its trailing replacement characters:
@@ -178,12 +256,19 @@ class IncrementalDetokenizer:
         self._sent = len(window.rstrip(_REPLACEMENT))
         # Set when the window moved up: ``_sent`` is then the length of the text of
         # ``_tokens[_anchor:_resync_end]``, decoded with the next window (``resync_window``).
-        self._resync_end: int | None = None
+        self._resync_end = None
         # All of the window's text is out and it ends on a whole character: with a tokenizer
         # that has ``token_texts``, a token with a text of its own adds just that (no decode).
         self._clean = self._sent == len(window)
         texts = getattr(tokenizer, "token_texts", None)
-        self._texts: Sequence[str | None] | None = texts() if texts is not None else None
+        self._texts = texts() if texts is not None else None
+
+    def _joined(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of ``tokens`` (an id the table does not have adds none, as in decoding)."""
+        table = self._bytes
+        assert table is not None
+        size = len(table)
+        return b"".join([table[token] for token in tokens if 0 <= token < size])
 
     def _clean_anchor(self, anchor: int) -> int:
         """``anchor``, moved back (by at most a UTF-8 sequence) to a token that starts a whole
@@ -203,6 +288,8 @@ class IncrementalDetokenizer:
 
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         """The new text that ``tokens`` complete; with ``final``, everything left."""
+        if self._utf8 is not None:
+            return self._utf8.decode(self._joined(tokens), final)
         return push_batch(self.tokenizer, [(self, tokens, final)])[0]
 
     def extend(self, tokens: Sequence[int], final: bool = False) -> list[int] | None:
@@ -257,7 +344,7 @@ def push_batch(
     windows: list[list[int]] = []
     resyncing: list[bool | None] = []  # per item: None (nothing to decode), or a resync first
     for detokenizer, tokens, final in items:
-        window = detokenizer.extend(tokens, final)
+        window = None if detokenizer._utf8 is not None else detokenizer.extend(tokens, final)
         if window is None:
             resyncing.append(None)
             continue
@@ -268,9 +355,9 @@ def push_batch(
         resyncing.append(resync is not None)
     texts = iter(tokenizer.decode_batch(windows) if windows else ())
     deltas = []
-    for resyncs, (detokenizer, _, final) in zip(resyncing, items, strict=True):
+    for resyncs, (detokenizer, tokens, final) in zip(resyncing, items, strict=True):
         if resyncs is None:
-            deltas.append("")
+            deltas.append(detokenizer.push(tokens, final) if detokenizer._utf8 else "")
             continue
         resynced = next(texts) if resyncs else None
         deltas.append(detokenizer.take(next(texts), final, resynced))
@@ -288,6 +375,12 @@ def push_each(
     windows: list[list[int]] = []
     slow: list[tuple[int, IncrementalDetokenizer]] = []
     for detokenizer, token in zip(detokenizers, tokens, strict=True):
+        utf8 = detokenizer._utf8
+        if utf8 is not None:  # byte-level: the token's bytes, decoded as they complete
+            table = detokenizer._bytes
+            assert table is not None
+            deltas.append(utf8.decode(table[token]) if 0 <= token < len(table) else "")
+            continue
         window = detokenizer._tokens
         window.append(token)
         texts = detokenizer._texts

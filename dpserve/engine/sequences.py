@@ -12,7 +12,9 @@ end a request (a stop token is then returned like any other).
 Stop strings are looked for in the request's text as its ``IncrementalDetokenizer`` produces
 it (``StopText``), one token at a time: that text is also what the engine sends with the
 tokens (``TokenUpdate.text``), so it is decoded once. ``decode_new_tokens`` decodes the new
-token of every such sequence of a step in one ``decode_batch`` call.
+token of every such sequence of a step in one pass (``tokenizer.push_each``: with a byte-level
+tokenizer, each token's bytes through an incremental UTF-8 decoder; otherwise one
+``decode_batch`` call for the tokens that need one).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class StopText:
 
 def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
     """Decode the text each sequence with stop strings gets from its new token, for all of them
-    in one ``decode_batch`` call (``accept`` then finds it decoded)."""
+    in one pass (``accept`` then finds it decoded)."""
     texts: list[StopText] = []
     kept: list[int] = []
     for sequence, token in zip(sequences, tokens, strict=True):

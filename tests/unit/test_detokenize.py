@@ -22,6 +22,28 @@ from dpserve.tokenizer import (
 TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
 
 
+class WindowBytes(ByteTokenizer):
+    """Bytes decoded through windows, as a tokenizer without ``token_bytes`` is (SentencePiece's
+    Metaspace decoder, a decoder that cleans up spaces)."""
+
+    def token_bytes(self) -> None:
+        return None
+
+
+class WindowBPE(HuggingFaceTokenizer):
+    """The tiny byte-level BPE decoded through windows (see ``WindowBytes``)."""
+
+    def token_bytes(self) -> None:
+        return None
+
+
+def tiny_bpe(path: Path, windows: bool = False) -> HuggingFaceTokenizer:
+    from transformers import AutoTokenizer
+
+    kind = WindowBPE if windows else HuggingFaceTokenizer
+    return kind(AutoTokenizer.from_pretrained(path))
+
+
 def stream_text(tokenizer: BatchTokenizer, tokens: list[int], resume_at: int, seed: int) -> str:
     """The text a client sees: what the first engine sent before ``resume_at`` (its held-back
     tail included in nothing), then a second engine's deltas resuming there."""
@@ -38,6 +60,8 @@ def stream_text(tokenizer: BatchTokenizer, tokens: list[int], resume_at: int, se
         chunk = tokens[position : position + step]
         position += len(chunk)
         sent.append(second.push(chunk, final=position >= len(tokens)))
+    if resume_at >= len(tokens):  # the request ended where it was resumed
+        sent.append(second.push([], final=True))
     return "".join(sent)
 
 
@@ -67,12 +91,13 @@ def test_model_tokenizer_deltas_equal_its_full_decode(tiny_model_path: Path) -> 
         assert stream_text(tokenizer, tokens, resume_at, seed=resume_at) == full, resume_at
 
 
-def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(tiny_model_path: Path) -> None:
-    # One decode_batch call a step for every sequence, windows that move up included (their
-    # kept text is measured in that same call).
-    from transformers import AutoTokenizer
-
-    tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+@pytest.mark.parametrize("windows", [False, True])
+def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(
+    windows: bool, tiny_model_path: Path
+) -> None:
+    # Through windows: one decode_batch call a step for every sequence, windows that move up
+    # included (their kept text is measured in that same call). Byte-level: none.
+    tokenizer = tiny_bpe(tiny_model_path, windows)
     texts = [TEXT[i:] + TEXT[:i] for i in range(0, len(TEXT), 5)]
     token_lists = tokenizer.encode_batch(texts)
     detokenizers = [IncrementalDetokenizer(tokenizer) for _ in token_lists]
@@ -95,19 +120,18 @@ def test_batched_pushes_one_token_at_a_time_equal_each_full_decode(tiny_model_pa
         ]
         for (detokenizer, _, _), delta in zip(items, push_batch(tokenizer, items), strict=True):
             sent[detokenizers.index(detokenizer)] += delta
-    assert calls == longest
+    assert calls == (longest if windows else 0)
     assert sent == decode_batch(token_lists)
 
 
 @pytest.mark.parametrize("kind", ["bytes", "bpe"])
 def test_push_each_gives_each_detokenizers_own_deltas(kind: str, tiny_model_path: Path) -> None:
-    # A decode step's one-token-each pass: the same deltas, step after step, as pushing each
-    # detokenizer alone (windows moving up, characters split over tokens, resumed ones).
-    tokenizer: BatchTokenizer = ByteTokenizer()
+    # A decode step's one-token-each pass through windows: the same deltas, step after step,
+    # as pushing each detokenizer alone (windows moving up, characters split over tokens,
+    # resumed ones).
+    tokenizer: BatchTokenizer = WindowBytes()
     if kind == "bpe":
-        from transformers import AutoTokenizer
-
-        tokenizer = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
+        tokenizer = tiny_bpe(tiny_model_path, windows=True)
     token_lists = tokenizer.encode_batch([TEXT[i:] + TEXT[:i] for i in range(0, 40, 3)])
     resumed = [i % 3 for i in range(len(token_lists))]  # tokens generated elsewhere first
     starts = list(zip(token_lists, resumed, strict=True))
@@ -140,6 +164,49 @@ def test_push_each_gives_each_detokenizers_own_deltas(kind: str, tiny_model_path
     assert decoded == 0
 
 
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_byte_level_deltas_equal_the_tokenizers_decode_of_any_tokens(
+    kind: str, tiny_model_path: Path
+) -> None:
+    """Random token ids (lone bytes of multi-byte characters, invalid UTF-8, special tokens,
+    ids past the vocabulary): the byte-level detokenizer's deltas, one token or a few at a
+    time, resumed anywhere and batched, concatenate to what the tokenizer decodes, and equal
+    the window-decoding detokenizer's text; the tokenizer decodes nothing for them."""
+    tokenizer: BatchTokenizer = ByteTokenizer() if kind == "bytes" else tiny_bpe(tiny_model_path)
+    windows: BatchTokenizer = WindowBytes() if kind == "bytes" else tiny_bpe(tiny_model_path, True)
+    rng = random.Random(7)
+    vocabulary = tokenizer.vocab_size
+    token_lists = [
+        [rng.randrange(vocabulary + 3) for _ in range(rng.randint(1, 60))] for _ in range(40)
+    ]
+    full = tokenizer.decode_batch(token_lists)
+    decode_batch = tokenizer.decode_batch
+
+    def refuse(windows: list[list[int]]) -> list[str]:
+        raise AssertionError("decoded through the tokenizer")
+
+    tokenizer.decode_batch = refuse  # type: ignore[method-assign]
+    for index, tokens in enumerate(token_lists):
+        resume_at = rng.randrange(len(tokens) + 1)
+        assert stream_text(tokenizer, tokens, resume_at, seed=index) == full[index], index
+        tokenizer.decode_batch = decode_batch  # type: ignore[method-assign]
+        assert stream_text(windows, tokens, resume_at, seed=index) == full[index], index
+        tokenizer.decode_batch = refuse  # type: ignore[method-assign]
+    detokenizers = [IncrementalDetokenizer(tokenizer) for _ in token_lists]
+    sent = [""] * len(token_lists)
+    for position in range(max(map(len, token_lists))):
+        live = [i for i, tokens in enumerate(token_lists) if position < len(tokens)]
+        pushed = [token_lists[i][position] for i in live]
+        deltas = push_each(tokenizer, [detokenizers[i] for i in live], pushed)
+        for i, delta in zip(live, deltas, strict=True):
+            sent[i] += delta
+    sent = [
+        text + detokenizer.push([], final=True)
+        for text, detokenizer in zip(sent, detokenizers, strict=True)
+    ]
+    assert sent == full
+
+
 def test_token_texts_only_where_a_text_is_its_tokens_texts(tiny_model_path: Path) -> None:
     from tokenizers import decoders
     from transformers import AutoTokenizer
@@ -153,7 +220,12 @@ def test_token_texts_only_where_a_text_is_its_tokens_texts(tiny_model_path: Path
     other = HuggingFaceTokenizer(AutoTokenizer.from_pretrained(tiny_model_path))
     assert other._rust_decoder is not None
     other._rust_decoder.decoder = decoders.Metaspace()  # its text is no concatenation
-    assert other.token_texts() is None
+    assert other.token_texts() is None and other.token_bytes() is None
+    table = tokenizer.token_bytes()
+    assert table is not None and len(table) == tokenizer.vocab_size
+    assert b"".join(table[t] for t in tokens) == b"plain ascii words, and more"
+    eos = tokenizer.eos_token_id
+    assert eos is not None and table[eos] == b""  # a special token: decoding skips it
 
 
 def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:
