@@ -138,6 +138,7 @@ class ModelRunner:
         self._grammars: Grammars | None = None
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._live: dict[int, Sequence] = {}  # every sequence the backend has, by request id
+        self._with_stop_text: set[int] = set()  # those of them with stop strings
         self._released = False
         self._tokens_generated = 0
         self._steps = 0
@@ -240,6 +241,8 @@ class ModelRunner:
         else:
             self.backend.add(sequence)
             self._live[request.request_id] = sequence
+            if sequence.stop_text is not None:
+                self._with_stop_text.add(request.request_id)
 
     def _matcher(self, sequence: Sequence) -> Any:
         if self._grammars is None:
@@ -288,6 +291,7 @@ class ModelRunner:
                 self._arrived_done.remove(sequence)
                 return
         self._live.pop(request_id, None)
+        self._with_stop_text.discard(request_id)
         with torch.inference_mode():  # the HF batch's tensors are inference tensors
             self.backend.cancel(request_id)
 
@@ -334,7 +338,8 @@ class ModelRunner:
         with torch.inference_mode():
             for sampled in self.backend.step():
                 finished = []
-                decode_new_tokens(sampled.sequences, sampled.tokens)
+                if self._with_stop_text:
+                    decode_new_tokens(sampled.sequences, sampled.tokens)
                 logprobs, tops = sampled.logprobs, sampled.top
                 # accept() keeps its token unless the sequence finishes with "stop" (a stop
                 # token is not returned; a stop string cuts the token it starts in): every
@@ -362,6 +367,7 @@ class ModelRunner:
                 if finished:
                     for sequence in finished:
                         del self._live[sequence.request_id]
+                        self._with_stop_text.discard(sequence.request_id)
                     self.backend.finish(finished)
         return updates
 
