@@ -108,6 +108,7 @@ class ModelRunner:
         self.tokenizer: Any = None
         hf_model = self._load()
         self._text_tokenizer = as_batch_tokenizer(self.tokenizer)
+        IncrementalDetokenizer(self._text_tokenizer)  # its tables now, not on a first request
         self.vocab_size: int = int(hf_model.get_input_embeddings().num_embeddings)
         # Ends a request whose params name no termination_id (read when a request is added).
         self.eos_token_ids: frozenset[int] = _find_eos_ids(hf_model, self.tokenizer)
