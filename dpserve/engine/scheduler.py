@@ -191,14 +191,16 @@ class Scheduler(Generic[S]):
                 # once without overlap (its fed token filled it), a step later with it (the
                 # token was still on the device).
                 if not cached % block_size or sequence.pending:
-                    self._cache_decoded_blocks(sequence)
+                    # A decoding sequence's hashes are those of the blocks the pool has (its
+                    # prompt's were given at prefill).
+                    self._cache_filled_blocks(sequence, len(sequence.block_hashes))
         else:
             for sequence in plan.decodes:
                 sequence.num_cached += 1
         for chunk in plan.prefills:
             chunk.sequence.num_cached = chunk.start + chunk.length
             if caching:
-                self._cache_filled_blocks(chunk.sequence, chunk.start)
+                self._cache_filled_blocks(chunk.sequence, chunk.start // block_size)
 
     # ---------------------------------------------------------------------------- blocks
 
@@ -250,29 +252,15 @@ class Scheduler(Generic[S]):
                 hashes += block_hashes(tokens, size, sequence.cache_extra, parent=parent)
         return hashes
 
-    def _cache_filled_blocks(self, sequence: S, since: int) -> None:
-        """Hash the blocks completed by the tokens from context position ``since`` on."""
+    def _cache_filled_blocks(self, sequence: S, first: int) -> None:
+        """Hash the sequence's full blocks from block ``first`` on whose tokens are cached and
+        known on the host, and give them to the pool."""
         known = sequence.context_length() - sequence.pending
-        first = since // self.block_size
         full = min(sequence.num_cached, known) // self.block_size
         if full <= first:
             return
         hashes = self._hashes(sequence, full)
         for index in range(first, full):
-            parent = hashes[index - 1] if index else ROOT_HASH
-            self.pool.cache_full_block(sequence.blocks[index], hashes[index], parent)
-
-    def _cache_decoded_blocks(self, sequence: S) -> None:
-        """Hash the full, known blocks of a decoding sequence not hashed yet (a decoding
-        sequence's hashes are those of the blocks given to the pool: its prompt's were at
-        prefill)."""
-        known = sequence.context_length() - sequence.pending
-        full = min(sequence.num_cached, known) // self.block_size
-        done = len(sequence.block_hashes)
-        if full <= done:
-            return
-        hashes = self._hashes(sequence, full)
-        for index in range(done, full):
             parent = hashes[index - 1] if index else ROOT_HASH
             self.pool.cache_full_block(sequence.blocks[index], hashes[index], parent)
 

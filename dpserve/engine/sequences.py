@@ -186,11 +186,14 @@ class Sequence:
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
     # Its log-prob and alternatives (with return_log_probs), reported with it.
     stop_logprob: tuple[float, list[TopEntry] | None] | None = None
-    # len(request.prompt_tokens): read for every running sequence on every step.
+    # len(request.prompt_tokens) and len(request.resume_tokens): read for every running
+    # sequence on every step.
     prompt_len: int = field(init=False)
+    resumed: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_tokens)
+        self.resumed = len(self.request.resume_tokens)
 
     @property
     def request_id(self) -> int:
@@ -213,7 +216,7 @@ class Sequence:
     @property
     def reported(self) -> bool:
         """Some of the tokens it generated here were reported (resume tokens count as had)."""
-        return self.emitted > len(self.request.resume_tokens)
+        return self.emitted > self.resumed
 
     @property
     def bare_argmax(self) -> bool:
@@ -306,7 +309,7 @@ class Sequence:
         # nothing until it ends: its tokens wait here, not in an update per token, until the
         # engine takes them (``unreported``: once per stream interval, or at a hand-off).
         emitted = self.emitted
-        if ready > emitted and emitted <= len(self.request.resume_tokens):
+        if ready > emitted and emitted <= self.resumed:
             return self.emit(ready, None)  # nothing ``reported`` yet
         return None
 
@@ -324,7 +327,7 @@ class Sequence:
         logprobs = top = None
         if self.params.return_log_probs:
             # logprobs has no entries for resume tokens: shift indices by their count.
-            offset = len(self.request.resume_tokens)
+            offset = self.resumed
             logprobs = self.logprobs[start - offset : ready - offset]
             if self.params.top_logprobs:
                 top = self.top_logprobs[start - offset : ready - offset]
