@@ -364,6 +364,15 @@ def push_batch(
     return deltas
 
 
+def released_texts(tokenizer: BatchTokenizer, token_lists: Sequence[Sequence[int]]) -> list[str]:
+    """The text a new ``IncrementalDetokenizer`` lets out for each token list (an unfinished
+    character held back): what a client that streamed those tokens has, and where one resumed
+    after them continues. At most one ``decode_batch`` call."""
+    return push_batch(
+        tokenizer, [(IncrementalDetokenizer(tokenizer), tokens, False) for tokens in token_lists]
+    )
+
+
 def push_each(
     tokenizer: BatchTokenizer, detokenizers: Sequence[IncrementalDetokenizer], tokens: Sequence[int]
 ) -> list[str]:

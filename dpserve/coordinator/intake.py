@@ -13,6 +13,7 @@ from dpserve.coordinator.requests import InflightRequest
 from dpserve.coordinator.shared import SharedState
 from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest
 from dpserve.sampling import InvalidSamplingParams
+from dpserve.tokenizer import released_texts
 
 
 class Intake:
@@ -79,11 +80,11 @@ class Intake:
         resumed = [request for request in accepted if request.generated]
         if not resumed:
             return
-        texts = self.shared.tokenizer.decode_batch(
-            [protocol.unpack_tokens(r.generated) for r in resumed]
+        texts = released_texts(
+            self.shared.tokenizer, [protocol.unpack_tokens(r.generated) for r in resumed]
         )
         for request, text in zip(resumed, texts, strict=True):
-            request.text.append(text.rstrip("\ufffd"))
+            request.text.append(text)
 
     def _tokenize_texts(self) -> None:
         """One tokenizer call for the batch. Should it raise, each prompt is tokenized alone, so

@@ -17,6 +17,7 @@ from dpserve.tokenizer import (
     IncrementalDetokenizer,
     push_batch,
     push_each,
+    released_texts,
 )
 
 TEXT = "héllo wörld: € 5, 🙂 done — naïve café\n\tend ☃☃ 日本語"
@@ -192,6 +193,14 @@ def test_byte_level_deltas_equal_the_tokenizers_decode_of_any_tokens(
         tokenizer.decode_batch = decode_batch  # type: ignore[method-assign]
         assert stream_text(windows, tokens, resume_at, seed=index) == full[index], index
         tokenizer.decode_batch = refuse  # type: ignore[method-assign]
+    # A client that resubmits with the tokens it has: the coordinator starts its text with
+    # what a detokenizer let out for them, and the resumed engine continues from there.
+    for kind_of in (tokenizer, windows):
+        cuts = [rng.randrange(len(tokens) + 1) for tokens in token_lists]
+        had = released_texts(kind_of, [t[:cut] for t, cut in zip(token_lists, cuts, strict=True)])
+        for index, (tokens, cut) in enumerate(zip(token_lists, cuts, strict=True)):
+            rest = IncrementalDetokenizer(kind_of, tokens[:cut]).push(tokens[cut:], final=True)
+            assert had[index] + rest == full[index], (index, cut)
     detokenizers = [IncrementalDetokenizer(tokenizer) for _ in token_lists]
     sent = [""] * len(token_lists)
     for position in range(max(map(len, token_lists))):
