@@ -364,6 +364,15 @@ def push_batch(
     return deltas
 
 
+def prepare_detokenizing(tokenizer: BatchTokenizer) -> None:
+    """Build the tokenizer's tables for detokenizing (``token_texts``, ``token_bytes``: one
+    decode of the whole vocabulary) now, at start, not on a first request's path."""
+    for table in ("token_texts", "token_bytes"):
+        made = getattr(tokenizer, table, None)
+        if made is not None:
+            made()
+
+
 def released_texts(tokenizer: BatchTokenizer, token_lists: Sequence[Sequence[int]]) -> list[str]:
     """The text a new ``IncrementalDetokenizer`` lets out for each token list (an unfinished
     character held back): what a client that streamed those tokens has, and where one resumed

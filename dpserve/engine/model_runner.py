@@ -43,7 +43,7 @@ from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
-from dpserve.tokenizer import IncrementalDetokenizer, as_batch_tokenizer
+from dpserve.tokenizer import IncrementalDetokenizer, as_batch_tokenizer, prepare_detokenizing
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class ModelRunner:
         self.tokenizer: Any = None
         hf_model = self._load()
         self._text_tokenizer = as_batch_tokenizer(self.tokenizer)
-        IncrementalDetokenizer(self._text_tokenizer)  # its tables now, not on a first request
+        prepare_detokenizing(self._text_tokenizer)
         self.vocab_size: int = int(hf_model.get_input_embeddings().num_embeddings)
         # Ends a request whose params name no termination_id (read when a request is added).
         self.eos_token_ids: frozenset[int] = _find_eos_ids(hf_model, self.tokenizer)

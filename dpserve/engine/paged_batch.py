@@ -241,23 +241,16 @@ class BatchBuilder(Generic[T]):
         # the device but the block tables' gather.
         total = offset
         if prefills:
-            row_starts = np.concatenate([decode_positions, np.array(starts, dtype=np.int64)])
-            segment_rows = np.concatenate([decode_rows, np.array(table_rows, dtype=np.int64)])
-        else:
-            row_starts, segment_rows = decode_positions, decode_rows
-        if prefills:
             # Each chunk's positions run from its start: repeat per token, add the offsets.
             counts = np.array(lengths, dtype=np.int64)
             chunk_offsets = np.cumsum(counts) - counts
             within = np.arange(total - num_decodes) - np.repeat(chunk_offsets, counts)
-            positions = np.concatenate(
-                [row_starts[:num_decodes], np.repeat(row_starts[num_decodes:], counts) + within]
-            )
-            token_rows = np.concatenate(
-                [segment_rows[:num_decodes], np.repeat(segment_rows[num_decodes:], counts)]
-            )
+            chunk_starts = np.array(starts, dtype=np.int64)
+            chunk_rows = np.array(table_rows, dtype=np.int64)
+            positions = np.concatenate([decode_positions, np.repeat(chunk_starts, counts) + within])
+            token_rows = np.concatenate([decode_rows, np.repeat(chunk_rows, counts)])
         else:
-            positions, token_rows = row_starts, segment_rows
+            positions, token_rows = decode_positions, decode_rows
         # [tokens | positions | slots | decodes' table rows | their lengths as int32 pairs]
         packed = np.empty(3 * total + num_decodes + (num_decodes + 1) // 2, dtype=np.int64)
         packed[:total] = tokens

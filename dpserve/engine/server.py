@@ -49,7 +49,7 @@ from dpserve.protocol import (
     RegisterAck,
 )
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer, push_batch
+from dpserve.tokenizer import IncrementalDetokenizer, prepare_detokenizing, push_batch
 
 log = logging.getLogger("dpserve.engine")
 
@@ -120,9 +120,7 @@ class EngineServer:
         self.handed_off = False
         self._held: dict[int, _Held] = {}
         self._text = RequestText(runner)
-        # Its tokenizer's tables (a decode of the whole vocabulary) are made now, at start,
-        # not on the first request's path.
-        IncrementalDetokenizer(self._text.tokenizer)
+        prepare_detokenizing(self._text.tokenizer)
         self._stream_dirty: set[int] = set()
         # Requests whose first tokens came in the last step: they go out at the next flush
         # without waiting for the stream interval (a first token's delay is the client's TTFT).
