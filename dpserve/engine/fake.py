@@ -23,7 +23,7 @@ from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.protocol import ErrorCode
-from dpserve.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from dpserve.tokenizer import ByteTokenizer
 
 PERIOD = 26  # fake tokens repeat with this period in the position (7 and 26 are coprime)
 DEFAULT_CONTEXT_SIZE = 8192
@@ -91,8 +91,9 @@ class FakeRunner:
             emitted=len(request.resume_tokens),
         )
         if params.stop_strings:
-            detokenizer = IncrementalDetokenizer(ByteTokenizer(), request.resume_tokens)
-            sequence.stop_text = StopText(detokenizer, params.stop_strings)
+            sequence.stop_text = StopText.start(
+                ByteTokenizer(), request.resume_tokens, params.stop_strings
+            )
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)
             return

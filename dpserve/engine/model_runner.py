@@ -43,7 +43,7 @@ from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
-from dpserve.tokenizer import IncrementalDetokenizer, as_batch_tokenizer, prepare_detokenizing
+from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +233,9 @@ class ModelRunner:
             cache_extra=extra_keys(params.cache_salt),
         )
         if params.stop_strings:
-            detokenizer = IncrementalDetokenizer(self._text_tokenizer, request.resume_tokens)
-            sequence.stop_text = StopText(detokenizer, params.stop_strings)
+            sequence.stop_text = StopText.start(
+                self._text_tokenizer, request.resume_tokens, params.stop_strings
+            )
         if params.guided:
             sequence.matcher = self._matcher(sequence)
         if len(sequence.tokens) >= sequence.max_generated:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
-from dpserve.tokenizer import IncrementalDetokenizer, push_each
+from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer, push_each, released_texts
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher as GrammarMatcher
@@ -67,6 +67,17 @@ class StopText:
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
         self._next_delta: str | None = None  # decoded ahead by ``decode_new_tokens``
+
+    @classmethod
+    def start(
+        cls, tokenizer: BatchTokenizer, resume_tokens: list[int], stops: Iterable[str]
+    ) -> StopText:
+        """The text of a request that continues after ``resume_tokens`` (generated elsewhere,
+        returned already): a stop string may begin in theirs."""
+        text = cls(IncrementalDetokenizer(tokenizer, resume_tokens), stops)
+        if resume_tokens:
+            text._sent_tail = released_texts(tokenizer, [resume_tokens])[0][-text._longest :]
+        return text
 
     def add(self, token: int) -> str:
         """Take in the next token; the text it adds."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tracemalloc
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dpserve.engine.fake import FakeRunner, fake_token
@@ -69,6 +69,20 @@ def reference(request: RunnerRequest, context_size: int) -> tuple[list[int], str
     stops=st.lists(st.text("abcdefghijklmnopqrstuvwxyz", min_size=1, max_size=4), max_size=3),
     context_size=st.integers(8, 100),
     every_step=st.booleans(),
+)
+# A stop string that straddles the resume tokens ("wdkryfm" + "t" for "mt"): found by
+# hypothesis, missed until a resumed request's stop text started with its resume tokens' text.
+@example(
+    prompt=[0, 229],
+    seed=3,
+    num_tokens=8,
+    resume=7,
+    termination=None,
+    ignore_eos=False,
+    min_fraction=0.0,
+    stops=["mt"],
+    context_size=10,
+    every_step=False,
 )
 def test_fake_finishes_like_token_by_token_generation(
     prompt,
