@@ -183,4 +183,10 @@ if [[ ! -f "$tiny_archive" ]]; then
   save "$TINY_TAG" runtime-tiny "$tiny_key"
 fi
 
+# Every build leaves the images it replaced (now untagged) and any interrupted build's working
+# containers in buildah's storage: a day of builds grew it to 24 GB and filled the disk. Keep
+# what is tagged and the layers under it (the next bud reuses them); drop the rest.
+"${BUILDAH[@]}" rm --all >/dev/null
+"${BUILDAH[@]}" rmi --prune >/dev/null
+
 echo "$ARCHIVES"
