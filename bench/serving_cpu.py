@@ -4,6 +4,8 @@ the same model, under the same guidellm load.
     python bench/serving_cpu.py                                  # dpserve (default) + peers found
     python bench/serving_cpu.py --dpserve default --dpserve "--data-parallel-size 1"
     python bench/serving_cpu.py --levels 1,4 --burst 0 --max-seconds 30   # a quick look
+    python bench/serving_cpu.py --levels 4 --burst 0 --repeat 3 --keep /tmp/c4  # medians of 3,
+                                                    # every request's timings kept in /tmp/c4
     python bench/serving_cpu.py --skip vllm --skip llama.cpp --prefix-tokens 512 \
         --prefix-count 4 --dpserve "--routing round-robin" --dpserve "--routing prefix-aware"
 
@@ -31,6 +33,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,7 +152,7 @@ def run_level(
     args: argparse.Namespace,
     scratch: Path,
 ) -> dict[str, float]:
-    out = scratch / f"{server.port}-{streams}-{requests}.json"
+    out = scratch / f"{server.port}-{streams}-{requests}-{time.monotonic_ns()}.json"
     scenario = {
         "spec": {
             "backend": {
@@ -215,6 +218,17 @@ def _summary(report: dict[str, Any]) -> dict[str, float]:
         "completed": float(totals["successful"]),
         "failed": float(totals["errored"]),
         "incomplete": float(totals["incomplete"]),
+    }
+
+
+def _median(results: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over repeated runs of one level; request counts are summed."""
+    summed = ("completed", "failed", "incomplete")
+    return {
+        key: sum(r[key] for r in results)
+        if key in summed
+        else statistics.median(r[key] for r in results)
+        for key in results[0]
     }
 
 
@@ -351,6 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefix-count", type=int, default=1, help="distinct shared prefixes")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every level this many times (server order alternating) and report medians: "
+        "this machine's memory bandwidth, shared with other tenants, moves single runs by 20%%",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep the servers' logs and guidellm's reports (every request's timings) here",
+    )
     args = parser.parse_args(argv)
     args.gguf = args.gguf or args.peers / "smollm2-135m-instruct-f32.gguf"
     guidellm = args.peers / "guidellm-venv" / "bin" / "guidellm"
@@ -367,14 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.burst:
         plan.append((f"burst {args.burst}", args.burst, args.burst))
     with tempfile.TemporaryDirectory(prefix="dpserve-serving-") as name:
-        scratch = Path(name)
+        scratch = args.keep or Path(name)
+        scratch.mkdir(parents=True, exist_ok=True)
         try:
             for server in servers:
                 start(server, scratch)
             for server in servers:
                 wait_ready(server, args.startup_timeout)
                 print(f"{server.name}: ready, RSS {server.rss_idle / 1e9:.2f} GB", flush=True)
-            for index, (column, streams, requests) in enumerate(plan):
+            runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+            rounds = [(column, n, r) for column, n, r in plan for _ in range(args.repeat)]
+            for index, (column, streams, requests) in enumerate(rounds):
                 order = servers if index % 2 == 0 else list(reversed(servers))
                 for server in order:
                     result = run_level(
@@ -387,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                         args,
                         scratch,
                     )
-                    server.results[column] = result
+                    runs.setdefault((server.name, column), []).append(result)
+                    server.results[column] = _median(runs[server.name, column])
                     assert server.process is not None
                     server.rss_after = max(server.rss_after, _tree_rss(server.process.pid))
                     print(f"{server.name} {column}: {result}", flush=True)
