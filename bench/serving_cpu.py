@@ -12,7 +12,7 @@ the same model, under the same guidellm load.
 Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens, greedy
 (``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
 most ``--max-requests`` requests or ``--max-seconds``), then a burst (``--burst`` requests at
-once). Every server is started first and stays up; each level then runs on every server in
+once); every level (and every ``--repeat`` round) with prompts of its own (``run_level``). Every server is started first and stays up; each level then runs on every server in
 turn, the order alternating from level to level, so load from other processes on a shared
 machine falls on all of them alike. Reported per server and level: output tokens/s (output
 tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
@@ -151,7 +151,13 @@ def run_level(
     seconds: float,
     args: argparse.Namespace,
     scratch: Path,
+    seed: int,
 ) -> dict[str, float]:
+    """One guidellm run. ``seed`` picks its synthetic prompts: each level and round gets its
+    own (every server the same), so no server answers a prompt it has seen and cached before.
+    With one seed for all, a server that caches 16-token blocks (dpserve) hits on every
+    prompt of the second level while one that caches whole 128-token blocks (vLLM's CPU
+    build: 0 % hits) recomputes them, and the later levels compare caches, not engines."""
     out = scratch / f"{server.port}-{streams}-{requests}-{time.monotonic_ns()}.json"
     scenario = {
         "spec": {
@@ -167,6 +173,7 @@ def run_level(
             "tokenizer": {"kind": "huggingface_auto", "model": str(tokenizer)},
             "profile": {"kind": "concurrent", "streams": [streams]},
             "data": [synthetic_data(args)],
+            "seed": {"kind": "static", "value": seed},
             "constraints": [
                 {"kind": "max_requests", "count": requests},
                 {"kind": "max_duration", "seconds": seconds},
@@ -366,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-count", type=int, default=1, help="distinct shared prefixes")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument(
+        "--seed", type=int, default=42, help="the first level's prompts (each next: +1)"
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -416,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.max_seconds,
                         args,
                         scratch,
+                        seed=args.seed + index,
                     )
                     runs.setdefault((server.name, column), []).append(result)
                     server.results[column] = _median(runs[server.name, column])
