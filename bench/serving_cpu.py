@@ -12,9 +12,10 @@ the same model, under the same guidellm load.
 Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens, greedy
 (``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
 most ``--max-requests`` requests or ``--max-seconds``), then a burst (``--burst`` requests at
-once); every level (and every ``--repeat`` round) with prompts of its own (``run_level``). Every server is started first and stays up; each level then runs on every server in
-turn, the order alternating from level to level, so load from other processes on a shared
-machine falls on all of them alike. Reported per server and level: output tokens/s (output
+once); every level (and every ``--repeat`` round) with prompts of its own (``run_level``).
+Every server is started first and stays up; each level then runs on every server in turn, the
+order alternating from level to level, so load from other processes on a shared machine falls
+on all of them alike. Reported per server and level: output tokens/s (output
 tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
 server's RSS (its whole process tree) idle and after the run.
 
