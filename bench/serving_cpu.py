@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="run every level this many times (server order alternating) and report medians: "
-        "this machine's memory bandwidth, shared with other tenants, moves single runs by 20%%",
+        "single runs of one level on this machine have moved by up to 20%%",
     )
     parser.add_argument(
         "--keep",
@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.append((f"burst {args.burst}", args.burst, args.burst))
     with tempfile.TemporaryDirectory(prefix="dpserve-serving-") as name:
         scratch = args.keep or Path(name)
-        scratch.mkdir(parents=True, exist_ok=True)
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
         try:
             for server in servers:
                 start(server, scratch)

@@ -374,7 +374,7 @@ def test_scale_down_moves_32_streams_and_the_leaving_pod_is_gone_in_seconds(
     assert not different, [(p, moved[p], scaling.streams[p]) for p in different[:3]]
     # Handing requests over (above) is what shows it did not wait out its streams (they take
     # ~4 s here). This bound is about leaving on its own, long before the grace period ends
-    # and the kubelet kills it: the pod's removal itself took 5-32 s on this shared machine.
+    # and the kubelet kills it: the pod's removal itself took 5-32 s on this machine.
     assert gone < GRACE_SECONDS / 2, "the leaving engine was not gone well before its grace period"
     into_bounds = [e for e in scaling.events() if e["reason"] == "ScaledIntoBounds"]
     assert into_bounds and "engines 2 → 1" in into_bounds[-1]["message"]
