@@ -9,7 +9,9 @@ and every prefill chunk of the step in one ``varlen_prefill_attention`` call.
 
 On CUDA (``uses_triton_layers``) the element-wise glue and the prefill attention are Triton
 kernels: RoPE with the KV write and SiLU x up (``triton_layer_ops``), the step's prefill chunks
-read straight from the pool (``triton_prefill``); the decode rows use ``triton_decode``.
+read straight from the pool (``triton_prefill``); the decode rows use ``triton_decode``. On CPU
+in fp32, where they build (``cpu_kernels``), RMSNorm, RoPE with the KV write and the decode
+rows' attention are C++ loops. Which of the three a model runs is its ``glue``.
 
 The weights are taken from the transformers model that ``dpserve.models`` loaded (any
 directory, hub id or the GGUF default): q/k/v and gate/up are fused into one matrix each, and
@@ -26,7 +28,7 @@ from typing import Any, Final
 import torch
 from torch.nn import functional
 
-from dpserve.engine import triton_layer_ops, triton_prefill
+from dpserve.engine import cpu_kernels, triton_layer_ops, triton_prefill
 from dpserve.engine.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.linear import Linear, uses_onednn
 from dpserve.engine.paged_attention import (
@@ -231,10 +233,10 @@ class _StepInputs:
     """What every layer of one forward shares, computed once per step."""
 
     # The torch path's RoPE ([tokens, 1, head_dim / 2] complex, each row's position) and KV
-    # write (index_put_ into a layer's kv pair); None where the Triton kernel does both.
+    # write (index_put_ into a layer's kv pair); None where a kernel does both.
     rotation: torch.Tensor | None
     write_index: tuple[torch.Tensor, torch.Tensor] | None
-    decode: DecodeLayout | None  # None: no decode rows, or the Triton kernel reads the tables
+    decode: DecodeLayout | None  # None: no decode rows, or a kernel reads the tables
     prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None
 
 
@@ -267,6 +269,17 @@ class PagedLlama:
         self.vocab_size = self.lm_head.out_features
         self.rotation = self._rope_rotation(decoder.rotary_emb)
         self.triton_layers = uses_triton_layers(self.device)
+        # "triton" (CUDA), "cpu" (the C++ kernels: fp32 on CPU) or "torch".
+        self.glue = (
+            "triton"
+            if self.triton_layers
+            else "cpu"
+            if cpu_kernels.usable(self.embedding)
+            else "torch"
+        )
+        # The rotation as (cos, sin) pairs, [positions, head_dim / 2, 2], for the C++ kernel.
+        self.rotation_pairs = torch.view_as_real(self.rotation).view(self.context_size, -1, 2)
+        self._norm = cpu_kernels.rms_norm if self.glue == "cpu" else rms_norm
         self.layers: list[_Layer] = []
         for index in range(len(decoder.layers)):
             self.layers.append(
@@ -356,14 +369,14 @@ class PagedLlama:
             hidden = self._layer(hidden, layer, cache.kv[index], batch, step)
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(rms_norm(hidden, self.norm, self.eps))
+        return self.lm_head(self._norm(hidden, self.norm, self.eps))
 
     def _step_inputs(self, batch: ForwardBatch, block_size: int) -> _StepInputs:
         slots = batch.slot_mapping
         decode = None
         prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None = None
         decodes = batch.num_decodes
-        if decodes and self.decode_backend != "triton":
+        if decodes and self.decode_backend != "triton" and self.glue != "cpu":
             assert batch.block_tables is not None and batch.seq_lens is not None
             decode = decode_layout(batch.block_tables, batch.seq_lens, block_size, self.dtype)
         chunks = batch.prefills
@@ -386,7 +399,7 @@ class PagedLlama:
                 group=self.group,
                 dtype=self.dtype,
             )
-        if self.triton_layers:
+        if self.glue != "torch":
             return _StepInputs(rotation=None, write_index=None, decode=decode, prefill=prefill)
         return _StepInputs(
             rotation=self.rotation.index_select(0, batch.positions),
@@ -404,8 +417,18 @@ class PagedLlama:
         step: _StepInputs,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
-        if step.rotation is None or step.write_index is None:
+        qkv = layer.qkv(self._norm(hidden, layer.input_norm, self.eps))
+        if self.glue == "cpu":
+            cpu_kernels.rotate_and_write_kv(
+                qkv,
+                self.rotation_pairs,
+                batch.positions,
+                batch.slot_mapping,
+                kv_pair,
+                self.num_heads,
+                self.num_kv_heads,
+            )
+        elif step.rotation is None or step.write_index is None:
             triton_layer_ops.rotate_and_write_kv(
                 qkv,
                 self.rotation,
@@ -428,7 +451,7 @@ class PagedLlama:
             )
         query = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         hidden = layer.o_proj.plus(self._attention(query, kv_pair, batch, step), hidden)
-        return layer.mlp.plus(rms_norm(hidden, layer.post_norm, self.eps), hidden)
+        return layer.mlp.plus(self._norm(hidden, layer.post_norm, self.eps), hidden)
 
     def _attention(
         self, query: torch.Tensor, kv_pair: torch.Tensor, batch: ForwardBatch, step: _StepInputs
@@ -456,6 +479,10 @@ class PagedLlama:
         if step.decode is not None:
             return gathered_decode_attention(query, kv_pair, step.decode, self.scale)
         assert batch.block_tables is not None and batch.seq_lens is not None
+        if self.glue == "cpu":
+            return cpu_kernels.decode_attention(
+                query, kv_pair, batch.block_tables, batch.seq_lens, self.scale
+            )
         out = paged_decode_attention(
             query, kv_pair[0], kv_pair[1], batch.block_tables, batch.seq_lens, self.scale
         )

@@ -1,0 +1,289 @@
+// The paged engine's glue on CPU, fp32: what torch runs as several operations with a tensor
+// written and read back between them, here one loop each (issue 16). Built and loaded by
+// dpserve/engine/cpu_kernels.py, which says when they are used and what they replace.
+//
+// Every kernel works on rows of floats whose last dimension is contiguous; the wrapper in
+// cpu_kernels.py checks shapes and dtypes, so the checks here only guard the invariants a
+// wrong call would turn into out-of-bounds reads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// transformers' LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * weight, a row at a time.
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat);
+  TORCH_CHECK(input.dim() == 2 && input.stride(1) == 1 && weight.is_contiguous());
+  const int64_t rows = input.size(0), cols = input.size(1), stride = input.stride(0);
+  TORCH_CHECK(weight.numel() == cols);
+  at::Tensor out = at::empty({rows, cols}, input.options());
+  const float* in = input.data_ptr<float>();
+  const float* gain = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* x = in + row * stride;
+      float* y = dst + row * cols;
+      float squares = 0.f;
+      for (int64_t c = 0; c < cols; ++c) squares += x[c] * x[c];
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(cols) + epsilon);
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) y[c] = x[c] * inverse * gain[c];
+    }
+  });
+  return out;
+}
+
+// RoPE on the query and key heads of each token's qkv row, in place, then the token's key and
+// value copied to its slot of the layer's pool. Heads are in RoPE-pair order (dimension 2i and
+// 2i + 1 rotate together); rotation[position] holds (cos, sin) per pair.
+void rotate_and_write_kv(at::Tensor qkv, const at::Tensor& rotation, const at::Tensor& positions,
+                         const at::Tensor& slots, at::Tensor kv_pair, int64_t num_heads,
+                         int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_pair.scalar_type() == at::kFloat);
+  TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_pair.is_contiguous());
+  TORCH_CHECK(kv_pair.dim() == 5 && kv_pair.size(0) == 2 && kv_pair.size(3) == num_kv_heads);
+  const int64_t tokens = qkv.size(0), head_dim = kv_pair.size(4), half = head_dim / 2;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim);
+  TORCH_CHECK(rotation.dim() == 3 && rotation.size(1) == half && rotation.size(2) == 2);
+  TORCH_CHECK(positions.numel() == tokens && slots.numel() == tokens);
+  const int64_t row_stride = qkv.stride(0), max_position = rotation.size(0);
+  const int64_t slot_width = num_kv_heads * head_dim;
+  const int64_t pool_slots = kv_pair.size(1) * kv_pair.size(2);
+  float* rows = qkv.data_ptr<float>();
+  const float* table = rotation.data_ptr<float>();
+  const int64_t* position = positions.contiguous().data_ptr<int64_t>();
+  const int64_t* slot = slots.contiguous().data_ptr<int64_t>();
+  float* keys = kv_pair.data_ptr<float>();
+  float* values = keys + pool_slots * slot_width;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      TORCH_CHECK(position[token] >= 0 && position[token] < max_position, "position out of range");
+      TORCH_CHECK(slot[token] >= 0 && slot[token] < pool_slots, "slot out of range");
+      float* row = rows + token * row_stride;
+      const float* turn = table + position[token] * half * 2;
+      for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
+        float* pairs = row + head * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = pairs[2 * i], x2 = pairs[2 * i + 1];
+          const float cos = turn[2 * i], sin = turn[2 * i + 1];
+          pairs[2 * i] = x1 * cos - x2 * sin;
+          pairs[2 * i + 1] = x1 * sin + x2 * cos;
+        }
+      }
+      const float* key = row + num_heads * head_dim;
+      std::copy(key, key + slot_width, keys + slot[token] * slot_width);
+      std::copy(key + slot_width, key + 2 * slot_width, values + slot[token] * slot_width);
+    }
+  });
+}
+
+// exp(x) for x <= 0 to ~1 ulp (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+// polynomial in r scaled by 2^n), written so that a simd loop vectorizes it: libm's expf is
+// a call per element. Results below 2^-126 flush to that bound (a softmax weight of ~1e-38).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+constexpr int64_t kMaxHeads = 1024;
+
+// Asks for the cache lines of [data, data + count) ahead of use. A sequence's blocks lie
+// anywhere in a pool far larger than the caches, so the hardware prefetcher, which follows
+// one address stream, starts every block cold; a block ahead is ~1 us of work, enough to hide
+// the memory's latency.
+inline void prefetch(const float* data, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t i = 0; i < count; i += kLine) __builtin_prefetch(data + i, 0, 3);
+}
+
+// Sixteen floats: one AVX-512 register, or two AVX2 ones where that is what the CPU has.
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+// out[:dim] += sum over r < count of weights[r] * rows[r * stride :][:dim]. With Dim a
+// compile-time constant the sum stays in vector registers, written to memory once; a float
+// array would be stored and reloaded for every row, a chain of store-to-load latencies.
+template <int64_t Dim>
+void add_weighted_rows(const float* __restrict rows, int64_t stride,
+                       const float* __restrict weights, int64_t count, int64_t dim,
+                       float* __restrict out) {
+  if constexpr (Dim > 0) {
+    Lanes sum[Dim / kLanes] = {};
+    for (int64_t r = 0; r < count; ++r) {
+      const float weight = weights[r];
+      for (int64_t chunk = 0; chunk < Dim / kLanes; ++chunk) {
+        Lanes lanes;
+        std::memcpy(&lanes, rows + r * stride + chunk * kLanes, sizeof(lanes));
+        sum[chunk] += weight * lanes;
+      }
+    }
+    for (int64_t chunk = 0; chunk < Dim / kLanes; ++chunk) {
+      Lanes lanes;
+      std::memcpy(&lanes, out + chunk * kLanes, sizeof(lanes));
+      lanes += sum[chunk];
+      std::memcpy(out + chunk * kLanes, &lanes, sizeof(lanes));
+    }
+  } else {
+    for (int64_t r = 0; r < count; ++r) {
+      const float weight = weights[r];
+      const float* row = rows + r * stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[d] += weight * row[d];
+    }
+  }
+}
+
+// One sequence's new token, every head: the scores against each cached token, the softmax,
+// the values weighted and summed. The keys and values are read once, a whole slot (all KV
+// heads) at a time in block order: the pool is far larger than the caches, so these reads are
+// most of the time, and they run at memory speed only as long contiguous streams.
+void attend(const float* __restrict q, const float* __restrict keys,
+            const float* __restrict values, const int32_t* table, int64_t length,
+            int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t dim, float scale,
+            float* __restrict scores, float* __restrict out) {
+  const int64_t heads = num_kv_heads * group, slot_width = num_kv_heads * dim;
+  const int64_t block_width = block_size * slot_width;
+  int64_t kv_head_of[kMaxHeads];  // an integer division per head and token costs more than it
+  for (int64_t head = 0; head < heads; ++head) kv_head_of[head] = head / group;
+  const int64_t blocks = (length + block_size - 1) / block_size;
+  prefetch(keys + static_cast<int64_t>(table[0]) * block_width, block_width);
+  for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
+    const float* block_keys = keys + static_cast<int64_t>(table[index]) * block_width;
+    const int64_t stop = std::min(block_size, length - start);
+    const float* following = index + 1 < blocks ? keys : values;  // the V pass starts next
+    prefetch(following + static_cast<int64_t>(table[(index + 1) % blocks]) * block_width,
+             block_width);
+    for (int64_t offset = 0; offset < stop; ++offset) {
+      const float* slot = block_keys + offset * slot_width;
+      for (int64_t head = 0; head < heads; ++head) {
+        const float* qh = q + head * dim;
+        const float* k = slot + kv_head_of[head] * dim;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
+        scores[head * length + start + offset] = dot * scale;
+      }
+    }
+  }
+  for (int64_t head = 0; head < heads; ++head) {
+    float* s = scores + head * length;
+    float highest = -std::numeric_limits<float>::infinity();
+    for (int64_t token = 0; token < length; ++token) highest = std::max(highest, s[token]);
+    float total = 0.f;
+    for (int64_t token = 0; token < length; ++token) {
+      s[token] = exp_nonpositive(s[token] - highest);
+      total += s[token];
+    }
+    const float inverse = 1.f / total;
+#pragma omp simd
+    for (int64_t token = 0; token < length; ++token) s[token] *= inverse;
+  }
+  std::fill(out, out + heads * dim, 0.f);
+  const auto add_rows = dim == 64    ? &add_weighted_rows<64>
+                        : dim == 128 ? &add_weighted_rows<128>
+                                     : &add_weighted_rows<0>;
+  for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
+    const float* block_values = values + static_cast<int64_t>(table[index]) * block_width;
+    const int64_t stop = std::min(block_size, length - start);
+    if (index + 1 < blocks) {
+      prefetch(values + static_cast<int64_t>(table[index + 1]) * block_width, block_width);
+    }
+    // Head by head over the block, which stays in L1 between heads.
+    for (int64_t head = 0; head < heads; ++head) {
+      add_rows(block_values + kv_head_of[head] * dim, slot_width,
+               scores + head * length + start, stop, dim, out + head * dim);
+    }
+  }
+}
+
+// One new token per sequence attending to its cached tokens in the pool (nothing gathered, no
+// mask): query [batch, heads, head_dim] (rows may be strided), kv_pair [2, blocks, block_size,
+// kv_heads, head_dim], int32 block tables [batch, width] and lengths [batch] (the new token's
+// key included). Returns [batch, heads * head_dim].
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_pair.scalar_type() == at::kFloat);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt);
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2));
+  TORCH_CHECK(kv_pair.dim() == 5 && kv_pair.size(0) == 2 && kv_pair.is_contiguous());
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv_pair.size(2), num_kv_heads = kv_pair.size(3);
+  TORCH_CHECK(kv_pair.size(4) == head_dim && num_heads % num_kv_heads == 0);
+  TORCH_CHECK(num_heads <= kMaxHeads, "more than ", kMaxHeads, " attention heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch);
+  TORCH_CHECK(seq_lens.numel() == batch);
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lengths = seq_lens.contiguous();
+  const int64_t group = num_heads / num_kv_heads, width = tables.size(1);
+  const int64_t num_blocks = kv_pair.size(1), slot_width = num_kv_heads * head_dim;
+  const int32_t* table_data = tables.data_ptr<int32_t>();
+  const int32_t* length_data = lengths.data_ptr<int32_t>();
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t length = length_data[row];
+    TORCH_CHECK(length >= 1 && length <= width * block_size, "sequence length out of range");
+    for (int64_t index = 0; index * block_size < length; ++index) {
+      const int32_t block = table_data[row * width + index];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+  }
+  const float* queries = query.data_ptr<float>();
+  const float* keys = kv_pair.data_ptr<float>();
+  const float* values = keys + num_blocks * block_size * slot_width;
+  at::Tensor out = at::empty({batch, num_heads * head_dim}, query.options());
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t length = length_data[row];
+      scores.resize(num_heads * length);
+      attend(queries + row * query.stride(0), keys, values, table_data + row * width, length,
+             block_size, num_kv_heads, group, head_dim, static_cast<float>(scale),
+             scores.data(), out_data + row * num_heads * head_dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dpserve_cpu, m) {
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rotate_and_write_kv(Tensor(a!) qkv, Tensor rotation, Tensor positions, Tensor slots, "
+      "Tensor(b!) kv_pair, int num_heads, int num_kv_heads) -> ()");
+  m.def(
+      "decode_attention(Tensor query, Tensor kv_pair, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotate_and_write_kv", &rotate_and_write_kv);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,173 @@
+"""The C++ CPU kernels (``dpserve.engine.cpu_kernels``) against the torch code they replace:
+RMSNorm, RoPE with the KV write, decode attention over the paged pool (NaN wherever a
+sequence owns nothing, so a read past a length or a padding entry fails the comparison), a
+whole model's logits with and without them, the refusal of out-of-range inputs, and how the
+build cache is keyed and switched off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional
+
+from dpserve.engine import cpu_kernels
+from dpserve.engine.llama import _rotate_in_place
+from dpserve.engine.paged_attention import paged_decode_attention_reference
+from tests.paged_cases import make_paged_case, random_lengths
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="the CPU kernels did not build here (no C++ compiler, or DPSERVE_CPU_KERNELS=0)",
+)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (4, 576), (33, 100)])
+def test_rms_norm_equals_torch(rows: int, cols: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, cols + 7, generator=generator) * 3
+    hidden = wide[:, :cols]  # rows with a stride wider than the row
+    weight = torch.randn(cols, generator=generator)
+    expected = functional.rms_norm(hidden, (cols,), weight, 1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm(hidden, weight, 1e-5), expected)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_rotate_and_write_kv_equals_torch(heads: int, kv_heads: int, head_dim: int) -> None:
+    generator = torch.Generator().manual_seed(head_dim)
+    tokens, positions_known, block_size, blocks = 11, 300, 16, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(positions_known, 1, head_dim // 2, generator=generator) * 6.3
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.randint(0, positions_known, (tokens,), generator=generator)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+
+    expected_qkv, expected_pool = qkv.clone(), pool.clone()
+    _rotate_in_place(
+        expected_qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, -1, 2),
+        rotation.index_select(0, positions),
+    )
+    written = expected_qkv[:, heads * head_dim :].view(tokens, 2, kv_heads, head_dim)
+    expected_pool.view(2, -1, kv_heads, head_dim)[:, slots] = written.transpose(0, 1)
+
+    pairs = torch.view_as_real(rotation).view(positions_known, -1, 2)
+    cpu_kernels.rotate_and_write_kv(qkv, pairs, positions, slots, pool, heads, kv_heads)
+    torch.testing.assert_close(qkv, expected_qkv)
+    torch.testing.assert_close(pool, expected_pool)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (4, 2, 16, 4), (6, 2, 48, 8)],
+)
+def test_decode_attention_equals_the_reference(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    lengths = random_lengths(12, block_size, longest=300, seed=heads)
+    case = make_paged_case(
+        lengths, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size
+    )
+    expected = paged_decode_attention_reference(*case.args())
+    # The engine passes the query as a view of the qkv projection: rows wider than the heads.
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * head_dim)
+    query = qkv[:, : heads * head_dim].view(len(lengths), heads, head_dim)
+    query.copy_(case.query)
+    pool = torch.stack((case.k_cache, case.v_cache))
+    out = cpu_kernels.decode_attention(
+        query, pool, case.block_tables, case.seq_lens, case.scale
+    ).view(expected.shape)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_decode_attention_refuses_what_would_read_outside_the_pool() -> None:
+    case = make_paged_case([5, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    pool = torch.stack((case.k_cache, case.v_cache))
+    too_far = case.block_tables.clone()
+    too_far[1, 0] = pool.shape[1]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernels.decode_attention(case.query, pool, too_far, case.seq_lens, case.scale)
+    longer = torch.tensor([5, 10_000], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="sequence length out of range"):
+        cpu_kernels.decode_attention(case.query, pool, case.block_tables, longer, case.scale)
+    with pytest.raises(RuntimeError):
+        cpu_kernels.decode_attention(
+            case.query.double(), pool, case.block_tables, case.seq_lens, case.scale
+        )
+
+
+@needs_kernels
+def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two steps of the whole model (a prefill of two prompts, then one decode step each) on
+    each path, the second with the first's cache contents: logits equal to ~1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    from dpserve.engine.kv_cache import PagedKVCache
+    from dpserve.engine.llama import ForwardBatch, PagedLlama, PrefillSlice
+
+    def load(kernels: bool) -> PagedLlama:
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_kernels, "usable", lambda tensor: kernels)
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+            return PagedLlama(model)
+
+    def steps(llama: PagedLlama) -> list[torch.Tensor]:
+        cache = PagedKVCache(
+            llama.kv_cache_shape(block_size=4), num_blocks=16, device=torch.device("cpu")
+        )
+        prompts = [[5, 9, 30, 7, 100, 3], [42, 8, 17]]
+        tables = torch.tensor([[1, 2, 0], [3, 0, 0]], dtype=torch.int32)
+        slots = [4, 5, 6, 7, 8, 9, 12, 13, 14]
+        prefill = ForwardBatch(
+            input_ids=torch.tensor(prompts[0] + prompts[1]),
+            positions=torch.tensor([*range(6), *range(3)]),
+            slot_mapping=torch.tensor(slots),
+            num_decodes=0,
+            block_tables=None,
+            seq_lens=None,
+            prefills=[PrefillSlice(0, 6, 0, None), PrefillSlice(6, 3, 0, None)],
+            logits_indices=torch.tensor([5, 8]),
+        )
+        first = llama.forward(prefill, cache)
+        decode = ForwardBatch(
+            input_ids=first.argmax(dim=-1),
+            positions=torch.tensor([6, 3]),
+            slot_mapping=torch.tensor([10, 15]),
+            num_decodes=2,
+            block_tables=tables,
+            seq_lens=torch.tensor([7, 4], dtype=torch.int32),
+            prefills=[],
+            logits_indices=None,
+        )
+        return [first, llama.forward(decode, cache)]
+
+    with_kernels, without = load(True), load(False)
+    assert (with_kernels.glue, without.glue) == ("cpu", "torch")
+    for ours, theirs in zip(steps(with_kernels), steps(without), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_build_key_follows_the_cpu_and_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = cpu_kernels.build_key("g++")
+    monkeypatch.setattr(cpu_kernels, "_cpu_identity", lambda: "flags: sse2")
+    assert cpu_kernels.build_key("g++") != key
+    assert len({key, cpu_kernels.build_key("clang++")}) == 2
+
+
+def test_no_compiler_means_no_kernels_and_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_kernels.build()
+
+
+def test_the_environment_switches_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    assert cpu_kernels.available.__wrapped__() is False  # type: ignore[attr-defined]
