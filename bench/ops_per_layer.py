@@ -7,9 +7,10 @@ operations per layer (goal <= 12; 36 before the fused forward). Counted on the t
 Llama of the tests (``tests/tiny_model.py``), a pure decode step of ``--batch`` sequences with
 ``--context`` tokens each, CPU:
 
-* an operation is a top-level dispatcher call the profiler records (an ``aten::`` or
-  ``mkldnn::`` event with no operator above it): what Python asked torch to run. Calls that only
-  make a view (``view``, ``slice``, ``transpose``, ...) move no data and are counted apart.
+* an operation is a top-level dispatcher call the profiler records (an ``aten::``,
+  ``mkldnn::`` or ``dpserve_cpu::`` event with no operator above it): what Python asked torch
+  to run. Calls that only make a view (``view``, ``slice``, ``transpose``, ...) move no data
+  and are counted apart.
 * per layer = (ops of the full model - ops of the same model cut to its first layer) /
   (layers - 1), so the per-step work (embedding, RoPE table lookup, masks, final norm, vocabulary
   projection) is not counted against the layers.
@@ -101,7 +102,8 @@ def _top_level_calls(model: PagedLlama, batch: ForwardBatch, cache: PagedKVCache
     return [
         event
         for event in recorded.events()
-        if event.cpu_parent is None and event.name.startswith(("aten::", "mkldnn::"))
+        if event.cpu_parent is None
+        and event.name.startswith(("aten::", "mkldnn::", "dpserve_cpu::"))
     ]
 
 

@@ -5,15 +5,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.ops_per_layer import count_decode_ops_per_layer
+from dpserve.engine import cpu_kernels
 
 MAX_OPS_PER_LAYER = 12
 
+# What each path's attention and cache write are called: torch's, and the C++ kernels'.
+_ATTENTION_AND_WRITE = {
+    False: ("aten::scaled_dot_product_attention", "aten::index_put_"),
+    True: ("dpserve_cpu::decode_attention", "dpserve_cpu::rotate_and_write_kv"),
+}
 
-def test_a_decode_step_costs_at_most_12_operations_per_layer(tiny_model_path: Path) -> None:
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu-kernels"])
+def test_a_decode_step_costs_at_most_12_operations_per_layer(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, kernels: bool
+) -> None:
+    if kernels and not cpu_kernels.available():
+        pytest.skip("the CPU kernels did not build here (no C++ compiler)")
+    monkeypatch.setattr(cpu_kernels, "usable", lambda tensor: kernels)
     count = count_decode_ops_per_layer(tiny_model_path, batch=4, context=21)
     assert 0 < count.compute <= MAX_OPS_PER_LAYER, str(count)
     # The counter sees the real work: projections, attention and the cache write are there.
-    assert count.names.get("aten::scaled_dot_product_attention", 0) == 1, str(count)
-    assert count.names.get("aten::index_put_", 0) == 1, str(count)
+    for name in _ATTENTION_AND_WRITE[kernels]:
+        assert count.names.get(name, 0) == 1, str(count)
     assert count.total >= count.compute
