@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from dpserve.client import InferenceClient
-from dpserve.engine.cpus import usable_cores
+from dpserve.engine.cpus import numa_core_sets, usable_cores
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.security import key_files, throwaway
 
@@ -61,12 +62,26 @@ class LocalDeployment:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, cores: frozenset[int] | None = None) -> None:
         command = [sys.executable, "-m", "dpserve.cli", *args]
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if cores:
+                os.sched_setaffinity(0, cores)
+
         # A session of their own: Ctrl-C in the terminal reaches only `dpserve serve`, which
         # then stops the children in order (engines drain while the coordinator still runs).
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent, start_new_session=True)
+        process = subprocess.Popen(command, preexec_fn=before_exec, start_new_session=True)
         self.processes.append((name, process))
+
+    def engine_cores(self) -> list[frozenset[int] | None]:
+        """Each engine's cores: its NUMA node's when there is one engine per node (the
+        default), else no pinning."""
+        nodes = numa_core_sets()
+        if len(nodes) > 1 and len(nodes) == self.data_parallel_size:
+            return list(nodes)
+        return [None] * self.data_parallel_size
 
     def client_keys(self) -> key_files.PeerKeys | None:
         return None if self.credentials is None else key_files.load_peer_keys(self.credentials)
@@ -87,10 +102,13 @@ class LocalDeployment:
             *_coordinator_limit_flags(self.limits),
             *(["--routing", self.routing] if self.routing else []),
         )
-        for rank in range(self.data_parallel_size):
+        for rank, cores in enumerate(self.engine_cores()):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
             if not self.fake:
-                engine += ["--torch-threads", str(self.threads_per_engine())]
+                threads = self.threads_per_engine()
+                if cores and self.torch_threads is None:
+                    threads = min(threads, len(cores))
+                engine += ["--torch-threads", str(threads)]
                 engine += self.kv_cache_args
             if self.max_num_seqs:
                 engine += ["--max-num-seqs", str(self.max_num_seqs)]
@@ -103,6 +121,7 @@ class LocalDeployment:
                 str(rank),
                 *engine,
                 *keys,
+                cores=cores,
             )
 
     def threads_per_engine(self) -> int:

@@ -23,7 +23,13 @@ def add_parser(subparsers: Subcommands) -> None:
     serve = subparsers.add_parser(
         "serve", help="run a coordinator, engines and the HTTP front on this machine"
     )
-    serve.add_argument("--data-parallel-size", type=int, default=2, help="engines (default: 2)")
+    serve.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="engines (default: one per NUMA node of the cores this process may use, each "
+        "pinned to its node: one on most machines)",
+    )
     serve.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
     serve.add_argument("--port", type=int, default=DEFAULT_ZMQ_PORT, help="ZMQ port")
     serve.add_argument(
@@ -67,8 +73,12 @@ def add_parser(subparsers: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dpserve.engine.cpus import numa_core_sets
     from dpserve.local import LocalDeployment, serve
 
+    if args.data_parallel_size is not None and args.data_parallel_size < 1:
+        print("dpserve serve: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
     try:
         if args.credentials and args.insecure:
             raise key_files.CredentialsError("--insecure and --credentials contradict each other")
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         model_path = resolve_model(args.model)
     deployment = LocalDeployment(
         model_path=model_path,
-        data_parallel_size=args.data_parallel_size,
+        data_parallel_size=args.data_parallel_size or len(numa_core_sets()),
         port=args.port,
         http_port=None if args.http_port == 0 else args.http_port,
         max_num_seqs=args.max_num_seqs,

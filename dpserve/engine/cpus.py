@@ -6,6 +6,13 @@ four busy threads, and each step takes several times longer than with one thread
 actually run on: the cores of its CPU affinity, capped by its container's CPU limit (cgroup v2
 ``cpu.max``, or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); ``dpserve serve`` divides
 that among the engines it starts; ``--torch-threads`` overrides both.
+
+``numa_core_sets`` groups those cores by NUMA node: ``dpserve serve`` starts one engine per
+node by default, each pinned to its node's cores. On a CPU the decode step is bound by memory
+bandwidth (it streams every weight once per step), and engines that share a node's memory bus
+each stream their own copy of the weights: measured on this project's 2-core machine (one
+node), one engine on both cores gave more output tok/s and a lower inter-token latency than two
+engines of one core at every load (BENCHMARKS.md, CPU serving, run 6).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+NODE_ROOT = Path("/sys/devices/system/node")
 
 
 def _own_cgroup_v2_dir(root: Path, proc_cgroup: Path) -> Path | None:
@@ -80,3 +88,30 @@ def torch_threads(requested: int | None) -> tuple[int, str]:
     if limit is not None and math.floor(limit) < len(os.sched_getaffinity(0)):
         return usable_cores(limit), f"the container's CPU limit of {limit:g}"
     return usable_cores(limit), "the cores this process may run on"
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """The cores of a sysfs CPU list such as ``0-3,8-11,16``."""
+    cores: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def numa_core_sets(root: Path = NODE_ROOT, allowed: set[int] | None = None) -> list[frozenset[int]]:
+    """The cores this process may run on (``allowed``, default its affinity), grouped by NUMA
+    node in node order; one group when sysfs lists no node (or only one has such cores)."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    nodes: list[tuple[int, frozenset[int]]] = []
+    for node in root.glob("node[0-9]*"):
+        try:
+            cores = parse_cpu_list((node / "cpulist").read_text())
+            number = int(node.name[len("node") :])
+        except (OSError, ValueError):
+            continue
+        if cores & allowed:
+            nodes.append((number, frozenset(cores & allowed)))
+    return [cores for _, cores in sorted(nodes)] or [frozenset(allowed)]

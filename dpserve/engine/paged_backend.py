@@ -202,7 +202,11 @@ class PagedBackend:
                 "max_num_seqs": self.max_num_seqs,
                 "context_size": self.context_size,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                "decode_attention": decode_attention_backend(self.device),
+                "decode_attention": decode_attention_backend(self.device)
+                if self.model is None or self.model.glue != "cpu"
+                else "cpu",
+                # Which code runs the layers' glue: "triton", "cpu" (C++ kernels) or "torch".
+                "layer_kernels": self.model.glue if self.model is not None else None,
                 "cuda_graphs": self.graphs.sizes if self.graphs is not None else [],
             }
         )

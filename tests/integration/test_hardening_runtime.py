@@ -287,7 +287,7 @@ def test_serve_splits_the_cores_among_its_engines_and_streams_hold_up(tmp_path, 
     with open(log_path, "wb") as log_file:
         serve = subprocess.Popen(
             [DPSERVE, "serve", "--model", str(tiny_model_path), "--insecure",
-             "--port", str(port), "--http-port", "0"],
+             "--data-parallel-size", "2", "--port", str(port), "--http-port", "0"],
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:

@@ -46,3 +46,35 @@ def test_at_least_one_thread_and_the_flag_wins():
     assert cpus.usable_cores(0.2) == 1
     assert cpus.usable_cores(10_000) == len(os.sched_getaffinity(0))
     assert cpus.torch_threads(3) == (3, "--torch-threads")
+
+
+def test_cpu_lists_as_sysfs_writes_them() -> None:
+    assert cpus.parse_cpu_list("0-3,8-9,12\n") == {0, 1, 2, 3, 8, 9, 12}
+    assert cpus.parse_cpu_list("5") == {5}
+
+
+def sysfs_nodes(tmp_path: Path, lists: dict[int, str]) -> Path:
+    root = tmp_path / "node"
+    for number, cpulist in lists.items():
+        (root / f"node{number}").mkdir(parents=True)
+        (root / f"node{number}" / "cpulist").write_text(cpulist + "\n")
+    (root / "possible").write_text("0-1\n")  # a file beside the nodes, not a node
+    return root
+
+
+def test_cores_are_grouped_by_numa_node_in_node_order(tmp_path: Path) -> None:
+    root = sysfs_nodes(tmp_path, {10: "8-11", 2: "4-7", 0: "0-3"})
+    assert cpus.numa_core_sets(root, allowed=set(range(12))) == [
+        frozenset({0, 1, 2, 3}),
+        frozenset({4, 5, 6, 7}),
+        frozenset({8, 9, 10, 11}),
+    ]
+    # Only the cores this process may use count; a node with none of them is no group.
+    assert cpus.numa_core_sets(root, allowed={1, 2, 9}) == [
+        frozenset({1, 2}),
+        frozenset({9}),
+    ]
+
+
+def test_without_nodes_in_sysfs_all_allowed_cores_are_one_group(tmp_path: Path) -> None:
+    assert cpus.numa_core_sets(tmp_path / "absent", allowed={0, 1}) == [frozenset({0, 1})]
