@@ -142,6 +142,12 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
   # The converted model (hard links: no copy of its half GB); the images' COPY reads it.
   rm -rf "$CONTEXT/images/models" && mkdir -p "$CONTEXT/images/models"
   cp -al "$MODEL_DIR/smollm2-135m-instruct" "$CONTEXT/images/models/"
+  # The CPU kernels, portable (x86-64-v3), built here against this torch: the image installs
+  # the same torch wheel and has no compiler. Without one here the image runs without them.
+  log "building the portable CPU kernels"
+  (cd "$ROOT" && "$PYTHON" -m dpserve.engine.cpu_kernels \
+    --portable "$CONTEXT/images/kernels/dpserve_cpu_kernels.so" >&2) \
+    || log "no portable CPU kernels: the image's engines will run torch's operations"
   if [[ ! -f "$CONTEXT/images/wheels/.key-$wheels_key" ]]; then
     log "downloading the wheels the images install"
     rm -rf "$CONTEXT/images/wheels" && mkdir -p "$CONTEXT/images/wheels"

@@ -13,14 +13,21 @@ Built on first use with the C++ compiler (``$CXX``, else ``g++``) against the in
 headers, for this CPU (``-march=native``), into ``$DPSERVE_CACHE/cpu-kernels/<key>``; the key
 hashes the source, the flags, torch's version and the CPU's model and feature flags, so a cache
 shared by two machines never loads code built for the other. Engines that start together wait
-on one file lock, and one builds. Without a compiler (the container images have none), on a
-failed build, or with ``DPSERVE_CPU_KERNELS=0``, ``available()`` is False and the model runs
-torch's operations instead (the same results to ~1e-6). ``python -m dpserve.engine.cpu_kernels``
+on one file lock, and one builds.
+
+Where no compiler is (the container images have none), a prebuilt library named by
+``$DPSERVE_CPU_KERNELS_PREBUILT`` is loaded instead if it was built for this torch version and
+the CPU has what it was compiled for: ``python -m dpserve.engine.cpu_kernels --portable OUT``
+builds one for x86-64-v3 (AVX2 and FMA: every x86 server since ~2015), and
+``scripts/build-images.sh`` puts one in the runtime image. Without either, on a failed build,
+or with ``DPSERVE_CPU_KERNELS=0``, ``available()`` is False and the model runs torch's
+operations instead (the same results to ~1e-6). ``python -m dpserve.engine.cpu_kernels``
 builds ahead of time (``make setup`` does) and prints where the library is, or why there is none.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import functools
 import hashlib
@@ -41,6 +48,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 DISABLE_VARIABLE = "DPSERVE_CPU_KERNELS"
+PREBUILT_VARIABLE = "DPSERVE_CPU_KERNELS_PREBUILT"
+# A portable build's target, and the /proc/cpuinfo flags a CPU needs to run it.
+PORTABLE_ARCH = "-march=x86-64-v3"
+PORTABLE_CPU_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"})
 # Reassociation lets the compiler sum dot products as a tree of vector adds (in source order
 # it adds 16 lanes one after another); no flag here assumes values are finite.
 _OPTIMIZE = (
@@ -83,13 +94,14 @@ def _torch_dir() -> Path:
     return Path(torch.__file__).parent
 
 
-def compile_command(compiler: str, output: Path) -> list[str]:
+def compile_command(compiler: str, output: Path, arch: tuple[str, ...] | None = None) -> list[str]:
+    """The compiler's command line; ``arch`` (default: this CPU's) is the target."""
     torch_dir = _torch_dir()
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     return [
         compiler,
         *_OPTIMIZE,
-        *_arch_flags(),
+        *(_arch_flags() if arch is None else arch),
         "-std=c++20",
         "-fPIC",
         "-shared",
@@ -125,12 +137,38 @@ def _compiler() -> str | None:
     return shutil.which(configured) if configured else shutil.which("g++")
 
 
-def build() -> Path:
-    """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
-    the compiler's message when it cannot be built."""
+def _required_compiler() -> str:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler ($CXX or g++ on PATH)")
+    return compiler
+
+
+def _compile(compiler: str, library: Path, arch: tuple[str, ...] | None = None) -> None:
+    """Compiles into ``library`` through a temporary file beside it, so that a reader never
+    sees half a library."""
+    descriptor, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+    os.close(descriptor)
+    try:
+        result = subprocess.run(
+            compile_command(compiler, Path(partial), arch),
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_SECONDS,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def build() -> Path:
+    """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
+    the compiler's message when it cannot be built."""
+    compiler = _required_compiler()
     directory = cache_dir() / "cpu-kernels" / build_key(compiler)
     library = directory / "dpserve_cpu_kernels.so"
     if library.exists():
@@ -141,23 +179,58 @@ def build() -> Path:
         if library.exists():  # another process built it while this one waited
             return library
         log.info("building the CPU kernels into %s (once per CPU and torch version)", directory)
-        descriptor, partial = tempfile.mkstemp(dir=directory, suffix=".so.partial")
-        os.close(descriptor)
-        try:
-            result = subprocess.run(
-                compile_command(compiler, Path(partial)),
-                capture_output=True,
-                text=True,
-                timeout=_BUILD_SECONDS,
-                check=False,
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-            os.replace(partial, library)
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+        _compile(compiler, library)
     return library
+
+
+def _torch_version_file(library: Path) -> Path:
+    return library.with_name(library.name + ".torch-version")
+
+
+def build_portable(library: Path) -> Path:
+    """A library for any x86-64-v3 CPU at ``library``, with the torch version it was built
+    against beside it (``<library>.torch-version``): what a container image ships."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    _compile(_required_compiler(), library, (PORTABLE_ARCH,))
+    _torch_version_file(library).write_text(torch.__version__ + "\n")
+    return library
+
+
+def _cpu_flags() -> frozenset[str]:
+    for line in _cpu_identity().splitlines():
+        name, _, value = line.partition(":")
+        if name == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def prebuilt(library: Path, cpu_flags: frozenset[str] | None = None) -> Path:
+    """``library`` if this process may load it (built for this torch version, this CPU has
+    x86-64-v3); raises ``RuntimeError`` saying why not."""
+    if not library.is_file():
+        raise RuntimeError(f"no prebuilt library at {library}")
+    try:
+        built_for = _torch_version_file(library).read_text().strip()
+    except OSError as exc:
+        raise RuntimeError(f"{library} does not say which torch it was built for") from exc
+    if built_for != torch.__version__:
+        raise RuntimeError(f"{library} was built for torch {built_for}, not {torch.__version__}")
+    missing = PORTABLE_CPU_FLAGS - (_cpu_flags() if cpu_flags is None else cpu_flags)
+    if platform.machine().lower() not in ("x86_64", "amd64") or missing:
+        raise RuntimeError(f"{library} needs an x86-64-v3 CPU (missing: {sorted(missing)})")
+    return library
+
+
+def _library() -> Path:
+    """This machine's build, else the prebuilt library where the build is impossible."""
+    try:
+        return build()
+    except RuntimeError as exc:
+        configured = os.environ.get(PREBUILT_VARIABLE)
+        if not configured:
+            raise
+        log.info("CPU kernels not built here (%s): trying %s", exc, configured)
+        return prebuilt(Path(configured))
 
 
 @functools.cache
@@ -171,10 +244,12 @@ def available() -> bool:
         log.info("CPU kernels are built on Linux only: using torch's operations")
         return False
     try:
-        torch.ops.load_library(str(build()))  # type: ignore[no-untyped-call]
+        library = _library()
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         log.warning("CPU kernels unavailable (%s): using torch's operations", exc)
         return False
+    log.info("CPU kernels loaded from %s", library)
     return True
 
 
@@ -221,13 +296,20 @@ def decode_attention(
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dpserve.engine.cpu_kernels",
+        description="build the CPU kernels for this machine (into the cache) or, with "
+        "--portable, for any x86-64-v3 CPU (for an image)",
+    )
+    parser.add_argument("--portable", type=Path, metavar="LIBRARY", help="where to write it")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        library = build()
+        library = build_portable(args.portable) if args.portable else build()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"CPU kernels not built ({exc}); engines will use torch's operations")
-        return 0
+        return 1 if args.portable else 0
     print(f"CPU kernels: {library}")
     return 0
 

@@ -33,6 +33,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -212,6 +213,10 @@ def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
     # No pod converts the model: it is in the image, and the coordinator reads only its
     # tokenizer (the engine log names the image's directory).
     assert "converting" not in logs and "/opt/models/smollm2-135m-instruct" in logs, logs[-2000:]
+    # The image's prebuilt CPU kernels (built by scripts/build-images.sh where it found a
+    # compiler) run the engine's layers: the image itself has no compiler.
+    if shutil.which("g++"):
+        assert "layer_kernels cpu" in logs, logs[-2000:]
     coordinator_pod = next(
         p for p in pod_names(flow.kubectl, NAMESPACE) if p.startswith(f"{NAME}-coordinator")
     )

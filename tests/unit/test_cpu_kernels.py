@@ -171,3 +171,65 @@ def test_no_compiler_means_no_kernels_and_a_reason(monkeypatch: pytest.MonkeyPat
 def test_the_environment_switches_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
     assert cpu_kernels.available.__wrapped__() is False  # type: ignore[attr-defined]
+
+
+X86_64_V3 = frozenset(cpu_kernels.PORTABLE_CPU_FLAGS)
+
+
+def test_a_prebuilt_library_is_refused_unless_it_fits(tmp_path: Path) -> None:
+    library = tmp_path / "kernels.so"
+    with pytest.raises(RuntimeError, match="no prebuilt library"):
+        cpu_kernels.prebuilt(library, X86_64_V3)
+    library.write_bytes(b"not checked here")
+    with pytest.raises(RuntimeError, match="which torch"):
+        cpu_kernels.prebuilt(library, X86_64_V3)
+    (tmp_path / "kernels.so.torch-version").write_text("1.0.0\n")
+    with pytest.raises(RuntimeError, match=r"built for torch 1\.0\.0"):
+        cpu_kernels.prebuilt(library, X86_64_V3)
+    (tmp_path / "kernels.so.torch-version").write_text(torch.__version__ + "\n")
+    with pytest.raises(RuntimeError, match="x86-64-v3"):
+        cpu_kernels.prebuilt(library, frozenset({"sse2", "avx"}))
+    if cpu_kernels.platform.machine().lower() in ("x86_64", "amd64"):
+        assert cpu_kernels.prebuilt(library, X86_64_V3) == library
+
+
+_LOAD_WITHOUT_A_COMPILER = """
+import torch
+from dpserve.engine import cpu_kernels
+assert cpu_kernels.available()
+rows = torch.randn(3, 40)
+weight = torch.randn(40)
+out = cpu_kernels.rms_norm(rows, weight, 1e-6)
+torch.testing.assert_close(out, torch.nn.functional.rms_norm(rows, (40,), weight, 1e-6))
+print("loaded")
+"""
+
+
+@needs_kernels
+def test_an_image_without_a_compiler_loads_the_portable_build(tmp_path: Path) -> None:
+    """What the runtime image does: a library built with ``--portable`` on a machine with a
+    compiler, loaded through ``$DPSERVE_CPU_KERNELS_PREBUILT`` where there is none."""
+    import os
+    import subprocess
+    import sys
+
+    if not cpu_kernels._cpu_flags() >= X86_64_V3:
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    library = tmp_path / "prebuilt" / "dpserve_cpu_kernels.so"
+    assert cpu_kernels.main(["--portable", str(library)]) == 0
+    environment = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-compiler"),
+        "DPSERVE_CACHE": str(tmp_path / "cache"),
+        cpu_kernels.PREBUILT_VARIABLE: str(library),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_A_COMPILER],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
+    assert not (tmp_path / "cache" / "cpu-kernels").exists()  # nothing was built there
