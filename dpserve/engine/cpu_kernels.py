@@ -159,6 +159,8 @@ def _compile(compiler: str, library: Path, arch: tuple[str, ...] | None = None) 
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        # mkstemp made it 0600: readable by its builder alone, not by the image's own user.
+        os.chmod(partial, 0o755)
         os.replace(partial, library)
     finally:
         if os.path.exists(partial):

@@ -217,6 +217,8 @@ def test_an_image_without_a_compiler_loads_the_portable_build(tmp_path: Path) ->
         pytest.skip("this CPU cannot run an x86-64-v3 build")
     library = tmp_path / "prebuilt" / "dpserve_cpu_kernels.so"
     assert cpu_kernels.main(["--portable", str(library)]) == 0
+    # The image runs as another user than the one who built it: anyone may read it.
+    assert library.stat().st_mode & 0o777 == 0o755
     environment = {
         **os.environ,
         "CXX": str(tmp_path / "no-compiler"),
