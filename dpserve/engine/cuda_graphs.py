@@ -9,6 +9,12 @@ rows, not 256 (padding rows cost a decode step's worth of GPU work each). Paddin
 feed token 0 at position 0, write their key/value to slot 0 (block 0, never handed out) and
 attend to that one slot, so they touch nothing a sequence owns; their logits are ignored.
 
+Each graph ends with the greedy pick of its rows (``sampler.greedy``: one Triton kernel where
+``triton_greedy`` verified, else torch's), so a step whose rows all decode greedily with nothing
+else read from the logits (``run_greedy``) replays one graph and only copies the ids out; other
+steps sample from the logits (``run``), the ids computed beside them unused (~20 us of a
+step that reads all the weights).
+
 Only used on CUDA, with the Triton decode kernel (it reads each row up to its own length; the
 torch fallback would read every column of the static block table). Steps with prefill chunks,
 or more rows than the largest bucket, run eagerly.
@@ -20,6 +26,7 @@ from typing import Final
 
 import torch
 
+from dpserve.engine import sampler, triton_greedy
 from dpserve.engine.kv_cache import PagedKVCache
 from dpserve.engine.llama import ForwardBatch, PagedLlama
 
@@ -100,7 +107,10 @@ class DecodeGraphs:
         self.sizes = self.inputs.sizes
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._tokens: dict[int, torch.Tensor] = {}
         with torch.cuda.device(device):
+            # Decided before capture: the check synchronizes, which a capture cannot.
+            triton_greedy.verified(device)
             self._capture(model, cache)
 
     def _capture(self, model: PagedLlama, cache: PagedKVCache) -> None:
@@ -109,7 +119,7 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             for size in self.sizes:
                 for _ in range(_WARMUP_RUNS):
-                    model.forward(self.inputs.batch(size), cache)
+                    sampler.greedy(model.forward(self.inputs.batch(size), cache))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         pool = None
@@ -118,6 +128,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._logits[size] = model.forward(self.inputs.batch(size), cache)
+                self._tokens[size] = sampler.greedy(self._logits[size])
             pool = graph.pool()
             self._graphs[size] = graph
         torch.cuda.synchronize()
@@ -130,3 +141,11 @@ class DecodeGraphs:
         size = self.inputs.fill(batch)
         self._graphs[size].replay()
         return self._logits[size][: batch.num_decodes]
+
+    def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
+        """The greedy tokens ``[num_decodes]`` of a decode-only batch (``sampler.greedy`` of
+        its logits), in a tensor of their own: the graph's buffer is rewritten by the next run,
+        while these may still be on their way to the host or fed to the next step."""
+        size = self.inputs.fill(batch)
+        self._graphs[size].replay()
+        return self._tokens[size][: batch.num_decodes].clone()

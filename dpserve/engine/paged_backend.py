@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dpserve.block_hash import BlockHash
-from dpserve.engine import grammar, sampler
+from dpserve.engine import grammar, sampler, triton_greedy
 from dpserve.engine.backend import Sampled, grammar_matchers, token_histories
 from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
@@ -210,6 +210,8 @@ class PagedBackend:
                 "cuda_graphs": self.graphs.sizes if self.graphs is not None else [],
             }
         )
+        if self.device.type == "cuda":  # which code picks greedy tokens (sampler.greedy)
+            facts["greedy_argmax"] = "triton" if triton_greedy.verified(self.device) else "torch"
         facts.pop("kv_free_blocks", None)
         return facts
 
@@ -395,6 +397,11 @@ class PagedBackend:
         sampled rows; ``params`` None: every one of them by a bare argmax."""
         if late is not None and previous is not None:
             apply_pending(batch, late, previous.device_tokens())
+        if params is None and matchers is None and prompt_targets is None:
+            graphs = self.graphs
+            if graphs is not None and graphs.can_run(batch) and rows == batch.num_decodes:
+                # The argmax is in the graph.
+                return sampler.SampleOutput(graphs.run_greedy(batch))
         logits = self._forward(batch)
         # The grammar masks are filled after the forward is launched: on a GPU they are
         # computed while its kernels run (llguidance's threads, outside the GIL), not before.

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dpserve.engine import triton_greedy
 from dpserve.sampling import SamplingParams
 
 _MASK_32 = 0xFFFFFFFF
@@ -368,6 +369,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
         if np.isnan(values[np.arange(len(picked)), picked]).any():
             picked = np.nan_to_num(values, nan=-inf, posinf=inf, neginf=-inf).argmax(axis=-1)
         return torch.from_numpy(picked)
+    if logits.device.type == "cuda" and triton_greedy.verified(logits.device):
+        return triton_greedy.greedy(logits)  # one pass over the logits, not two kernels
     return torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf).argmax(dim=-1)
 
 

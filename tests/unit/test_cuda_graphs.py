@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from dpserve.engine import sampler
 from dpserve.engine.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
+from dpserve.engine.llama import ForwardBatch
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged_backend import PagedBackend
 from dpserve.engine.runner import RunnerRequest
@@ -63,3 +65,56 @@ def test_padded_static_inputs_give_each_row_its_own_logits(tiny_model_path: Path
             padded = paged.model.forward(inputs.batch(size), paged.cache)
         assert size == inputs.bucket(count) and size >= count
         torch.testing.assert_close(padded[:count], eager, rtol=1e-5, atol=1e-5)
+
+
+class _EagerGraphs:
+    """Stands in for ``DecodeGraphs`` on CPU (the same two entry points, computed eagerly), to
+    see which steps the backend hands to which."""
+
+    def __init__(self, paged: PagedBackend) -> None:
+        self.paged = paged
+        self.calls: list[str] = []
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return not batch.prefills
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        assert self.paged.model is not None and self.paged.cache is not None
+        return self.paged.model.forward(batch, self.paged.cache)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        self.calls.append("logits")
+        return self._forward(batch)
+
+    def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
+        self.calls.append("greedy")
+        return sampler.greedy(self._forward(batch))
+
+
+def test_only_bare_greedy_decode_steps_take_the_graphs_tokens(tiny_model_path: Path) -> None:
+    cases = {
+        "bare": ({}, "greedy"),
+        "log-probs": ({"return_log_probs": True}, "logits"),
+        "sampled": ({"temperature": 0.8, "seed": 3}, "logits"),
+        "penalty": ({"presence_penalty": 0.5}, "logits"),
+    }
+    for name, (params, expected) in cases.items():
+        runner = decoding_runner(tiny_model_path, 3)
+        paged = backend(runner)
+        reference = decoding_runner(tiny_model_path, 3)
+        for one in (runner, reference):  # both continue with new requests of those params
+            for i in range(2):
+                sampling = SamplingParams(
+                    **{"temperature": 0.0, "num_tokens_to_generate": 6, **params}
+                )
+                one.add(RunnerRequest(10 + i, [7, 8, 9 + i], sampling))
+            while backend(one).scheduler.waiting or any(
+                s.context_length() - s.num_cached != 1 for s in backend(one).scheduler.running
+            ):
+                one.step()
+        graphs = _EagerGraphs(paged)
+        paged.graphs = graphs  # type: ignore[assignment]
+        got = [u.tokens for _ in range(4) for u in runner.step()]
+        want = [u.tokens for _ in range(4) for u in reference.step()]
+        assert graphs.calls and set(graphs.calls) == {expected}, name
+        assert got == want, name

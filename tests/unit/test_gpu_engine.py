@@ -148,3 +148,34 @@ def test_pool_is_sized_from_free_gpu_memory(tiny_model_path: Path) -> None:
     assert stats["max_num_seqs"] == 256
     outcomes = drive(small, workload(8, rng_seed=4))  # bf16 by default on CUDA
     assert all(tokens for tokens, _ in outcomes.values())
+
+
+def _counting(method: Any, calls: list[int]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return method(*args)
+
+    return counted
+
+
+@needs_triton
+def test_bare_greedy_steps_take_their_tokens_from_the_graph(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    results = []
+    for graphs in (True, False):
+        runner = ModelRunner(
+            str(tiny_model_path), device="cuda", dtype="float32", cuda_graphs=graphs
+        )
+        assert runner.stats()["greedy_argmax"] == "triton"
+        runner.eos_token_ids = frozenset()
+        replays: list[int] = []
+        if graphs:
+            decode_graphs = runner.backend.graphs  # type: ignore[attr-defined]
+            monkeypatch.setattr(
+                decode_graphs, "run_greedy", _counting(decode_graphs.run_greedy, replays)
+            )
+        results.append(drive(runner, workload(40, rng_seed=4)))  # greedy, nothing else read
+        assert bool(replays) == graphs
+    graphed, eager = results
+    assert graphed == eager
