@@ -107,7 +107,8 @@ def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two steps of the whole model (a prefill of two prompts, then one decode step each) on
-    each path, the second with the first's cache contents: logits equal to ~1e-5."""
+    each path, the second with the first's cache contents: logits equal to ~1e-5 of their
+    largest magnitude."""
     from transformers import AutoModelForCausalLM
 
     from dpserve.engine.kv_cache import PagedKVCache
@@ -152,7 +153,11 @@ def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     with_kernels, without = load(True), load(False)
     assert (with_kernels.glue, without.glue) == ("cpu", "torch")
     for ours, theirs in zip(steps(with_kernels), steps(without), strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        # The kernels sum in another order (their vector width is the CPU's): measured on an
+        # AVX-512 Xeon, 1.2e-5 apart on logits of up to 8.5, ~10 ulp. A wrong rotation, mask
+        # or norm moves logits by whole units.
+        scale = theirs.abs().max().item()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_the_build_key_follows_the_cpu_and_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
