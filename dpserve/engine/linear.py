@@ -11,12 +11,24 @@ intermediate tensor written and read back.
 
 Elsewhere (CUDA, CPU builds without oneDNN, dtypes it refuses) the same calls run as plain
 torch operations; the residual add still rides in the matmul (``addmm``'s beta).
+
+Decode steps of one to three sequences are a matrix-vector product in all but name, and which
+library streams the weights faster then depends on the CPU: on an AMD EPYC (Zen 4) oneDNN's
+kernel padded to ``ONEDNN_MIN_ROWS`` rows was the fastest; on an Intel Xeon with AVX-512 torch's
+dense ``F.linear`` (MKL) reads a row's weights at ~24 GB/s on two threads against oneDNN's ~17,
+and a SmolLM2-135M decode step of one sequence took 27 ms against 37 (issue 16). So
+``small_batch_rows`` measures both once per process, and where the dense product wins, each
+linear keeps the dense weight beside the packed one (the weights' memory twice) and runs steps
+of that many rows or fewer through it. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count
+instead (0: never, and no second copy).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 
 import torch
 from torch.nn import functional
@@ -31,6 +43,15 @@ _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # 1 / 2 / 3 / 4 rows; a decode step of 2 sequences took 57 ms against 41 for 4). Smaller decode
 # batches are padded up to it (``paged_batch.pad_decodes``).
 ONEDNN_MIN_ROWS = 4
+
+SMALL_BATCH_ROWS_ENV = "DPSERVE_CPU_SMALL_BATCH_ROWS"
+# The probe: copies of one weight, together far larger than a server's last-level cache, so that
+# they come from memory as a decode step's weights do; the dense product is used for a row count
+# only where it takes at most _DENSE_MARGIN of oneDNN's padded time (noise is not a reason to
+# hold the weights twice).
+_PROBE_SHAPE = (2048, 1024)
+_PROBE_BYTES = 192 << 20
+_DENSE_MARGIN = 0.85
 
 
 @functools.cache
@@ -55,17 +76,87 @@ def uses_onednn(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and _onednn_works(weight.dtype)
 
 
+def small_batch_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows a prepacked fp32 ``Linear`` runs through the dense ``F.linear``
+    rather than oneDNN padded to ``ONEDNN_MIN_ROWS`` rows (0: never): ``SMALL_BATCH_ROWS_ENV``,
+    else measured once per process and thread count."""
+    override = os.environ.get(SMALL_BATCH_ROWS_ENV)
+    if override is not None:
+        if not override.strip().isdigit() or int(override) >= ONEDNN_MIN_ROWS:
+            raise ValueError(
+                f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {ONEDNN_MIN_ROWS - 1} "
+                f"(got {override!r})"
+            )
+        return int(override)
+    if dtype != torch.float32 or not _onednn_works(dtype):
+        return 0
+    return _measured_small_batch_rows(torch.get_num_threads())
+
+
+@functools.cache
+def _measured_small_batch_rows(threads: int) -> int:
+    rows_out, rows_in = _PROBE_SHAPE
+    copies = _PROBE_BYTES // (rows_out * rows_in * 4)
+    dense = [torch.full(_PROBE_SHAPE, 1.0 + i / copies) for i in range(copies)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in dense]
+
+    def seconds(rows: int, onednn: bool) -> float:
+        x = torch.full((rows, rows_in), 0.5)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            if onednn:
+                for weight in packed:
+                    torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            else:
+                for weight in dense:
+                    functional.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    padded = seconds(ONEDNN_MIN_ROWS, onednn=True)
+    chosen = 0
+    for rows in range(1, ONEDNN_MIN_ROWS):
+        if seconds(rows, onednn=False) > _DENSE_MARGIN * padded:
+            break
+        chosen = rows
+    gigabytes = _PROBE_BYTES / 1e9
+    log.info(
+        "CPU decode steps of at most %d sequence(s) run through the dense matmul, with a copy "
+        "of the weights kept for it (%s=0: never); oneDNN padded to %d rows read %.1f GB/s, "
+        "the dense matmul of one row %.1f GB/s (%d threads)",
+        chosen,
+        SMALL_BATCH_ROWS_ENV,
+        ONEDNN_MIN_ROWS,
+        gigabytes / padded,
+        gigabytes / seconds(1, onednn=False),
+        threads,
+    )
+    return chosen
+
+
 class Linear:
     """``x @ weight.T + bias`` over ``[rows, in_features]`` activations, plus fused variants."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.onednn = uses_onednn(weight)
-        # The packed copy is oneDNN's opaque tensor: the dense weight is not kept beside it.
+        # Activations of at most this many rows go through ``dense`` (see the module docstring).
+        self.small_rows = small_batch_rows(weight.dtype) if self.onednn else 0
+        # The weight as torch's own matmul reads it: the weight itself without oneDNN, a second
+        # copy beside the packed one where small batches use it, else None.
+        self.dense: torch.Tensor | None = (
+            weight if not self.onednn else weight.contiguous() if self.small_rows else None
+        )
+        # The packed copy is oneDNN's opaque tensor.
         self.weight: torch.Tensor = (
             torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.onednn else weight
         )
         self.bias = bias
+
+    def _packed(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the prepacked oneDNN primitive."""
+        return self.onednn and x.shape[0] > self.small_rows
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -79,27 +170,32 @@ class Linear:
         )
         return out
 
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.dense is not None
+        return functional.linear(x, self.dense, self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn:
+        if self._packed(x):
             return self._onednn(x, "none")
-        return functional.linear(x, self.weight, self.bias)
+        return self._dense(x)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(self(x))``."""
-        if self.onednn:
+        if self._packed(x):
             return self._onednn(x, "swish")
-        return functional.silu(self(x), inplace=True)
+        return functional.silu(self._dense(x), inplace=True)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other``."""
-        if self.onednn:
+        if self._packed(x):
             return self._onednn_binary(x, other, "mul")
-        return self(x).mul_(other)
+        return self._dense(x).mul_(other)
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``self(x) + residual`` (a new tensor; ``residual`` is not modified)."""
-        if self.onednn:
+        if self._packed(x):
             return self._onednn_binary(x, residual, "add")
         if self.bias is None and x.dim() == 2:
-            return torch.addmm(residual, x, self.weight.t())
-        return self(x).add_(residual)
+            assert self.dense is not None
+            return torch.addmm(residual, x, self.dense.t())
+        return self._dense(x).add_(residual)

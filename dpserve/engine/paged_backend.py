@@ -133,6 +133,9 @@ class PagedBackend:
         self.context_size = min(self.model.context_size, self.cache.token_capacity)
         # oneDNN's kernels for 1-2 rows are slower than for 4: smaller decode steps are padded.
         self._min_decode_rows = ONEDNN_MIN_ROWS if self.model.lm_head.onednn else 0
+        # Fewer rows than that are padded up to it, unless the dense matmul takes them as they
+        # are (``linear.small_batch_rows``).
+        self._unpadded_rows = self.model.lm_head.small_rows
         self.max_num_seqs = self.config.max_num_seqs or max(
             1,
             min(
@@ -210,6 +213,9 @@ class PagedBackend:
                 "cuda_graphs": self.graphs.sizes if self.graphs is not None else [],
             }
         )
+        if self.model is not None and self.model.lm_head.onednn:
+            # Decode steps of at most this many sequences use the dense weights (linear.py).
+            facts["small_batch_rows"] = self.model.lm_head.small_rows
         if self.device.type == "cuda":  # which code picks greedy tokens (sampler.greedy)
             facts["greedy_argmax"] = "triton" if triton_greedy.verified(self.device) else "torch"
         facts.pop("kv_free_blocks", None)
@@ -457,7 +463,7 @@ class PagedBackend:
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         count = batch.num_decodes
-        if count < self._min_decode_rows and not batch.prefills:
+        if self._unpadded_rows < count < self._min_decode_rows and not batch.prefills:
             padded = pad_decodes(batch, self._min_decode_rows)
             return self.model.forward(padded, self.cache)[:count]
         return self.model.forward(batch, self.cache)

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine.linear import Linear, uses_onednn
+from dpserve.engine import linear as linear_module
+from dpserve.engine.linear import SMALL_BATCH_ROWS_ENV, Linear, small_batch_rows, uses_onednn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -37,3 +38,66 @@ def test_fp32_on_this_cpu_runs_prepacked() -> None:
         pytest.skip("this torch build has no oneDNN")
     assert uses_onednn(torch.ones(4, 4))
     assert Linear(torch.ones(4, 4)).weight.is_mkldnn
+
+
+needs_onednn = pytest.mark.skipif(
+    not uses_onednn(torch.ones(2, 2)), reason="this torch build has no oneDNN linears"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_small_batches_take_the_dense_weight_and_equal_torch(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "3")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(24, 40, generator=generator)
+    x = torch.randn(rows, 40, generator=generator)
+    other = torch.randn(rows, 24, generator=generator)
+    linear = Linear(weight.clone())
+    assert linear.small_rows == 3 and linear.dense is not None and linear.weight.is_mkldnn
+    packed: list[str] = []
+    onednn = linear._onednn
+    monkeypatch.setattr(linear, "_onednn", lambda *args: packed.append("") or onednn(*args))
+    plain = functional.linear(x, weight)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(linear(x), plain, **tolerance)
+    torch.testing.assert_close(linear.silu(x), functional.silu(plain), **tolerance)
+    torch.testing.assert_close(linear.times(x, other), plain * other, **tolerance)
+    torch.testing.assert_close(linear.plus(x, other), plain + other, **tolerance)
+    assert bool(packed) == (rows > 3)
+
+
+@needs_onednn
+def test_without_small_batches_no_second_copy_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "0")
+    linear = Linear(torch.ones(8, 8))
+    assert (linear.small_rows, linear.dense) == (0, None)
+    assert torch.equal(linear(torch.ones(1, 8)), torch.full((1, 8), 8.0))
+
+
+@pytest.mark.parametrize("value", ["4", "-1", "two", "", "1.5"])
+def test_a_bad_small_batch_setting_is_refused_by_name(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, value)
+    with pytest.raises(ValueError, match=SMALL_BATCH_ROWS_ENV):
+        small_batch_rows(torch.float32)
+
+
+def test_small_batches_are_measured_only_for_fp32_on_onednn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
+    assert small_batch_rows(torch.float64) == 0
+    assert small_batch_rows(torch.bfloat16) == 0
+
+
+@needs_onednn
+def test_the_measurement_picks_a_row_count_below_onednns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
+    measured = linear_module._measured_small_batch_rows.__wrapped__(torch.get_num_threads())
+    assert 0 <= measured < linear_module.ONEDNN_MIN_ROWS

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine.linear import ONEDNN_MIN_ROWS
+from dpserve.engine import paged_backend
+from dpserve.engine.linear import ONEDNN_MIN_ROWS, SMALL_BATCH_ROWS_ENV
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
@@ -515,8 +516,9 @@ def test_a_request_reports_its_first_tokens_and_its_end_and_the_rest_when_taken(
 
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_decode_steps_padded_to_onednns_rows_give_the_same_tokens_and_logprobs(
-    tiny_model_path: Path, count: int
+    tiny_model_path: Path, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "0")  # oneDNN at every row count: padding's case
     prompts = random_prompts(count, seed=40 + count)
     schedule = {
         0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
@@ -534,6 +536,46 @@ def test_decode_steps_padded_to_onednns_rows_give_the_same_tokens_and_logprobs(
         padded, plain = outcomes[True][i], outcomes[False][i]
         assert padded.tokens == plain.tokens
         torch.testing.assert_close(padded.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_small_decode_steps_through_the_dense_weights_give_the_same_tokens_and_logprobs(
+    tiny_model_path: Path, count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``linear.small_batch_rows``: decode steps of at most that many sequences run unpadded
+    through torch's dense matmul instead of oneDNN padded to 4 rows; same tokens either way."""
+    prompts = random_prompts(count, seed=50 + count)
+    schedule = {
+        0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
+            for i, prompt in enumerate(prompts)]
+    }  # fmt: skip
+    outcomes = {}
+    for rows in ("3", "0"):
+        monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, rows)
+        runner = ModelRunner(str(tiny_model_path), max_num_seqs=4, device="cpu")
+        backend: Any = runner.backend
+        if not backend.model.lm_head.onednn:
+            pytest.skip("this torch build has no oneDNN linears: one path only")
+        assert runner.stats()["small_batch_rows"] == int(rows)
+        assert (backend.model.lm_head.dense is not None) == (rows == "3")
+        padded: list[int] = []
+        monkeypatch.setattr(
+            paged_backend, "pad_decodes", _recording(paged_backend.pad_decodes, padded)
+        )
+        outcomes[rows] = run(runner, schedule)
+        assert bool(padded) == (rows == "0")  # the dense path takes 1-3 rows as they are
+    for i in range(count):
+        dense, packed = outcomes["3"][i], outcomes["0"][i]
+        assert dense.tokens == packed.tokens
+        torch.testing.assert_close(dense.logprobs, packed.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def _recording(function: Any, calls: list[int]) -> Any:
+    def recorded(*args: Any) -> Any:
+        calls.append(1)
+        return function(*args)
+
+    return recorded
 
 
 def tiny_pool_runner(tiny_model_path: Path, blocks: int, **kwargs: Any) -> ModelRunner:
