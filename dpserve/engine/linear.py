@@ -19,8 +19,9 @@ dense ``F.linear`` (MKL) reads a row's weights at ~24 GB/s on two threads agains
 and a SmolLM2-135M decode step of one sequence took 27 ms against 37 (issue 16). So
 ``small_batch_rows`` measures both once per process, and where the dense product wins, each
 linear keeps the dense weight beside the packed one (the weights' memory twice) and runs steps
-of that many rows or fewer through it. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count
-instead (0: never, and no second copy).
+of that many rows or fewer through it. Not under a memory limit (a container's cgroup), which
+was sized for one copy of the weights: there nothing is measured and nothing kept twice.
+``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never, no second copy).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch.nn import functional
@@ -88,9 +90,38 @@ def small_batch_rows(dtype: torch.dtype) -> int:
                 f"(got {override!r})"
             )
         return int(override)
-    if dtype != torch.float32 or not _onednn_works(dtype):
+    if dtype != torch.float32 or not _onednn_works(dtype) or _under_memory_limit():
         return 0
     return _measured_small_batch_rows(torch.get_num_threads())
+
+
+# cgroup v2, then v1: a container's memory limit as it sees it.
+_CGROUP_LIMIT_FILES = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+@functools.cache
+def _under_memory_limit() -> bool:
+    """Whether this process's cgroup caps its memory below the machine's."""
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMIT_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < machine:
+            log.info(
+                "a memory limit of %d MiB is set (%s): small CPU decode steps run through oneDNN, "
+                "with one copy of the weights (%s=N to decide otherwise)",
+                int(text) >> 20,
+                path,
+                SMALL_BATCH_ROWS_ENV,
+            )
+            return True
+        return False  # "max", or v1's unlimited figure
+    return False
 
 
 @functools.cache

@@ -3,6 +3,8 @@ prepacked oneDNN path (fp32 on x86 CPUs) and on the torch fallback (fp64: oneDNN
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn import functional
@@ -101,3 +103,25 @@ def test_the_measurement_picks_a_row_count_below_onednns(
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
     measured = linear_module._measured_small_batch_rows.__wrapped__(torch.get_num_threads())
     assert 0 <= measured < linear_module.ONEDNN_MIN_ROWS
+
+
+@pytest.mark.parametrize(
+    ("limit", "limited"), [("max", False), (str(1 << 30), True), (str(1 << 62), False)]
+)
+def test_under_a_memory_limit_nothing_is_kept_twice(
+    limit: str, limited: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's limit was sized for one copy of the weights (cgroup v2's file here)."""
+    (tmp_path / "memory.max").write_text(limit + "\n")
+    monkeypatch.setattr(linear_module, "_CGROUP_LIMIT_FILES", (tmp_path / "memory.max",))
+    monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
+    monkeypatch.setattr(linear_module, "_measured_small_batch_rows", lambda threads: 2)
+    linear_module._under_memory_limit.cache_clear()
+    try:
+        assert linear_module._under_memory_limit() == limited
+        expected = 0 if limited or not uses_onednn(torch.ones(2, 2)) else 2
+        assert small_batch_rows(torch.float32) == expected
+        monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "1")  # the setting decides anywhere
+        assert small_batch_rows(torch.float32) == 1
+    finally:
+        linear_module._under_memory_limit.cache_clear()
