@@ -18,10 +18,12 @@ kernel padded to ``ONEDNN_MIN_ROWS`` rows was the fastest; on an Intel Xeon with
 dense ``F.linear`` (MKL) reads a row's weights at ~24 GB/s on two threads against oneDNN's ~17,
 and a SmolLM2-135M decode step of one sequence took 27 ms against 37 (issue 16). So
 ``small_batch_rows`` measures both once per process, and where the dense product wins, each
-linear keeps the dense weight beside the packed one (the weights' memory twice) and runs steps
-of that many rows or fewer through it. Not under a memory limit (a container's cgroup), which
-was sized for one copy of the weights: there nothing is measured and nothing kept twice.
-``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never, no second copy).
+linear keeps the dense weight beside the packed one and runs steps of that many rows or fewer
+through it. What that costs depends on where the dense weights live: SmolLM2's stay
+memory-mapped from its fp32 file anyway (RSS +48 MB, for the fused QKV matrices), while weights
+converted at load (a bf16 checkpoint served in fp32) are kept twice. So not under a memory
+limit (a container's cgroup), which was sized for one copy: there nothing is measured and
+nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never).
 """
 
 from __future__ import annotations
