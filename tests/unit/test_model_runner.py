@@ -514,16 +514,27 @@ def test_a_request_reports_its_first_tokens_and_its_end_and_the_rest_when_taken(
     assert runner.unreported() == []
 
 
+def logprob_requests(count: int, seed: int) -> dict[int, list[RunnerRequest]]:
+    """``count`` random prompts at step 0, 20 greedy tokens each with their log-probs."""
+    prompts = random_prompts(count, seed=seed)
+    return {
+        0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
+            for i, prompt in enumerate(prompts)]
+    }  # fmt: skip
+
+
+def assert_same_tokens_and_logprobs(ours: Any, theirs: Any, count: int) -> None:
+    for i in range(count):
+        assert ours[i].tokens == theirs[i].tokens
+        torch.testing.assert_close(ours[i].logprobs, theirs[i].logprobs, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_decode_steps_padded_to_onednns_rows_give_the_same_tokens_and_logprobs(
     tiny_model_path: Path, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "0")  # oneDNN at every row count: padding's case
-    prompts = random_prompts(count, seed=40 + count)
-    schedule = {
-        0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
-            for i, prompt in enumerate(prompts)]
-    }  # fmt: skip
+    schedule = logprob_requests(count, seed=40 + count)
     outcomes = {}
     for padded in (False, True):
         runner = ModelRunner(str(tiny_model_path), max_num_seqs=4, device="cpu")
@@ -532,10 +543,7 @@ def test_decode_steps_padded_to_onednns_rows_give_the_same_tokens_and_logprobs(
             pytest.skip("this torch build has no oneDNN linears: no padding")
         backend._min_decode_rows = ONEDNN_MIN_ROWS if padded else 0
         outcomes[padded] = run(runner, schedule)
-    for i in range(count):
-        padded, plain = outcomes[True][i], outcomes[False][i]
-        assert padded.tokens == plain.tokens
-        torch.testing.assert_close(padded.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+    assert_same_tokens_and_logprobs(outcomes[True], outcomes[False], count)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3])
@@ -544,11 +552,7 @@ def test_small_decode_steps_through_the_dense_weights_give_the_same_tokens_and_l
 ) -> None:
     """``linear.small_batch_rows``: decode steps of at most that many sequences run unpadded
     through torch's dense matmul instead of oneDNN padded to 4 rows; same tokens either way."""
-    prompts = random_prompts(count, seed=50 + count)
-    schedule = {
-        0: [request(i, prompt, num_tokens_to_generate=20, return_log_probs=True)
-            for i, prompt in enumerate(prompts)]
-    }  # fmt: skip
+    schedule = logprob_requests(count, seed=50 + count)
     outcomes = {}
     for rows in ("3", "0"):
         monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, rows)
@@ -564,10 +568,7 @@ def test_small_decode_steps_through_the_dense_weights_give_the_same_tokens_and_l
         )
         outcomes[rows] = run(runner, schedule)
         assert bool(padded) == (rows == "0")  # the dense path takes 1-3 rows as they are
-    for i in range(count):
-        dense, packed = outcomes["3"][i], outcomes["0"][i]
-        assert dense.tokens == packed.tokens
-        torch.testing.assert_close(dense.logprobs, packed.logprobs, rtol=1e-4, atol=1e-4)
+    assert_same_tokens_and_logprobs(outcomes["3"], outcomes["0"], count)
 
 
 def _recording(function: Any, calls: list[int]) -> Any:
