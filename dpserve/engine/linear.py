@@ -85,17 +85,26 @@ def small_batch_rows(dtype: torch.dtype) -> int:
     """Up to how many rows a prepacked fp32 ``Linear`` runs through the dense ``F.linear``
     rather than oneDNN padded to ``ONEDNN_MIN_ROWS`` rows (0: never): ``SMALL_BATCH_ROWS_ENV``,
     else measured once per process and thread count."""
-    override = os.environ.get(SMALL_BATCH_ROWS_ENV)
+    override = small_batch_rows_setting()
     if override is not None:
-        if not override.strip().isdigit() or int(override) >= ONEDNN_MIN_ROWS:
-            raise ValueError(
-                f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {ONEDNN_MIN_ROWS - 1} "
-                f"(got {override!r})"
-            )
-        return int(override)
+        return override
     if dtype != torch.float32 or not _onednn_works(dtype) or _under_memory_limit():
         return 0
     return _measured_small_batch_rows(torch.get_num_threads())
+
+
+def small_batch_rows_setting() -> int | None:
+    """``SMALL_BATCH_ROWS_ENV`` as a row count, None where it is not set; ValueError, naming it,
+    for anything but 0 to ``ONEDNN_MIN_ROWS - 1`` (an engine checks it before loading a model)."""
+    value = os.environ.get(SMALL_BATCH_ROWS_ENV)
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) >= ONEDNN_MIN_ROWS:
+        raise ValueError(
+            f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {ONEDNN_MIN_ROWS - 1} "
+            f"(got {value!r})"
+        )
+    return int(value)
 
 
 # cgroup v2, then v1: a container's memory limit as it sees it.

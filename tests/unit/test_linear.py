@@ -125,3 +125,14 @@ def test_under_a_memory_limit_nothing_is_kept_twice(
         assert small_batch_rows(torch.float32) == 1
     finally:
         linear_module._under_memory_limit.cache_clear()
+
+
+def test_an_engine_refuses_a_bad_small_batch_setting_before_loading(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpserve.cli import main
+
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "9")
+    code = main(["engine", "--model", "/no/such/model", "--coordinator", "tcp://127.0.0.1:1"])
+    assert code == 2
+    assert f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to 3" in capsys.readouterr().err
