@@ -107,20 +107,20 @@ def add_parser(subparsers: Subcommands) -> None:
     engine.set_defaults(func=run)
 
 
-class SettingError(Exception):
-    """An engine setting from the environment that cannot be used."""
-
-
 def run(args: argparse.Namespace) -> int:
     from dpserve.engine.connection import EngineConnection, EngineRefused
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
-    try:
-        runner = _runner(args, rank)
-    except SettingError as exc:
-        print(f"dpserve engine: {exc}", file=sys.stderr)
-        return 2
+    if not args.fake:  # before the model loads: a bad setting should not cost a load to find
+        from dpserve.engine.linear import small_batch_rows_setting
+
+        try:
+            small_batch_rows_setting()
+        except ValueError as exc:
+            print(f"dpserve engine: {exc}", file=sys.stderr)
+            return 2
+    runner = _runner(args, rank)
     address = zmq_address(args.coordinator)
     try:
         keys = key_files.load_peer_keys(args.credentials, "engine") if args.credentials else None
@@ -170,12 +170,6 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
     from transformers.utils import logging as transformers_logging
 
     from dpserve.engine.cpus import torch_threads
-    from dpserve.engine.linear import small_batch_rows_setting
-
-    try:  # before the model loads: a bad setting should not cost a load to find
-        small_batch_rows_setting()
-    except ValueError as exc:
-        raise SettingError(str(exc)) from None
     from dpserve.engine.model_runner import ModelRunner
     from dpserve.models import resolve_model
 
