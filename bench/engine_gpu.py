@@ -371,7 +371,8 @@ def measure_mixed_steps(
 ) -> str:
     """ms per step while a new prompt of ``--mixed-prompt`` tokens arrives every step beside a
     batch of decoding sequences (``--mixed-count`` of the batch's sequences cancelled first to
-    make room): such steps run eagerly, not from a graph. The same round runs twice: the first
+    make room): such steps replay the piecewise graphs (``piecewise_graphs``) where they were
+    captured, else run eagerly. The same round runs twice: the first
     meets every step's row count for the first time (the matrix libraries pick and load their
     kernels then), the second is the steady state."""
     count, length = args.mixed_count, args.mixed_prompt
@@ -398,7 +399,8 @@ def measure_mixed_steps(
             runner.cancel(base + index)
     first, steady = rounds
     return (
-        f"   mixed step, {batch - count} decoding + one new {length}-token prompt each step: "
+        f"   mixed step ({'piecewise graphs' if runner.stats()['piecewise_graphs'] else 'eager'}),"
+        f" {batch - count} decoding + one new {length}-token prompt each step: "
         f"{steady:.2f} ms per step (decode-only {decode_ms:.2f} ms; +{steady - decode_ms:.2f}); "
         f"{first:.2f} ms the first time those row counts ran"
     )

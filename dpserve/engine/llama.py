@@ -229,13 +229,26 @@ def _rotate_in_place(pairs: torch.Tensor, rotation: torch.Tensor) -> None:
 
 
 @dataclass(slots=True)
-class _StepInputs:
-    """What every layer of one forward shares, computed once per step."""
+class TokenInputs:
+    """Each row's position and cache slot, and what the torch path derives from them once per
+    step: all a layer reads besides its attention (``piecewise_graphs`` captures on these)."""
 
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64
     # The torch path's RoPE ([tokens, 1, head_dim / 2] complex, each row's position) and KV
     # write (index_put_ into a layer's kv pair); None where a kernel does both.
     rotation: torch.Tensor | None
     write_index: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(slots=True)
+class AttentionLayout:
+    """What a step's attention reads besides the queries and the pool, computed once per step:
+    the decode rows' tables and lengths, the prefill chunks' layout."""
+
+    num_decodes: int
+    block_tables: torch.Tensor | None
+    seq_lens: torch.Tensor | None
     decode: DecodeLayout | None  # None: no decode rows, or a kernel reads the tables
     prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None
 
@@ -362,16 +375,38 @@ class PagedLlama:
 
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (the model's dtype) for ``batch.logits_indices`` (every
-        row if None)."""
-        step = self._step_inputs(batch, cache.block_size)
-        hidden = functional.embedding(batch.input_ids, self.embedding)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(hidden, layer, cache.kv[index], batch, step)
+        row if None). The stages below, in this order, are what ``piecewise_graphs`` cuts at
+        attention."""
+        tokens = self.token_inputs(batch.positions, batch.slot_mapping)
+        layout = self.attention_layout(batch, cache.block_size)
+        hidden = self.embed(batch.input_ids)
+        for index in range(len(self.layers)):
+            qkv = self.attention_input(index, hidden, tokens, cache)
+            hidden = self.layer_output(index, hidden, self.attention(index, qkv, cache, layout))
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(self._norm(hidden, self.norm, self.eps))
+        return self.lm_head(self.final_norm(hidden))
 
-    def _step_inputs(self, batch: ForwardBatch, block_size: int) -> _StepInputs:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return functional.embedding(input_ids, self.embedding)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._norm(hidden, self.norm, self.eps)
+
+    def token_inputs(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> TokenInputs:
+        if self.glue != "torch":
+            return TokenInputs(positions, slot_mapping, rotation=None, write_index=None)
+        return TokenInputs(
+            positions,
+            slot_mapping,
+            rotation=self.rotation.index_select(0, positions),
+            write_index=(
+                torch.arange(2, device=slot_mapping.device).unsqueeze(1),
+                slot_mapping.unsqueeze(0),
+            ),
+        )
+
+    def attention_layout(self, batch: ForwardBatch, block_size: int) -> AttentionLayout:
         slots = batch.slot_mapping
         decode = None
         prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None = None
@@ -399,41 +434,32 @@ class PagedLlama:
                 group=self.group,
                 dtype=self.dtype,
             )
-        if self.glue != "torch":
-            return _StepInputs(rotation=None, write_index=None, decode=decode, prefill=prefill)
-        return _StepInputs(
-            rotation=self.rotation.index_select(0, batch.positions),
-            write_index=(torch.arange(2, device=slots.device).unsqueeze(1), slots.unsqueeze(0)),
-            decode=decode,
-            prefill=prefill,
-        )
+        return AttentionLayout(decodes, batch.block_tables, batch.seq_lens, decode, prefill)
 
-    def _layer(
-        self,
-        hidden: torch.Tensor,
-        layer: _Layer,
-        kv_pair: torch.Tensor,
-        batch: ForwardBatch,
-        step: _StepInputs,
+    def attention_input(
+        self, index: int, hidden: torch.Tensor, tokens: TokenInputs, cache: PagedKVCache
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
+        """Layer ``index``'s ``qkv`` ``[tokens, q + k + v]`` from its input ``hidden``: the
+        queries rotated in place, the rotated keys and the values written to the pool."""
+        layer, kv_pair = self.layers[index], cache.kv[index]
+        rows = hidden.shape[0]
         qkv = layer.qkv(self._norm(hidden, layer.input_norm, self.eps))
         if self.glue == "cpu":
             cpu_kernels.rotate_and_write_kv(
                 qkv,
                 self.rotation_pairs,
-                batch.positions,
-                batch.slot_mapping,
+                tokens.positions,
+                tokens.slot_mapping,
                 kv_pair,
                 self.num_heads,
                 self.num_kv_heads,
             )
-        elif step.rotation is None or step.write_index is None:
+        elif tokens.rotation is None or tokens.write_index is None:
             triton_layer_ops.rotate_and_write_kv(
                 qkv,
                 self.rotation,
-                batch.positions,
-                batch.slot_mapping,
+                tokens.positions,
+                tokens.slot_mapping,
                 kv_pair,
                 self.num_heads,
                 self.num_kv_heads,
@@ -442,49 +468,59 @@ class PagedLlama:
         else:
             rotated_heads = self.num_heads + self.num_kv_heads
             _rotate_in_place(
-                qkv[:, : self.q_size + self.kv_size].view(tokens, rotated_heads, -1, 2),
-                step.rotation,
+                qkv[:, : self.q_size + self.kv_size].view(rows, rotated_heads, -1, 2),
+                tokens.rotation,
             )
-            key_value = qkv[:, self.q_size :].view(tokens, 2, self.num_kv_heads, self.head_dim)
+            key_value = qkv[:, self.q_size :].view(rows, 2, self.num_kv_heads, self.head_dim)
             kv_pair.view(2, -1, self.num_kv_heads, self.head_dim).index_put_(
-                step.write_index, key_value.transpose(0, 1)
+                tokens.write_index, key_value.transpose(0, 1)
             )
-        query = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
-        hidden = layer.o_proj.plus(self._attention(query, kv_pair, batch, step), hidden)
+        return qkv
+
+    def layer_output(
+        self, index: int, hidden: torch.Tensor, attended: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``index``'s output: its input ``hidden`` plus the output projection of
+        ``attended`` ``[tokens, num_heads * head_dim]``, then plus its MLP."""
+        layer = self.layers[index]
+        hidden = layer.o_proj.plus(attended, hidden)
         return layer.mlp.plus(self._norm(hidden, layer.post_norm, self.eps), hidden)
 
-    def _attention(
-        self, query: torch.Tensor, kv_pair: torch.Tensor, batch: ForwardBatch, step: _StepInputs
+    def attention(
+        self, index: int, qkv: torch.Tensor, cache: PagedKVCache, layout: AttentionLayout
     ) -> torch.Tensor:
-        """``[tokens, num_heads * head_dim]``: decode rows in one call, prefill chunks in one."""
-        decodes = batch.num_decodes
+        """``[tokens, num_heads * head_dim]``: decode rows in one call, prefill chunks in
+        one."""
+        kv_pair = cache.kv[index]
+        query = qkv[:, : self.q_size].view(qkv.shape[0], self.num_heads, self.head_dim)
+        decodes = layout.num_decodes
         parts = []
         if decodes:
-            parts.append(self._decode(query[:decodes], kv_pair, batch, step))
-        if isinstance(step.prefill, triton_prefill.VarlenPrefillLayout):
+            parts.append(self._decode(query[:decodes], kv_pair, layout))
+        if isinstance(layout.prefill, triton_prefill.VarlenPrefillLayout):
             parts.append(
                 triton_prefill.varlen_prefill_attention_triton(
-                    query[decodes:], kv_pair, step.prefill, self.scale
+                    query[decodes:], kv_pair, layout.prefill, self.scale
                 )
             )
-        elif step.prefill is not None:
+        elif layout.prefill is not None:
             parts.append(
-                varlen_prefill_attention(query[decodes:], kv_pair, step.prefill, self.scale)
+                varlen_prefill_attention(query[decodes:], kv_pair, layout.prefill, self.scale)
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _decode(
-        self, query: torch.Tensor, kv_pair: torch.Tensor, batch: ForwardBatch, step: _StepInputs
+        self, query: torch.Tensor, kv_pair: torch.Tensor, layout: AttentionLayout
     ) -> torch.Tensor:
-        if step.decode is not None:
-            return gathered_decode_attention(query, kv_pair, step.decode, self.scale)
-        assert batch.block_tables is not None and batch.seq_lens is not None
+        if layout.decode is not None:
+            return gathered_decode_attention(query, kv_pair, layout.decode, self.scale)
+        assert layout.block_tables is not None and layout.seq_lens is not None
         if self.glue == "cpu":
             return cpu_kernels.decode_attention(
-                query, kv_pair, batch.block_tables, batch.seq_lens, self.scale
+                query, kv_pair, layout.block_tables, layout.seq_lens, self.scale
             )
         out = paged_decode_attention(
-            query, kv_pair[0], kv_pair[1], batch.block_tables, batch.seq_lens, self.scale
+            query, kv_pair[0], kv_pair[1], layout.block_tables, layout.seq_lens, self.scale
         )
         return out.reshape(query.shape[0], self.q_size)
 

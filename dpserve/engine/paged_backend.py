@@ -1,10 +1,11 @@
 """The GPU engine core: our Llama forward over the paged KV cache, scheduled in chunks.
 
 ``PagedBackend`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the model
-(``llama.PagedLlama``) and, on CUDA, the decode graphs (``cuda_graphs``). One step = one
-forward: the scheduler's decodes and prefill chunks are flattened into one batch
-(``paged_batch``), the model writes their keys/values into the pool and returns the logits of
-the rows whose next token is due, and those rows are sampled on the device.
+(``llama.PagedLlama``) and, on CUDA, the graphs of decode steps (``cuda_graphs``) and of
+steps with prompt chunks (``piecewise_graphs``). One step = one forward: the scheduler's
+decodes and prefill chunks are flattened into one batch (``paged_batch``), the model writes
+their keys/values into the pool and returns the logits of the rows whose next token is due,
+and those rows are sampled on the device.
 
 Overlap (``PagedConfig.overlap``, on by default on CUDA): the forward and sampling of step N
 are submitted to a ``DeviceQueue`` and the host returns the results of step N-1 while step N
@@ -26,6 +27,7 @@ each (at most ``DEFAULT_MAX_NUM_SEQS``).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,6 +60,7 @@ from dpserve.engine.linear import ONEDNN_MIN_ROWS
 from dpserve.engine.llama import ForwardBatch, PagedLlama
 from dpserve.engine.paged_attention import decode_attention_backend
 from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending, pad_decodes
+from dpserve.engine.piecewise_graphs import PiecewiseGraphs
 from dpserve.engine.scheduler import Scheduler
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
@@ -165,6 +168,7 @@ class PagedBackend:
                 self.cache, self.max_num_seqs, blocks_per_sequence, self.max_num_batched_tokens
             )
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self._use_graphs():
             try:
                 with torch.inference_mode():
@@ -174,6 +178,30 @@ class PagedBackend:
             except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
                 log.error("CUDA graph capture failed, decoding eagerly: %s", exc)
                 torch.cuda.synchronize()
+        if self._use_graphs() and self.model.glue == "triton":
+            self.piecewise = self._capture_piecewise()
+
+    def _capture_piecewise(self) -> PiecewiseGraphs | None:
+        """The graphs of steps with prompt chunks, if they capture and agree with the eager
+        forward (checked on the fresh pool, before any sequence holds a block)."""
+        assert self.model is not None and self.cache is not None
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                graphs = PiecewiseGraphs(self.model, self.cache, self.max_num_batched_tokens)
+                if graphs.verify():
+                    log.info(
+                        "captured %d pieces for steps with prompt chunks of up to %d tokens "
+                        "in %.1f s",
+                        graphs.pieces_per_step * len(graphs.sizes),
+                        graphs.sizes[-1],
+                        time.perf_counter() - started,
+                    )
+                    return graphs
+        except RuntimeError as exc:
+            log.error("piecewise CUDA graph capture failed, prompt steps run eagerly: %s", exc)
+            torch.cuda.synchronize()
+        return None
 
     def _use_graphs(self) -> bool:
         return (
@@ -211,6 +239,8 @@ class PagedBackend:
                 # Which code runs the layers' glue: "triton", "cpu" (C++ kernels) or "torch".
                 "layer_kernels": self.model.glue if self.model is not None else None,
                 "cuda_graphs": self.graphs.sizes if self.graphs is not None else [],
+                # Token counts of the steps with prompt chunks replayed piecewise.
+                "piecewise_graphs": self.piecewise.sizes if self.piecewise is not None else [],
             }
         )
         if self.model is not None and self.model.lm_head.onednn:
@@ -301,7 +331,7 @@ class PagedBackend:
         if self.cache is not None:
             self.cache.pool.clear_cache()
             self._released_events += self.cache.pool.take_events()
-        self.model = self.cache = self.graphs = self.inputs = None
+        self.model = self.cache = self.graphs = self.piecewise = self.inputs = None
         self._last_sampled = None
 
     def reload(self, model: Any) -> None:
@@ -462,6 +492,8 @@ class PagedBackend:
         assert self.model is not None and self.cache is not None
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch)
         count = batch.num_decodes
         if self._unpadded_rows < count < self._min_decode_rows and not batch.prefills:
             padded = pad_decodes(batch, self._min_decode_rows)

@@ -117,7 +117,11 @@ def test_prefill_attention_on_cuda_uses_flash_or_efficient_and_is_right() -> Non
 
 
 @needs_triton
-def test_cuda_graph_replay_equals_eager(tiny_model_path: Path) -> None:
+def test_cuda_graph_replay_equals_eager(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps through their graphs and steps with prompt chunks through the piecewise
+    graphs (prompts of 1-90 tokens arrive while others decode) give eager decoding's tokens."""
     assert decode_attention_backend(torch.device("cuda")) == "triton"
     results = []
     for graphs in (True, False):
@@ -125,17 +129,33 @@ def test_cuda_graph_replay_equals_eager(tiny_model_path: Path) -> None:
             str(tiny_model_path), device="cuda", dtype="float32", cuda_graphs=graphs
         )
         assert bool(runner.stats()["cuda_graphs"]) == graphs
+        assert bool(runner.stats()["piecewise_graphs"]) == graphs
+        piecewise_steps: list[int] = []
+        if graphs:
+            pieces = runner.backend.piecewise  # type: ignore[attr-defined]
+            monkeypatch.setattr(pieces, "run", _counting(pieces.run, piecewise_steps))
         runner.eos_token_ids = frozenset()
         requests = workload(40, rng_seed=2, return_log_probs=True)
         requests += workload(5, rng_seed=3, temperature=0.9, seed=11)  # ids 0-4 again: renumber
         for offset, request in enumerate(requests[40:]):
             request.request_id = 100 + offset
         results.append(drive(runner, requests))
+        assert bool(piecewise_steps) == graphs
     graphed, eager = results
     assert graphed.keys() == eager.keys()
     for request_id in graphed:
         assert graphed[request_id][0] == eager[request_id][0], f"request {request_id}"
         assert graphed[request_id][1] == pytest.approx(eager[request_id][1], abs=1e-5)
+
+
+@needs_triton
+def test_piecewise_graphs_pass_their_check_in_bfloat16(tiny_model_path: Path) -> None:
+    """They are dropped (steps with prompts run eagerly) when their check step disagrees with
+    the eager forward: in bfloat16 it must still agree."""
+    runner = ModelRunner(str(tiny_model_path), device="cuda", dtype="bfloat16")
+    assert runner.stats()["piecewise_graphs"]
+    outcomes = drive(runner, workload(8, rng_seed=6))
+    assert all(tokens for tokens, _ in outcomes.values())
 
 
 def test_pool_is_sized_from_free_gpu_memory(tiny_model_path: Path) -> None:
