@@ -150,3 +150,31 @@ def test_the_backend_runs_steps_with_prompt_chunks_through_the_pieces(
     for request_id, (tokens, logprobs) in got.items():
         assert tokens == want[request_id][0], f"request {request_id}"
         assert logprobs == pytest.approx(want[request_id][1], abs=1e-4)
+
+
+def test_a_failed_capture_or_check_leaves_prompt_steps_eager(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dpserve.engine import paged_backend as module
+
+    paged = paged_backend(runner_on("torch", tiny_model_path, monkeypatch))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no device here
+    captured = {"capture": eager}
+
+    class Pieces(PiecewiseGraphs):
+        def __init__(self, model: object, cache: object, max_tokens: int) -> None:
+            super().__init__(model, cache, max_tokens, **captured)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "PiecewiseGraphs", Pieces)
+    assert paged._capture_piecewise() is not None
+
+    def broken(body: Callable[[], None]) -> Callable[[], None]:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    captured["capture"] = broken
+    assert paged._capture_piecewise() is None
+    assert "operation not permitted" in caplog.text
+
+    monkeypatch.setattr(Pieces, "verify", lambda self: False)
+    captured["capture"] = eager
+    assert paged._capture_piecewise() is None
