@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -212,3 +213,58 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
     for request_id in torch_run:
         assert triton_run[request_id][0] == torch_run[request_id][0]
         assert triton_run[request_id][1] == pytest.approx(torch_run[request_id][1], abs=1e-4)
+
+
+@interpreter_case
+def test_prompt_steps_through_the_piecewise_pieces_give_the_same_tokens(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The piecewise graphs' pieces with the CUDA path's kernels (interpreted), replayed by
+    running again: their start check passes, and prompts arriving beside decoding sequences
+    get the eager forward's tokens and log-probs (with the same kernels) through them."""
+    from dpserve.engine import llama
+    from dpserve.engine.model_runner import ModelRunner
+    from dpserve.engine.piecewise_graphs import PiecewiseGraphs, eager
+    from dpserve.engine.runner import RunnerRequest
+    from dpserve.sampling import SamplingParams
+
+    monkeypatch.setattr(llama, "uses_triton_layers", lambda _device: True)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    outcomes, piecewise_steps = [], []
+    for pieces in (False, True):
+        runner = ModelRunner(
+            str(tiny_model_path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=24,
+        )
+        runner.eos_token_ids = frozenset()
+        paged: Any = runner.backend
+        assert paged.model.glue == "triton"
+        if pieces:
+            with torch.inference_mode():
+                graphs = PiecewiseGraphs(paged.model, paged.cache, 24, capture=eager)
+                assert graphs.verify()
+            monkeypatch.setattr(
+                graphs,
+                "run",
+                lambda batch, run=graphs.run: piecewise_steps.append(batch) or run(batch),
+            )
+            paged.piecewise = graphs
+        params = SamplingParams(temperature=0.0, num_tokens_to_generate=8, return_log_probs=True)
+        got: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in range(len(prompts))}
+        for request_id, prompt in enumerate(prompts):
+            runner.add(RunnerRequest(request_id, prompt, params))
+            # Each prompt arrives while the earlier ones decode; the last step drains them.
+            while runner.has_work() and (request_id == len(prompts) - 1 or not got[request_id][0]):
+                for update in runner.step():
+                    got[update.request_id][0].extend(update.tokens)
+                    got[update.request_id][1].extend(update.logprobs or [])
+        outcomes.append(got)
+    assert any(batch.num_decodes and batch.prefills for batch in piecewise_steps)
+    eager_run, piecewise_run = outcomes
+    for request_id in eager_run:
+        assert piecewise_run[request_id][0] == eager_run[request_id][0]
+        assert piecewise_run[request_id][1] == pytest.approx(eager_run[request_id][1], abs=1e-4)
