@@ -13,10 +13,10 @@ Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens,
 (``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
 most ``--max-requests`` requests or ``--max-seconds``), then a burst (``--burst`` requests at
 once); every level (and every ``--repeat`` round) with prompts of its own (``run_level``).
-Every server is started first and stays up; each level then runs on every server in turn, the
-order alternating from level to level, so load from other processes on a shared machine falls
-on all of them alike. Reported per server and level: output tokens/s (output
-tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
+Every server is started first, each once the one before it is ready, and stays up; each level
+then runs on every server in turn, the order alternating from level to level, so load from
+other processes on a shared machine falls on all of them alike. Reported per server and level:
+output tokens/s (output tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
 server's RSS (its whole process tree) idle and after the run.
 
 The peers run from their own virtualenvs under ``--peers`` (``~/.cache/dpserve/peers``), never
@@ -409,9 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             args.keep.mkdir(parents=True, exist_ok=True)
         try:
+            # One at a time: what a server measures as it starts (the dpserve engine's
+            # small-batch probe) must not see the others loading and compiling.
             for server in servers:
                 start(server, scratch)
-            for server in servers:
                 wait_ready(server, args.startup_timeout)
                 print(f"{server.name}: ready, RSS {server.rss_idle / 1e9:.2f} GB", flush=True)
             runs: dict[tuple[str, str], list[dict[str, float]]] = {}
