@@ -16,8 +16,8 @@ once); every level (and every ``--repeat`` round) with prompts of its own (``run
 Every server is started first, each once the one before it is ready, and stays up; each level
 then runs on every server in turn, the order alternating from level to level, so load from
 other processes on a shared machine falls on all of them alike. Reported per server and level:
-output tokens/s (output tokens of the completed requests / the level's duration), ITL p50, failed requests; and each
-server's RSS (its whole process tree) idle and after the run.
+output tokens/s (output tokens of the completed requests / the level's duration), ITL p50,
+failed requests; and each server's RSS (its whole process tree) idle and after the run.
 
 The peers run from their own virtualenvs under ``--peers`` (``~/.cache/dpserve/peers``), never
 from the project's (how they were installed: ``BENCHMARKS.md``): ``guidellm-venv`` (required),
