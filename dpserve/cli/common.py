@@ -126,7 +126,9 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on CUDA)",
     )
     parser.add_argument(
-        "--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA"
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run every step eagerly on CUDA (no graphs of decode steps or of prompt steps)",
     )
     parser.add_argument(
         "--no-prefix-caching",
