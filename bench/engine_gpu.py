@@ -276,7 +276,16 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     del model
     release_memory()
 
+    started = time.perf_counter()
     runner = ModelRunner(str(path), **runner_kwargs(args.capacity, args.device, args.dtype))
+    facts = runner.stats()
+    start_line = (
+        f"   ModelRunner start (load, warm-up, graph capture): "
+        f"{time.perf_counter() - started:.1f} s; decode graphs "
+        f"{len(facts.get('cuda_graphs', []))}, piecewise graph buckets "
+        f"{len(facts.get('piecewise_graphs', []))} (x {shape.layers + 1} pieces)"
+    )
+    print(start_line, flush=True)
     run_engine(runner, [(p, min(n, 4)) for p, n in workload[:32]], shape.vocab, args.device)
     engine = run_engine(runner, workload, shape.vocab, args.device)
     results["dpserve ModelRunner"] = (engine.seconds, engine.tokens)
@@ -303,6 +312,7 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
         f"{sum(engine.prefill_steps):.2f} s; decode-only: {len(engine.decode_steps)} in "
         f"{sum(engine.decode_steps):.2f} s",
         f"   ModelRunner KV pool: {pool}",
+        start_line,
         *step_lines,
     ]
     print("\n".join(report), flush=True)
