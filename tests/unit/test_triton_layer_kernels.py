@@ -171,6 +171,18 @@ def test_varlen_prefill_kernel_equals_the_reference_chunk_by_chunk(
         offset += length
 
 
+def small_steps_runner(tiny_model_path: Path) -> Any:
+    """A CPU runner of the tiny model in fp32, in steps of at most 24 tokens (prompts split
+    into chunks, beside decoding sequences), EOS ignored."""
+    from dpserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(
+        str(tiny_model_path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=24
+    )
+    runner.eos_token_ids = frozenset()
+    return runner
+
+
 @interpreter_case
 def test_the_model_gives_the_same_tokens_with_the_triton_layers(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -178,7 +190,6 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
     """The whole engine on CPU with the CUDA path's kernels (interpreted) against torch's:
     prefill chunks after cached prefixes, mixed steps, decodes; same tokens and log-probs."""
     from dpserve.engine import llama
-    from dpserve.engine.model_runner import ModelRunner
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
 
@@ -190,14 +201,7 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
     outcomes = []
     for triton_layers in (False, True):
         monkeypatch.setattr(llama, "uses_triton_layers", lambda _device, on=triton_layers: on)
-        runner = ModelRunner(
-            str(tiny_model_path),
-            device="cpu",
-            dtype="float32",
-            block_size=4,
-            max_num_batched_tokens=24,
-        )
-        runner.eos_token_ids = frozenset()
+        runner = small_steps_runner(tiny_model_path)
         assert runner.backend.model.triton_layers is triton_layers
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=6, return_log_probs=True)
         for request_id, prompt in enumerate(prompts):
@@ -223,7 +227,6 @@ def test_prompt_steps_through_the_piecewise_pieces_give_the_same_tokens(
     running again: their start check passes, and prompts arriving beside decoding sequences
     get the eager forward's tokens and log-probs (with the same kernels) through them."""
     from dpserve.engine import llama
-    from dpserve.engine.model_runner import ModelRunner
     from dpserve.engine.piecewise_graphs import PiecewiseGraphs, eager
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
@@ -233,14 +236,7 @@ def test_prompt_steps_through_the_piecewise_pieces_give_the_same_tokens(
     prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(1, 30))] for _ in range(6)]
     outcomes, piecewise_steps = [], []
     for pieces in (False, True):
-        runner = ModelRunner(
-            str(tiny_model_path),
-            device="cpu",
-            dtype="float32",
-            block_size=4,
-            max_num_batched_tokens=24,
-        )
-        runner.eos_token_ids = frozenset()
+        runner = small_steps_runner(tiny_model_path)
         paged: Any = runner.backend
         assert paged.model.glue == "triton"
         if pieces:
