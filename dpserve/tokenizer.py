@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import weakref
 from collections.abc import Sequence
 from functools import cache
 from typing import Any, Protocol, runtime_checkable
@@ -181,6 +182,9 @@ def _byte_level_bytes(piece: str | None) -> bytes:
     return piece.encode("utf-8")
 
 
+_ADAPTERS: weakref.WeakKeyDictionary[Any, HuggingFaceTokenizer] = weakref.WeakKeyDictionary()
+
+
 def as_batch_tokenizer(tokenizer: Any) -> BatchTokenizer:
     """Accept ``None`` (bytes), a path or hub id, a transformers tokenizer, or one of ours."""
     if tokenizer is None or tokenizer == "bytes":
@@ -190,7 +194,15 @@ def as_batch_tokenizer(tokenizer: Any) -> BatchTokenizer:
     if isinstance(tokenizer, str):
         return load_tokenizer(tokenizer)
     if hasattr(tokenizer, "batch_decode"):
-        return HuggingFaceTokenizer(tokenizer)
+        # One adapter per transformers tokenizer: the engine's server and its runner then
+        # share the vocabulary tables (``prepare_detokenizing``), built once, not twice.
+        try:
+            adapter = _ADAPTERS.get(tokenizer)
+            if adapter is None:
+                adapter = _ADAPTERS[tokenizer] = HuggingFaceTokenizer(tokenizer)
+        except TypeError:  # neither hashable nor weakly referable: an adapter of its own
+            return HuggingFaceTokenizer(tokenizer)
+        return adapter
     if isinstance(tokenizer, BatchTokenizer):
         return tokenizer
     raise TypeError(f"cannot use {type(tokenizer).__name__} as a tokenizer")

@@ -15,6 +15,7 @@ from dpserve.tokenizer import (
     ByteTokenizer,
     HuggingFaceTokenizer,
     IncrementalDetokenizer,
+    as_batch_tokenizer,
     push_batch,
     push_each,
     released_texts,
@@ -241,6 +242,22 @@ def test_an_engine_reads_the_fake_runners_tokens_as_bytes() -> None:
     text = RequestText(FakeRunner())
     assert isinstance(text.tokenizer, ByteTokenizer)
     assert text.start([104, 105]).push([33], final=True) == "!"
+
+
+def test_an_engine_and_its_runner_share_one_tokenizer_adapter(tiny_model_path: Path) -> None:
+    """The vocabulary tables (``prepare_detokenizing``: one decode of the whole vocabulary)
+    are built once per engine, not once for the server's text and once for the runner's."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dpserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model_path), max_num_seqs=2)
+    adapter = RequestText(runner).tokenizer
+    assert adapter is runner._text_tokenizer
+    assert isinstance(adapter, HuggingFaceTokenizer) and adapter.tokenizer is runner.tokenizer
+    other = PreTrainedTokenizerFast.from_pretrained(tiny_model_path)
+    assert as_batch_tokenizer(other) is not adapter  # one per tokenizer object
+    assert as_batch_tokenizer(other) is as_batch_tokenizer(other)
 
 
 @pytest.mark.parametrize("final", [False, True])
