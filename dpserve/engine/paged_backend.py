@@ -169,16 +169,17 @@ class PagedBackend:
             )
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        if self._use_graphs():
-            try:
-                with torch.inference_mode():
-                    self.graphs = DecodeGraphs(
-                        self.model, self.cache, self.max_num_seqs, blocks_per_sequence
-                    )
-            except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
-                log.error("CUDA graph capture failed, decoding eagerly: %s", exc)
-                torch.cuda.synchronize()
-        if self._use_graphs() and self.model.glue == "triton":
+        if not self._use_graphs():
+            return
+        try:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self.model, self.cache, self.max_num_seqs, blocks_per_sequence
+                )
+        except RuntimeError as exc:  # a kernel that syncs with the host cannot be captured
+            log.error("CUDA graph capture failed, decoding eagerly: %s", exc)
+            torch.cuda.synchronize()
+        if self.model.glue == "triton":
             self.piecewise = self._capture_piecewise()
 
     def _capture_piecewise(self) -> PiecewiseGraphs | None:
