@@ -67,6 +67,8 @@ class Backend(Protocol):
     max_num_seqs: int  # sequences running at once at most (the engine's capacity)
     context_size: int  # tokens a sequence may hold (prompt + generated)
     model: Any  # what the forward runs (our ``PagedLlama`` or the transformers model)
+    # Whether it computes logits at prompt positions (prompt_logprobs, echo with logprobs).
+    computes_prompt_logprobs: bool
 
     def add(self, sequence: Sequence) -> None: ...
 

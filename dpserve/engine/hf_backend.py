@@ -42,6 +42,8 @@ class HFBackend:
     """Left-padded continuous batching over ``model``'s transformers forward (implements
     ``backend.Backend``)."""
 
+    computes_prompt_logprobs = False  # logits only where a token is sampled
+
     def __init__(
         self, model: Any, *, max_num_seqs: int, max_num_batched_tokens: int, pad_id: int
     ) -> None:

@@ -84,7 +84,6 @@ class ModelRunner:
         cuda_graphs: bool = True,
         overlap: bool | None = None,
         backend: str = "auto",
-        executor: str = "auto",
         prefix_caching: bool = True,
     ) -> None:
         if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
@@ -278,13 +277,11 @@ class ModelRunner:
                 ErrorCode.BAD_REQUEST,
                 f"token ids must be in [0, {self.vocab_size}) for this model",
             )
-        if request.params.prompt_logprobs and not getattr(
-            self.backend, "computes_prompt_logprobs", False
-        ):
+        if request.params.prompt_logprobs and not self.backend.computes_prompt_logprobs:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST,
-                "prompt log-probs (echo with logprobs) need the Llama executor; this model runs "
-                "on the transformers fallback",
+                "prompt log-probs (echo with logprobs) need the paged Llama backend; this model "
+                "runs on the transformers fallback",
             )
 
     def cancel(self, request_id: int) -> None:

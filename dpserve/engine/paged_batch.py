@@ -39,9 +39,6 @@ class TokenSequence(PagedSequence, Protocol):
 
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
-    @property
-    def wants_prompt_logprobs(self) -> bool: ...
-
     def prompt_length(self) -> int: ...
 
 

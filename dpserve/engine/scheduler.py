@@ -60,6 +60,11 @@ class PagedSequence(Protocol):
 
     def tokens_between(self, start: int, end: int) -> list[int]: ...
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Logits are due at every prompt position: the sequence computes its whole prompt
+        and takes no cached prefix blocks."""
+
 
 # The runner's own sequence type: plans hand back the objects the runner added.
 S = TypeVar("S", bound=PagedSequence)
@@ -229,7 +234,7 @@ class Scheduler(Generic[S]):
         """The cached blocks the sequence's context starts with (not shared yet)."""
         # A sequence that wants its prompt's log-probs needs logits at every prompt position,
         # so it computes its whole prompt (its blocks are still stored for others).
-        if getattr(sequence, "wants_prompt_logprobs", False):
+        if sequence.wants_prompt_logprobs:
             return []
         # Whole blocks only, and never the last token: its logits are needed.
         # Tokens still on the device (overlap) cannot be hashed yet.

@@ -722,6 +722,14 @@ def test_transformers_path_still_serves_llama_exactly(
     )
     for i in range(4):
         assert outcomes[i].tokens == greedy_reference(reference, prompts[i], 10)[0], f"request {i}"
+    # Only the paged backend computes logits at prompt positions: the fallback refuses such a
+    # request up front rather than answering without them.
+    assert not runner.backend.computes_prompt_logprobs
+    with pytest.raises(RequestRejected) as rejected:
+        runner.add(request(9, prompts[0], num_tokens_to_generate=2, prompt_logprobs=True))
+    assert rejected.value.code == ErrorCode.BAD_REQUEST
+    assert "paged Llama backend" in rejected.value.message
+    assert not runner.has_work()
 
 
 # ---------------------------------------------------------------- Llama-family variants

@@ -187,6 +187,7 @@ class TokenSequence:
     cache_extra: bytes = b""
     cached_prompt_tokens: int | None = None
     pending: int = 0
+    wants_prompt_logprobs: bool = False
 
     def context_length(self) -> int:
         return len(self.prompt) + len(self.generated)

@@ -24,6 +24,7 @@ class FakeSequence:
     cache_extra: bytes = b""
     cached_prompt_tokens: int | None = None
     pending: int = 0
+    wants_prompt_logprobs: bool = False
 
     def context_length(self) -> int:
         return self.prompt + self.generated
