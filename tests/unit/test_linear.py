@@ -79,6 +79,19 @@ def test_without_small_batches_no_second_copy_is_kept(monkeypatch: pytest.Monkey
     assert torch.equal(linear(torch.ones(1, 8)), torch.full((1, 8), 8.0))
 
 
+@needs_onednn
+@pytest.mark.parametrize("setting", ["0", "3"])
+def test_no_rows_give_no_rows(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose prompt chunks need no logits yet sends no rows to the vocabulary
+    projection; without a dense copy of the weight that once failed an assertion."""
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, setting)
+    linear = Linear(torch.ones(8, 6))
+    empty, residual = torch.ones(0, 6), torch.ones(0, 8)
+    for out in (linear(empty), linear.silu(empty), linear.times(empty, residual)):
+        assert out.shape == (0, 8)
+    assert linear.plus(empty, residual).shape == (0, 8)
+
+
 @pytest.mark.parametrize("value", ["4", "-1", "two", "", "1.5"])
 def test_a_bad_small_batch_setting_is_refused_by_name(
     value: str, monkeypatch: pytest.MonkeyPatch
