@@ -8,8 +8,9 @@ One operator (Helm chart) and one InferenceDeployment with ``minReplicas: 0``, i
 4. the same burst holds one more request than ``maxQueuedRequests``: that one gets 503 with
    ``Retry-After`` at once;
 2. a bounded load generator: the engines scale up to ``maxReplicas``;
-3. 32 greedy streams, once uninterrupted on two engines, then again while the autoscaler's
-   bound drops to one engine: the highest ordinal leaves and hands its streams to the other
+3. 32 greedy streams, once uninterrupted on two engines, then again, each restarted as it
+   ends, while the autoscaler's bound drops to one engine and until the leaving pod is gone:
+   the highest ordinal leaves and hands its streams to the other
    engine (the coordinator's log counts them), every stream is identical to its uninterrupted
    run, none fails, and
    the leaving pod is gone in seconds (its grace period is 120 s);
@@ -338,11 +339,23 @@ def test_scale_down_moves_32_streams_and_the_leaving_pod_is_gone_in_seconds(
 ) -> None:
     leaving = f"{NAME}-engine-1"
 
-    async def streams_across_a_scale_down() -> tuple[list[Any], float]:
+    async def streams_across_a_scale_down() -> tuple[list[tuple[str, Any]], float]:
+        # Each of the 32 streams starts again as soon as it ends, until the leaving pod is
+        # gone: the 32 take ~1.5 s on this machine, less than the operator and the kubelet
+        # take to signal the engine, so a single round could end before the engine leaves,
+        # with nothing to hand over (one CI run: "handing 0 request(s)").
+        results: list[tuple[str, Any]] = []
+        pod_gone = asyncio.Event()
+
+        async def stream_until_gone(prompt: str) -> None:
+            while True:
+                results.append((prompt, await complete(session, scaling, prompt, STREAM_TOKENS)))
+                if pod_gone.is_set():
+                    return
+
         async with session_for(scaling) as session:
             tasks = [
-                asyncio.create_task(complete(session, scaling, stream_prompt(i), STREAM_TOKENS))
-                for i in range(STREAMS)
+                asyncio.create_task(stream_until_gone(stream_prompt(i))) for i in range(STREAMS)
             ]
             await asyncio.sleep(0.5)  # every stream dispatched, on both engines
             decided = time.monotonic()
@@ -354,13 +367,15 @@ def test_scale_down_moves_32_streams_and_the_leaving_pod_is_gone_in_seconds(
                 f"{leaving} gone",
             )
             gone = time.monotonic() - decided
-            unfinished = sum(not task.done() for task in tasks)
-            print(f"\n{unfinished} of {STREAMS} streams still running when {leaving} was gone")
-            return await asyncio.gather(*tasks), gone
+            pod_gone.set()
+            await asyncio.gather(*tasks)
+            print(f"\n{len(results)} streams ran until {leaving} was gone and the last ended")
+            return results, gone
 
     results, gone = asyncio.run(streams_across_a_scale_down())
     TIMINGS["bound 2 -> 1 with 32 streams in flight: leaving pod gone"] = gone
-    assert [status for status, *_ in results] == [200] * STREAMS, results
+    assert len(results) >= STREAMS
+    assert [status for _, (status, *_) in results] == [200] * len(results), results
     # The leaving engine handed its requests over (the coordinator says how many) ...
     log = scaling.kubectl(
         "logs", f"deployment/{NAME}-coordinator", "-n", NAMESPACE, "--tail=-1"
@@ -368,13 +383,13 @@ def test_scale_down_moves_32_streams_and_the_leaving_pod_is_gone_in_seconds(
     handed = re.findall(r"engine rank 1 left, handing (\d+) request\(s\) to the others", log)
     assert handed and int(handed[-1]) > 0, log[-3000:]
     print(f"{leaving} handed {handed[-1]} request(s) to the other engine")
-    # ... and every stream is byte-identical to its uninterrupted run.
-    moved = {stream_prompt(i): text for i, (_, _, text, _) in enumerate(results)}
-    different = [prompt for prompt in moved if moved[prompt] != scaling.streams[prompt]]
-    assert not different, [(p, moved[p], scaling.streams[p]) for p in different[:3]]
-    # Handing requests over (above) is what shows it did not wait out its streams (they take
-    # ~4 s here). This bound is about leaving on its own, long before the grace period ends
-    # and the kubelet kills it: the pod's removal itself took 5-32 s on this machine.
+    # ... and every stream, moved or not, is byte-identical to its uninterrupted run.
+    different = [(prompt, text) for prompt, (_, _, text, _) in results
+                 if text != scaling.streams[prompt]]  # fmt: skip
+    assert not different, [(p, text, scaling.streams[p]) for p, text in different[:3]]
+    # Handing requests over (above) is what shows it did not wait out its streams. This
+    # bound is about leaving on its own, long before the grace period ends and the kubelet
+    # kills it: the pod's removal itself took 5-32 s on this machine.
     assert gone < GRACE_SECONDS / 2, "the leaving engine was not gone well before its grace period"
     into_bounds = [e for e in scaling.events() if e["reason"] == "ScaledIntoBounds"]
     assert into_bounds and "engines 2 → 1" in into_bounds[-1]["message"]
