@@ -169,12 +169,17 @@ def _measured_small_batch_rows(threads: int) -> int:
             break
         chosen = rows
     gigabytes = _PROBE_BYTES / 1e9
+    choice = (
+        f"CPU decode steps of at most {chosen} sequence(s) run through the dense matmul, with a "
+        f"copy of the weights kept for it ({SMALL_BATCH_ROWS_ENV}=0: never)"
+        if chosen
+        else f"CPU decode steps of every size run through oneDNN, one copy of the weights "
+        f"({SMALL_BATCH_ROWS_ENV}=N: the dense matmul up to N sequences)"
+    )
     log.info(
-        "CPU decode steps of at most %d sequence(s) run through the dense matmul, with a copy "
-        "of the weights kept for it (%s=0: never); oneDNN padded to %d rows read %.1f GB/s, "
-        "the dense matmul of 1 / 2 / 3 rows %s GB/s (%d threads)",
-        chosen,
-        SMALL_BATCH_ROWS_ENV,
+        "%s; oneDNN padded to %d rows read %.1f GB/s, the dense matmul of 1 / 2 / 3 rows %s "
+        "GB/s (%d threads)",
+        choice,
         ONEDNN_MIN_ROWS,
         gigabytes / padded,
         " / ".join(f"{gigabytes / seconds:.1f}" for seconds in best.values()),
