@@ -208,10 +208,10 @@ class Linear:
         self.bias = bias
 
     def _packed(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes through the prepacked oneDNN primitive: all but 1 to
-        ``small_rows`` rows. An empty ``x`` (a step whose prompt chunks need no logits yet)
-        goes there too, where no dense copy is kept."""
-        return self.onednn and (self.dense is None or x.shape[0] > self.small_rows)
+        """Whether ``x`` goes through the prepacked oneDNN primitive: every row count but 1 to
+        ``small_rows``, an empty ``x`` (a step whose prompt chunks need no logits yet)
+        included, since no dense copy may be kept."""
+        return self.onednn and not 0 < x.shape[0] <= self.small_rows
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
