@@ -43,15 +43,19 @@ from .autoscaling import Decision, Memory, decide
 from .cluster import ApiError, Cluster, bearer_token, load_configuration, replacement_for
 from .crd import GROUP, PLURAL, VERSION
 from .load import LoadSignal, MalformedMetrics, TtftWindow, read_metrics
+from .main import LIVENESS_PATH
 from .spec import DeploymentSpec, InvalidSpec, parse_spec
 from .status import (
-    DEGRADED,
     READY,
     REASON_APPLY_FAILED,
     REASON_INVALID_SPEC,
+    WARNING,
+    Event,
     Observation,
     compute_status,
     condition,
+    phase_event,
+    scaling_event,
     status_patch,
     sticky_apply_error,
 )
@@ -73,8 +77,29 @@ AUTOSCALING_STATUS_SECONDS = 5.0
 log = logging.getLogger(__name__)
 
 
+class QuietLivenessProbes(logging.Filter):
+    """Drops aiohttp's access-log line for each answered liveness probe (``GET /healthz``,
+    every few seconds from the kubelet), which would otherwise be most of the operator's log.
+    Probes answered with an error, and any other request, are still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_line = str(getattr(record, "first_request_line", ""))
+        parts = request_line.split()
+        path = parts[1].split("?", 1)[0] if len(parts) > 1 else ""
+        status = getattr(record, "response_status", None)
+        answered = isinstance(status, int) and status < 400
+        return not (path == LIVENESS_PATH and answered)
+
+
+# kopf serves its liveness endpoint with aiohttp, which logs each request here.
+ACCESS_LOGGER = "aiohttp.access"
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    access_log = logging.getLogger(ACCESS_LOGGER)
+    if not any(isinstance(f, QuietLivenessProbes) for f in access_log.filters):
+        access_log.addFilter(QuietLivenessProbes())
     # Keep kopf's bookkeeping in annotations under our own prefix: the status schema is
     # structural and would prune kopf's default `status.kopf` progress records anyway.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -137,11 +162,7 @@ def scale_engines(body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any) -> None:
         log.warning("scaling %s failed: %s", name, error)
         return
     if scaled:
-        kopf.info(
-            body,
-            reason="Scaling",
-            message=f"engines: {old} → {spec.data_parallel_size}",
-        )
+        _post(body, scaling_event(old, spec.data_parallel_size))
 
 
 @kopf.on.resume(*RESOURCE, id="reconcile", retries=MAX_RETRIES)
@@ -378,27 +399,17 @@ def _announce_phase(
     body: kopf.Body, old_status: Mapping[str, Any], new_status: Mapping[str, Any]
 ) -> None:
     """An event when the deployment becomes Ready, or Degraded for a new reason (capacity
-    lost on its own, a child pod that cannot run)."""
-    new_phase = new_status["phase"]
-    old_reason = (condition(old_status, "Degraded") or {}).get("reason")
-    degraded = condition(new_status, "Degraded") or {}
-    if new_phase == old_status.get("phase") and (
-        new_phase != DEGRADED or degraded.get("reason") == old_reason
-    ):
-        return
-    if new_phase == READY:
-        ready = condition(new_status, "Ready") or {}
-        kopf.info(body, reason="Ready", message=str(ready.get("message") or ""))
-    # InvalidSpec and ApplyFailed were announced where they were detected.
-    elif new_phase == DEGRADED and degraded.get("reason") not in (
-        REASON_INVALID_SPEC,
-        REASON_APPLY_FAILED,
-    ):
-        kopf.warn(
-            body,
-            reason=str(degraded.get("reason") or "Degraded"),
-            message=str(degraded.get("message") or ""),
-        )
+    lost on its own, a child pod that cannot run): ``status.phase_event``."""
+    event = phase_event(old_status, new_status)
+    if event is not None:
+        _post(body, event)
+
+
+def _post(body: kopf.Body, event: Event) -> None:
+    if event.type == WARNING:
+        kopf.warn(body, reason=event.reason, message=event.message)
+    else:
+        kopf.info(body, reason=event.reason, message=event.message)
 
 
 def _already_reported(

@@ -4,11 +4,17 @@ Phases:
 
 - ``Pending``: the children do not exist yet, or nothing runs yet on a first start;
 - ``Progressing``: converging on a new spec (scaling, rolling out, starting engines);
-- ``Ready``: every desired engine runs and is registered with the coordinator;
+- ``Ready``: every desired engine is registered with the coordinator (its pod's readiness,
+  which follows the registration by up to a probe period, is not waited for);
 - ``Degraded``: the spec is invalid, the children could not be applied, a child pod cannot
   run (OOM-killed, crash-looping, unschedulable, its image cannot be pulled: the reason and
   the pod's own message, see ``pod_problems``), or a deployment that was Ready lost engines
-  without anyone asking for it.
+  or its coordinator without anyone asking for it.
+
+A change somebody asked for (``kubectl patch``/``scale``/``edit``, an HPA, the built-in
+autoscaler: each writes the spec, so the generation moves) is never Degraded on its own:
+until the new count is registered it is Progressing. Only a shortfall at the generation the
+deployment was last Ready for (or Degraded for losing capacity) is capacity lost unasked.
 
 The three conditions (Ready, Progressing, Degraded) carry a reason and a message; a
 condition's ``lastTransitionTime`` only moves when its status flips.
@@ -30,6 +36,14 @@ REASON_OOM_KILLED = "OOMKilled"
 REASON_CRASH_LOOP = "CrashLoopBackOff"
 REASON_UNSCHEDULABLE = "Unschedulable"
 REASON_IMAGE_PULL = "ImagePullBackOff"
+# Capacity that was there went missing without a spec change.
+REASON_ENGINES_UNAVAILABLE = "EnginesUnavailable"
+REASON_COORDINATOR_UNAVAILABLE = "CoordinatorUnavailable"
+_LOST_CAPACITY = frozenset({REASON_ENGINES_UNAVAILABLE, REASON_COORDINATOR_UNAVAILABLE})
+# Announced where they are detected (the handlers), not on the phase change.
+_ANNOUNCED_ELSEWHERE = frozenset({REASON_INVALID_SPEC, REASON_APPLY_FAILED})
+
+NORMAL, WARNING = "Normal", "Warning"
 
 # The kubelet alternates ErrImagePull and ImagePullBackOff while it retries: one reason for
 # both keeps the condition (and the events) from flapping. The others are reported as named.
@@ -67,6 +81,51 @@ class PodProblem:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes event to post on the InferenceDeployment."""
+
+    type: str  # NORMAL or WARNING
+    reason: str
+    message: str
+
+
+def scaling_event(old: object, new: int) -> Event:
+    """What a change of ``spec.dataParallelSize`` is announced as, whoever made it (an edit,
+    ``kubectl scale``, an HPA, the built-in autoscaler): a Normal event, as the status that
+    follows is Progressing, never Degraded."""
+    return Event(NORMAL, "Scaling", f"engines: {old} → {new}")
+
+
+def phase_event(
+    old_status: Mapping[str, Any] | None, new_status: Mapping[str, Any]
+) -> Event | None:
+    """The event a status change is announced with: Normal ``Ready`` on becoming Ready, a
+    Warning on becoming Degraded or Degraded for a new reason (capacity lost unasked, a
+    child pod that cannot run), else none. InvalidSpec and ApplyFailed are announced where
+    they are detected."""
+    old_status = old_status or {}
+    new_phase = new_status.get("phase")
+    old_reason = (condition(old_status, "Degraded") or {}).get("reason")
+    degraded = condition(new_status, "Degraded") or {}
+    if new_phase == old_status.get("phase") and (
+        new_phase != DEGRADED
+        or degraded.get("reason") == old_reason
+        # One incident, one Warning: a coordinator back up whose engines have not
+        # re-registered yet is still the same loss.
+        or {degraded.get("reason"), old_reason} <= _LOST_CAPACITY
+    ):
+        return None
+    if new_phase == READY:
+        ready = condition(new_status, "Ready") or {}
+        return Event(NORMAL, "Ready", str(ready.get("message") or ""))
+    if new_phase == DEGRADED and degraded.get("reason") not in _ANNOUNCED_ELSEWHERE:
+        return Event(
+            WARNING, str(degraded.get("reason") or DEGRADED), str(degraded.get("message") or "")
+        )
+    return None
 
 
 def pod_problems(pods: Iterable[Mapping[str, Any]]) -> list[PodProblem]:
@@ -318,21 +377,25 @@ def _verdict(
         # Without /ready, the coordinator's readiness (it needs >= 1 engine registered) and
         # the engine pods' readiness are the best evidence left.
         engines_serving = ready >= desired and (desired == 0 or coordinator_ready)
+        # Pods still leaving after a scale-down cannot be told apart from serving ones.
+        engine_pods_settled = running == desired
         engines_text = (
             f"{ready}/{desired} engine pods ready; registered engines unknown "
             f"({observation.health_error or 'coordinator /ready unavailable'})"
         )
     else:
-        # The coordinator pod Ready too: registered engines behind a coordinator whose
-        # readiness fails are not served through its Service.
-        engines_serving = (
-            registered >= desired and ready >= desired and (desired == 0 or coordinator_ready)
-        )
+        # What the coordinator routes to is what counts: an engine's pod turns Ready a probe
+        # period after it registered. The coordinator pod Ready too: registered engines
+        # behind a coordinator whose readiness fails are not served through its Service.
+        engines_serving = registered >= desired and (desired == 0 or coordinator_ready)
+        # After a scale-down, a pod that is still going away (its engine already handed its
+        # requests over and deregistered) does not keep the deployment from Ready.
+        engine_pods_settled = running == desired or (running > desired and registered == desired)
         engines_text = f"{registered}/{desired} engines registered, {ready} engine pods ready"
         if not coordinator_ready and desired > 0:
             engines_text += "; the coordinator pod is not Ready"
 
-    if reconciled and rollout_done and running == desired and engines_serving:
+    if reconciled and rollout_done and engine_pods_settled and engines_serving:
         reason = "ScaledToZero" if desired == 0 else "AllEnginesRegistered"
         message = (
             "no engines requested (dataParallelSize 0): requests wait in the coordinator's queue"
@@ -345,10 +408,15 @@ def _verdict(
         )
 
     previous_phase = previous.get("phase")
-    if reconciled and rollout_done and running == desired and previous_phase in (READY, DEGRADED):
-        # Nobody asked for a change, yet capacity went missing: an engine crashed, was evicted
-        # or deregistered, or the coordinator restarted.
-        reason = "CoordinatorUnavailable" if not coordinator_ready else "EnginesUnavailable"
+    if reconciled and rollout_done and _settled_at(previous, observation.generation):
+        # Nobody asked for a change (the spec is the one the deployment was Ready for), yet
+        # capacity went missing: an engine crashed, was evicted, deleted or deregistered, or
+        # the coordinator restarted. It stays Degraded until everything is back.
+        reason = (
+            REASON_COORDINATOR_UNAVAILABLE if not coordinator_ready else REASON_ENGINES_UNAVAILABLE
+        )
+        if running < desired:
+            engines_text = f"{running}/{desired} engine pods exist; {engines_text}"
         return _Verdict(
             DEGRADED, (False, reason, engines_text), (False, "RolloutComplete", engines_text),
             (True, reason, engines_text),
@@ -368,6 +436,22 @@ def _verdict(
     nothing_up = ready == 0 and not registered
     phase = PENDING if nothing_up and previous_phase in (None, PENDING) else PROGRESSING
     return _Verdict(phase, (False, reason, message), (True, reason, message), _healthy())
+
+
+def _settled_at(previous: Mapping[str, Any], generation: int) -> bool:
+    """Whether ``previous`` is a verdict on this very generation that the engines were all
+    there for: Ready, or Degraded because capacity went missing since. A spec change since
+    (a new generation) means the shortfall was asked for."""
+    phase = previous.get("phase")
+    if phase == READY:
+        verdict = condition(previous, "Ready")
+    elif phase == DEGRADED:
+        verdict = condition(previous, "Degraded")
+        if verdict is None or verdict.get("reason") not in _LOST_CAPACITY:
+            return False
+    else:
+        return False
+    return verdict is not None and verdict.get("observedGeneration") == generation
 
 
 def _healthy() -> tuple[bool, str, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
@@ -11,13 +12,18 @@ import pytest
 from dpserve_operator.crd import STATUS_SCHEMA
 from dpserve_operator.status import (
     DEGRADED,
+    NORMAL,
     PENDING,
     PROGRESSING,
     READY,
+    WARNING,
+    Event,
     Observation,
     compute_status,
     condition,
+    phase_event,
     pod_problems,
+    scaling_event,
     status_patch,
     sticky_apply_error,
 )
@@ -172,21 +178,41 @@ def test_a_new_generation_not_yet_applied_is_progressing() -> None:
 @pytest.mark.parametrize(
     ("observation", "reason"),
     [
-        (observe(desired=3, sts=statefulset(2, 2, wanted=3), coord=coordinator(True), engines=2),
-         "ScalingUp"),
-        (observe(desired=1, sts=statefulset(2, 2, wanted=1), coord=coordinator(True), engines=2),
-         "ScalingDown"),
+        # A scale writes the spec: a new generation (2), applied (observed_generation 2).
+        (observe(desired=3, sts=statefulset(2, 2, wanted=3), coord=coordinator(True), engines=2,
+                 generation=2), "ScalingUp"),
+        (observe(desired=1, sts=statefulset(2, 2, wanted=1), coord=coordinator(True), engines=2,
+                 generation=2), "ScalingDown"),
         (observe(sts=statefulset(2, 2, current="rev-1", update="rev-2", updated=1),
-                 coord=coordinator(True), engines=2), "RollingUpdate"),
+                 coord=coordinator(True), engines=2, generation=2), "RollingUpdate"),
+        # A rollout of the same generation (the operator rotating keys, `kubectl rollout
+        # restart`) is no loss either.
         (observe(sts=statefulset(2, 2, generation=2, observed=1), coord=coordinator(True),
                  engines=2), "RollingUpdate"),
     ],
 )  # fmt: skip
 def test_scaling_and_rollouts_are_progressing(observation: Observation, reason: str) -> None:
-    status = compute(observation, previous=compute(SERVING))
+    status = compute(
+        observation, previous=compute(SERVING), observed_generation=observation.generation
+    )
     assert status["phase"] == PROGRESSING
     assert conditions(status)["Progressing"] == ("True", reason)
     assert conditions(status)["Degraded"] == ("False", "AsExpected")
+
+
+def test_a_patch_from_2_to_3_is_progressing_until_the_third_registers() -> None:
+    # Issue 37: right after `kubectl patch ... 3` the StatefulSet reports 3 replicas, 2
+    # ready, and 2 engines are registered. That was reported Degraded/EnginesUnavailable.
+    ready = compute(SERVING)
+    scaled = observe(desired=3, sts=statefulset(3, 2), coord=coordinator(True), engines=2,
+                     generation=2)  # fmt: skip
+    status = compute(scaled, previous=ready, observed_generation=2)
+    assert status["phase"] == PROGRESSING
+    assert conditions(status)["Degraded"] == ("False", "AsExpected")
+    assert conditions(status)["Progressing"] == ("True", "WaitingForEngines")
+    # Registered is what counts: Ready before the new pod's readiness probe runs.
+    registered = dataclasses.replace(scaled, health=health(3))
+    assert compute(registered, previous=status, observed_generation=2)["phase"] == READY
 
 
 def test_a_finished_rollout_with_a_stale_current_revision_counts_as_done() -> None:
@@ -440,3 +466,202 @@ def test_registered_engines_behind_an_unready_coordinator_are_not_ready() -> Non
     ready = condition(status, "Ready") or {}
     assert ready["status"] == "False"
     assert "coordinator pod is not Ready" in ready["message"]
+
+
+# --------------------------------------------------------------------------- transition table
+
+
+@dataclass(frozen=True)
+class Step:
+    """One moment of a deployment's life: what the operator observes, and whether a spec
+    change brought it (``scaled_by``: "user" for kubectl patch/scale/edit or an HPA, else the
+    built-in autoscaler's decision reason, which it posts as an event of its own)."""
+
+    observation: Observation
+    scaled_by: str | None = None
+
+
+def world(
+    desired: int,
+    running: int,
+    ready: int,
+    registered: int | None,
+    *,
+    generation: int = 1,
+    coordinator_ready: bool = True,
+    pods: list[dict[str, Any]] | None = None,
+) -> Observation:
+    """The operator's view: the StatefulSet (already at ``desired`` in its spec, as the scale
+    handler patches it first), ``running`` pods of which ``ready`` are Ready, ``registered``
+    engines in the coordinator's /ready (None: unreachable)."""
+    return Observation(
+        generation=generation,
+        spec_error=None,
+        apply_error=None,
+        desired_engines=desired,
+        statefulset=statefulset(running, ready, wanted=desired),
+        coordinator=coordinator(coordinator_ready),
+        health=None if registered is None else health(registered),
+        health_error="connection refused" if registered is None else None,
+        pods=pods,
+    )
+
+
+def replay(steps: list[Step]) -> tuple[list[str], list[tuple[str, str]]]:
+    """The phases the status goes through and the events posted meanwhile, as the handlers
+    post them: the scale handler's ``scaling_event`` for each change of the count (and the
+    autoscaler's own event for its changes), ``phase_event`` for each status written. Every
+    step is observed after its generation was applied."""
+    phases: list[str] = []
+    events: list[Event] = []
+    status: dict[str, Any] | None = None
+    desired: int | None = None
+    for step in steps:
+        now = step.observation.desired_engines
+        if step.scaled_by is not None:
+            assert desired is not None and now != desired, "a scale step changes the count"
+            if step.scaled_by != "user":
+                events.append(Event(NORMAL, step.scaled_by, "the autoscaler's reading"))
+            events.append(scaling_event(desired, now or 0))
+        else:
+            assert status is None or now == desired, "only a scale step changes the count"
+        desired = now
+        new = compute(
+            step.observation, previous=status, observed_generation=step.observation.generation
+        )
+        event = phase_event(status, new)
+        if event is not None:
+            events.append(event)
+        phases.append(new["phase"])
+        status = new
+    return phases, [(event.type, event.reason) for event in events]
+
+
+def engine_pod(index: int, **problem: Any) -> dict[str, Any]:
+    return pod(f"demo-engine-{index}", **problem)
+
+
+PULL_FAILURE = ("ErrImagePull", 'failed to pull "ghcr.io/dpserve/runtime-cpu:0.1.0": not found')
+OOM_LOOP = {"waiting": ("CrashLoopBackOff", BACK_OFF), "last_terminated": ("OOMKilled", 137),
+            "restarts": 2}  # fmt: skip
+R, P, D = READY, PROGRESSING, DEGRADED
+SCALING = (NORMAL, "Scaling")
+BECAME_READY = (NORMAL, "Ready")
+
+TRANSITIONS = {
+    # kubectl patch 2 -> 3, as issue 37 saw it: the StatefulSet at 3 replicas with 2 ready
+    # and 2 registered is the new engine starting, not capacity lost; Ready the moment the
+    # third engine registers, before its pod's readiness probe has run.
+    "scale up 2 -> 3": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(3, 2, 2, 2, generation=2), scaled_by="user"),
+         Step(world(3, 3, 2, 2, generation=2)),
+         Step(world(3, 3, 2, 3, generation=2)),
+         Step(world(3, 3, 3, 3, generation=2))],
+        [R, P, P, R, R],
+        [BECAME_READY, SCALING, BECAME_READY],
+    ),
+    # kubectl scale 3 -> 2: the leaving engine hands its requests over and deregisters;
+    # Ready then, while the kubelet still removes its pod.
+    "scale down 3 -> 2": (
+        [Step(world(3, 3, 3, 3)),
+         Step(world(2, 3, 3, 3, generation=2), scaled_by="user"),
+         Step(world(2, 3, 2, 2, generation=2)),
+         Step(world(2, 2, 2, 2, generation=2))],
+        [R, P, R, R],
+        [BECAME_READY, SCALING, BECAME_READY],
+    ),
+    # Nobody asked: kubectl delete pod, a crash, an eviction. Degraded (one Warning) until
+    # the replacement registers, also while the StatefulSet counts one pod.
+    "pod lost": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(2, 2, 1, 1)),
+         Step(world(2, 1, 1, 1)),
+         Step(world(2, 2, 1, 1)),
+         Step(world(2, 2, 2, 2))],
+        [R, D, D, D, R],
+        [BECAME_READY, (WARNING, "EnginesUnavailable"), BECAME_READY],
+    ),
+    "coordinator restarted": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(2, 2, 2, None, coordinator_ready=False)),
+         Step(world(2, 2, 2, 1)),
+         Step(world(2, 2, 2, 2))],
+        [R, D, D, R],
+        [BECAME_READY, (WARNING, "CoordinatorUnavailable"), BECAME_READY],
+    ),
+    # A scale that cannot come: the new pod's image cannot be pulled.
+    "image pull failure on scale up": (
+        [Step(world(2, 2, 2, 2, pods=[engine_pod(0, ready=True), engine_pod(1, ready=True)])),
+         Step(world(3, 3, 2, 2, generation=2,
+                    pods=[engine_pod(0, ready=True), engine_pod(1, ready=True),
+                          engine_pod(2, waiting=PULL_FAILURE)]), scaled_by="user"),
+         Step(world(3, 3, 2, 2, generation=2,
+                    pods=[engine_pod(0, ready=True), engine_pod(1, ready=True),
+                          engine_pod(2, waiting=("ImagePullBackOff", "back-off"))]))],
+        [R, D, D],
+        [BECAME_READY, SCALING, (WARNING, "ImagePullBackOff")],
+    ),
+    "engine OOM-killed": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(2, 2, 1, 1, pods=[engine_pod(0, ready=True), engine_pod(1, **OOM_LOOP)])),
+         Step(world(2, 2, 2, 2, pods=[engine_pod(0, ready=True), engine_pod(1, ready=True)]))],
+        [R, D, R],
+        [BECAME_READY, (WARNING, "OOMKilled"), BECAME_READY],
+    ),
+    "unschedulable on scale up": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(3, 3, 2, 2, generation=2,
+                    pods=[engine_pod(2, unschedulable="0/1 nodes are available")]),
+              scaled_by="user")],
+        [R, D],
+        [BECAME_READY, SCALING, (WARNING, "Unschedulable")],
+    ),
+    # The built-in autoscaler writes the scale subresource: a spec change like any other.
+    "autoscaler up 2 -> 3 and down again": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(3, 2, 2, 2, generation=2), scaled_by="ScaledUp"),
+         Step(world(3, 3, 2, 2, generation=2)),
+         Step(world(3, 3, 3, 3, generation=2)),
+         Step(world(2, 3, 3, 3, generation=3), scaled_by="ScaledDown"),
+         Step(world(2, 2, 2, 2, generation=3))],
+        [R, P, P, R, P, R],
+        [BECAME_READY, (NORMAL, "ScaledUp"), SCALING, BECAME_READY,
+         (NORMAL, "ScaledDown"), SCALING, BECAME_READY],
+    ),
+    "autoscaler from zero and back to zero": (
+        [Step(world(0, 0, 0, 0, coordinator_ready=False)),
+         Step(world(1, 1, 0, 0, generation=2, coordinator_ready=False), scaled_by="ScaledFromZero"),
+         Step(world(1, 1, 1, 1, generation=2)),
+         Step(world(0, 1, 1, 1, generation=3), scaled_by="ScaledToZero"),
+         Step(world(0, 1, 0, 0, generation=3, coordinator_ready=False))],
+        [R, P, R, P, R],
+        [BECAME_READY, (NORMAL, "ScaledFromZero"), SCALING, BECAME_READY,
+         (NORMAL, "ScaledToZero"), SCALING, BECAME_READY],
+    ),
+    # Asked for while short: the change is what the status follows from then on.
+    "scale up while an engine is missing": (
+        [Step(world(2, 2, 2, 2)),
+         Step(world(2, 2, 1, 1)),
+         Step(world(3, 3, 1, 1, generation=2), scaled_by="user"),
+         Step(world(3, 3, 3, 3, generation=2))],
+        [R, D, P, R],
+        [BECAME_READY, (WARNING, "EnginesUnavailable"), SCALING, BECAME_READY],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TRANSITIONS))
+def test_transitions_phases_and_events(name: str) -> None:
+    steps, phases, events = TRANSITIONS[name]
+    seen_phases, seen_events = replay(steps)
+    assert (seen_phases, seen_events) == (phases, events)
+
+
+def test_a_scale_nobody_asked_for_is_never_a_warning() -> None:
+    # Every row whose steps are either steady or asked-for scales of pods that can run.
+    for name in ("scale up 2 -> 3", "scale down 3 -> 2", "autoscaler up 2 -> 3 and down again",
+                 "autoscaler from zero and back to zero"):  # fmt: skip
+        phases, events = replay(TRANSITIONS[name][0])
+        assert DEGRADED not in phases, name
+        assert all(kind == NORMAL for kind, _ in events), (name, events)
