@@ -98,12 +98,17 @@ class DataParallelInferenceCoordinator:
         self.router_socket = self.transport.socket
         self.inference_coordinator_port = self.transport.port
         self._build_parts()
+        # data_parallel_size is how many engines to wait for before serving, not how many
+        # there will be: 0 (what the operator passes) starts at once and takes engines as
+        # they register.
         log.info(
-            "coordinator %s listening on port %d (%s); waiting for %d engine(s)",
+            "coordinator %s listening on port %d (%s); %s",
             self.instance_id,
             self.inference_coordinator_port,
             "CURVE" if self.transport.secured else "plain ZMQ",
-            data_parallel_size,
+            f"waiting for {data_parallel_size} engine(s) to register before serving"
+            if data_parallel_size > 0
+            else "serving now; engines join as they register",
         )
         self._wait_for_engines(self.config.engine_wait_timeout)
 
