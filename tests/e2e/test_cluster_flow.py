@@ -59,6 +59,7 @@ from tests.e2e.test_operator import (
     NAME,
     OPERATOR_NS,
     RELEASE,
+    credentials_directory,
     dpserve_generate,
     fetch_client_credentials,
 )
@@ -394,7 +395,7 @@ def completion(port: int, token: str) -> Callable[[int], tuple[int, str]]:
 
 
 def test_engine_pod_deleted_during_a_burst_loses_no_request(flow: Flow) -> None:
-    token = (flow.workdir / "demo-credentials" / "http-api-token").read_text().strip()
+    token = (credentials_directory(flow.workdir) / "http-api-token").read_text().strip()
     victim = f"{NAME}-engine-1"
     old_uid = flow.get("get", "pod", victim)["metadata"]["uid"]
     target = f"svc/{NAME}-coordinator"

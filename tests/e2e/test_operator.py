@@ -109,11 +109,12 @@ CLIENT_SECRET = f"{NAME}-client-credentials"
 # docs/kubernetes.md, "Talk to it": fetching the client credentials (a test checks the docs
 # hold these very lines; the test runs them with `kubectl` pointed at the test cluster).
 FETCH_CREDENTIALS = """\
-umask 077; mkdir -p demo-credentials
-for file in coordinator.key client.key_secret admin.key_secret http-api-token; do
-  kubectl get secret demo-client-credentials \\
-    -o go-template="{{index .data \\"$file\\" | base64decode}}" > "demo-credentials/$file"
-done
+creds="${XDG_RUNTIME_DIR:-$HOME/.config}/dpserve/demo-credentials"   # yours only, not in a clone
+(umask 077; mkdir -p "$creds"
+ for file in coordinator.key client.key_secret admin.key_secret http-api-token; do
+   kubectl get secret demo-client-credentials \\
+     -o go-template="{{index .data \\"$file\\" | base64decode}}" > "$creds/$file"
+ done)
 """
 
 
@@ -236,20 +237,28 @@ def fetch_client_credentials(kubectl: Kubectl, namespace: str, workdir: Path) ->
     result = subprocess.run(
         ["bash", "-ec", FETCH_CREDENTIALS],
         cwd=workdir,
-        env={"PATH": f"{shim}:/usr/bin:/bin"},
+        # $HOME: the workdir, so the keys land in it (no XDG_RUNTIME_DIR).
+        env={"PATH": f"{shim}:/usr/bin:/bin", "HOME": str(workdir)},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    directory = workdir / "demo-credentials"
+    directory = credentials_directory(workdir)
+    assert not (workdir / "demo-credentials").exists()  # not in the current directory
     for file in ("coordinator.key", "client.key_secret", "admin.key_secret"):
         assert "public-key" in (directory / file).read_text(), file
         assert (directory / file).stat().st_mode & 0o077 == 0, file
     assert len((directory / "http-api-token").read_text().strip()) >= 32
     assert (directory / "http-api-token").stat().st_mode & 0o077 == 0
     return directory
+
+
+def credentials_directory(workdir: Path) -> Path:
+    """Where FETCH_CREDENTIALS, run by ``fetch_client_credentials`` in ``workdir``, puts the
+    keys: ``$HOME/.config/dpserve/demo-credentials`` with $HOME the workdir."""
+    return workdir / ".config" / "dpserve" / "demo-credentials"
 
 
 def dpserve_generate(
