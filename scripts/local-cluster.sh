@@ -2,9 +2,10 @@
 # A real one-node Kubernetes 1.20 cluster on this machine, for trying dpserve and for the
 # cluster e2e (tests/e2e/test_cluster.py):
 #
-#   sudo scripts/local-cluster.sh up     # build (cached) and start; prints the kubeconfig path
-#   sudo scripts/local-cluster.sh down   # stop everything, remove the node's network and state
-#   sudo scripts/local-cluster.sh images # rebuild changed images, load them into the running node
+# As root (prefix sudo otherwise):
+#   scripts/local-cluster.sh up     # build (cached) and start; prints the kubeconfig path
+#   scripts/local-cluster.sh down   # stop everything, remove the node's network and state
+#   scripts/local-cluster.sh images # rebuild changed images, load them into the running node
 #
 # Node: etcd, kube-apiserver (on the node IP, RBAC), kube-controller-manager, kube-scheduler,
 # containerd + runc (CRI), the bridge/host-local/loopback CNI plugins, kubelet, kube-proxy
@@ -359,6 +360,8 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%"}
 EOF
+  local kubelet_started
+  kubelet_started="$(date +%s)"
   start_daemon kubelet "$NODE_BIN/kubelet" --config="$STATE/kubelet.yaml" \
     --kubeconfig="$STATE/kubelet.kubeconfig" --root-dir="$STATE/kubelet" \
     --container-runtime=remote --container-runtime-endpoint="unix://$SOCK" \
@@ -385,6 +388,19 @@ EOF
   start_daemon cluster-dns "$PYTHON" "$ROOT/scripts/cluster_dns.py" \
     --kubeconfig "$STATE/kubeconfig" --hosts-file "$STATE/dns/cluster.hosts"
   wait_until "node $NODE_NAME Ready" 120 node_ready
+  forget_replayed_system_ooms "$kubelet_started"
+}
+
+# The kubelet's OOM watcher (cAdvisor's parser) reads the kernel log from its beginning, never
+# seeking to its end, so every system OOM kill still in the ring buffer (from an earlier run on
+# this machine, however old) is posted as a new SystemOOM event on this fresh node. They come
+# within the kubelet's first seconds: drop what came then; a later OOM is reported as usual.
+forget_replayed_system_ooms() {  # <the kubelet's start, seconds since the epoch>
+  local settle=$(( $1 + 5 - $(date +%s) ))
+  if (( settle > 0 )); then sleep "$settle"; fi
+  "$KUBECTL" --kubeconfig "$STATE/kubeconfig" delete events -n default \
+    --field-selector reason=SystemOOM,involvedObject.kind=Node >/dev/null 2>&1 \
+    || log "could not delete the replayed SystemOOM events (harmless)"
 }
 
 node_ready() {

@@ -36,7 +36,7 @@ from tests.e2e.cluster import (
     find_kubectl,
     missing_binaries,
 )
-from tests.e2e.local_node import TIMINGS, LocalNode, LocalNodeError
+from tests.e2e.local_node import TIMELINES, TIMINGS, LocalNode, LocalNodeError
 from tests.e2e.node_agent import NodeAgent
 
 NAMESPACE_READY_TIMEOUT = 30.0
@@ -106,6 +106,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             # Memory figures name their unit ("... MiB"); everything else is seconds.
             unit = "" if what.endswith("MiB") else " s"
             terminalreporter.write_line(f"{what}: {value:.1f}{unit}")
+    for step, lines in TIMELINES.items():
+        terminalreporter.section(f"one-node cluster: {step}")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,8 @@ cluster_opt_in = pytest.mark.skipif(
 )
 # Durations the issue asks to see (conftest prints them in the terminal summary).
 TIMINGS: dict[str, float] = {}
+# What a step saw, line by line (the status phases and events of a scale): printed after them.
+TIMELINES: dict[str, list[str]] = {}
 
 
 class LocalNodeError(RuntimeError):

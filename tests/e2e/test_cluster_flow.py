@@ -51,7 +51,7 @@ import yaml
 
 from dpserve_operator.crd import GROUP, PLURAL, VERSION
 from tests.e2e.cluster import Kubectl, wait_for
-from tests.e2e.local_node import TIMINGS, LocalNode, PortForward, cluster_opt_in
+from tests.e2e.local_node import TIMELINES, TIMINGS, LocalNode, PortForward, cluster_opt_in
 from tests.e2e.test_operator import (
     CHILDREN,
     CRD_NAME,
@@ -313,15 +313,20 @@ def run_notes_commands(flow: Flow, local_http_port: int) -> str:
 
 
 def test_patch_and_scale_change_the_registered_engines(flow: Flow) -> None:
-    patch = '{"spec": {"dataParallelSize": 3}}'
-    patched_at = time.time()
-    flow.kubectl("patch", "infd", NAME, "-n", NAMESPACE, "--type=merge", "-p", patch)
-    TIMINGS["kubectl patch 2 -> 3: new engine registered"] = flow.wait_registered(
-        3, "the third engine registered after kubectl patch"
-    )
-    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl patch 2 -> 3", patched_at)
-    flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
-    flow.wait_registered(2, "two engines registered after kubectl scale")
+    # Each step: the status phases and the events seen are printed; a scale asked for is
+    # never Degraded nor a Warning, and Ready follows the last registration within a second.
+    with ScaleStep(flow, "kubectl patch 2 -> 3") as step:
+        patch = '{"spec": {"dataParallelSize": 3}}'
+        flow.kubectl("patch", "infd", NAME, "-n", NAMESPACE, "--type=merge", "-p", patch)
+        TIMINGS["kubectl patch 2 -> 3: new engine registered"] = flow.wait_registered(
+            3, "the third engine registered after kubectl patch"
+        )
+        step.registered_at = record_start_timeline(
+            flow, f"{NAME}-engine-2", "kubectl patch 2 -> 3", step.commanded_at
+        )
+    with ScaleStep(flow, "kubectl scale 3 -> 2"):
+        flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
+        flow.wait_registered(2, "two engines registered after kubectl scale")
     # From a steady two: the StatefulSet recreates engine-2 only once the old pod is gone.
     wait_for(
         lambda: flow.kubectl("get", "pod", f"{NAME}-engine-2", "-n", NAMESPACE,
@@ -330,22 +335,149 @@ def test_patch_and_scale_change_the_registered_engines(flow: Flow) -> None:
         "the third engine's pod gone after scaling down",
         diagnostics=flow.diagnostics,
     )  # fmt: skip
-    scaled_at = time.time()
-    flow.kubectl("scale", f"infd/{NAME}", "--replicas=3", "-n", NAMESPACE)
-    TIMINGS["kubectl scale 2 -> 3: new engine registered"] = flow.wait_registered(
-        3, "the third engine registered again after kubectl scale"
-    )
-    record_start_timeline(flow, f"{NAME}-engine-2", "kubectl scale 2 -> 3", scaled_at)
-    flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
-    flow.wait_registered(2, "two engines after scaling back")
+    with ScaleStep(flow, "kubectl scale 2 -> 3") as step:
+        flow.kubectl("scale", f"infd/{NAME}", "--replicas=3", "-n", NAMESPACE)
+        TIMINGS["kubectl scale 2 -> 3: new engine registered"] = flow.wait_registered(
+            3, "the third engine registered again after kubectl scale"
+        )
+        step.registered_at = record_start_timeline(
+            flow, f"{NAME}-engine-2", "kubectl scale 2 -> 3", step.commanded_at
+        )
+    with ScaleStep(flow, "kubectl scale 3 -> 2 (again)"):
+        flow.kubectl("scale", f"infd/{NAME}", "--replicas=2", "-n", NAMESPACE)
+        flow.wait_registered(2, "two engines after scaling back")
 
 
-def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) -> None:
+# Seconds from an engine's "registered" log line to the operator's status saying Ready.
+READY_AFTER_REGISTERED = 1.0
+
+
+class ScaleStep:
+    """Records, through a watch, every status the operator writes while a scale runs (with
+    the moment it arrived) and the events posted on the deployment meanwhile; on exit,
+    prints them (TIMELINES) and asserts the step was reported truthfully: never Degraded,
+    no Warning event, and, where ``registered_at`` (the new engine's own "registered" log
+    line) is set, Ready within READY_AFTER_REGISTERED of it."""
+
+    def __init__(self, flow: Flow, name: str) -> None:
+        self.flow = flow
+        self.name = name
+        self.records: list[tuple[float, tuple[Any, ...]]] = []
+        self.registered_at: float | None = None
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.commanded_at = 0.0
+        self._events_before: set[tuple[str, int]] = set()
+
+    def __enter__(self) -> ScaleStep:
+        from kubernetes import watch
+
+        self._events_before = {key for key, _ in self._events()}
+        listing = self.flow.custom_objects.list_namespaced_custom_object
+        ready = threading.Event()
+
+        def run() -> None:
+            # Short server-side watches, resumed from the last version seen: the thread
+            # notices the stop within a couple of seconds, and no connection stays blocked.
+            version: str | None = None
+            try:
+                while not self._stopped.is_set():
+                    resume = {"resource_version": version} if version else {}
+                    for event in watch.Watch().stream(
+                        listing, GROUP, VERSION, NAMESPACE, PLURAL,
+                        field_selector=f"metadata.name={NAME}", timeout_seconds=2, **resume,
+                    ):  # fmt: skip
+                        version = event["object"]["metadata"]["resourceVersion"]
+                        self._record(time.time(), event["object"])
+                        ready.set()
+            except Exception as error:
+                self.records.append((time.time(), ("watch failed", repr(error))))
+            finally:
+                ready.set()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        ready.wait(10)  # the watch's initial ADDED: the status before the command
+        self.commanded_at = time.time()
+        return self
+
+    def _record(self, at: float, infd: JSON) -> None:
+        status = infd.get("status") or {}
+        conditions = {c["type"]: c for c in status.get("conditions") or []}
+        state = (
+            infd["metadata"].get("generation"),
+            infd.get("spec", {}).get("dataParallelSize"),
+            status.get("phase"),
+            status.get("registeredEngines"),
+            status.get("readyReplicas"),
+            status.get("replicas"),
+            next((c["reason"] for c in conditions.values() if c.get("status") == "True"), ""),
+        )
+        if not self.records or self.records[-1][1] != state:
+            self.records.append((at, state))
+
+    def _events(self) -> list[tuple[tuple[str, int], JSON]]:
+        involved = f"involvedObject.kind=InferenceDeployment,involvedObject.name={NAME}"
+        items = self.flow.kubectl.json(
+            "get", "events", "-n", NAMESPACE, "--field-selector", involved
+        )["items"]
+        return [((e["metadata"]["uid"], int(e.get("count") or 1)), e) for e in items]
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        time.sleep(1.0)  # the last status write's events are posted just after it
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        events = [e for key, e in self._events() if key not in self._events_before]
+        lines = [self._line(at, state) for at, state in self.records]
+        lines += [f"event {e.get('type')} {e.get('reason')}: {e.get('message')}" for e in events]
+        ready_at = next(
+            (at for at, state in self.records
+             if at >= self.commanded_at and state[2] == "Ready" and state[3] == state[1]),
+            None,
+        )  # fmt: skip
+        if self.registered_at is not None and ready_at is not None:
+            lines.append(
+                f"the new engine's 'registered' log line -> status Ready: "
+                f"{ready_at - self.registered_at:+.2f} s"
+            )
+            TIMINGS[f"{self.name}: engine registered -> status Ready"] = (
+                ready_at - self.registered_at
+            )
+        if ready_at is not None:
+            TIMINGS[f"{self.name}: command -> status Ready"] = ready_at - self.commanded_at
+        TIMELINES[self.name] = lines
+        if exc_type is not None:
+            return  # the step's own failure says more
+        phases = [state[2] for at, state in self.records if at >= self.commanded_at]
+        warnings = [e for e in events if e.get("type") == "Warning"]
+        report = "\n".join(lines)
+        assert "Degraded" not in phases, f"{self.name} reported Degraded:\n{report}"
+        assert not warnings, f"{self.name} posted a Warning:\n{report}"
+        assert ready_at is not None, f"{self.name}: no Ready status seen:\n{report}"
+        if self.registered_at is not None:
+            late = ready_at - self.registered_at
+            assert late <= READY_AFTER_REGISTERED, (
+                f"{self.name}: Ready {late:.2f} s after the engine registered:\n{report}"
+            )
+
+    def _line(self, at: float, state: tuple[Any, ...]) -> str:
+        if len(state) != 7:
+            return f"{at - self.commanded_at:+7.2f} s  {state}"
+        generation, desired, phase, registered, ready, replicas, reason = state
+        return (
+            f"{at - self.commanded_at:+7.2f} s  generation {generation}  {phase} ({reason})  "
+            f"desired {desired} registered {registered} ready {ready} replicas {replicas}"
+        )
+
+
+def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) -> float:
     """Where a new engine's start went, so that a slow step says which stage was slow: the
     command -> the pod's creation (the operator, the StatefulSet controller) -> its container
     running (scheduling, sandbox, container start) -> the engine's "registered" log line
     (Python imports, loading the model) -> the operator's status reporting it (what
-    ``wait_registered`` waits for). Kubernetes timestamps have one-second resolution."""
+    ``wait_registered`` waits for). Kubernetes timestamps have one-second resolution.
+    Returns when the engine logged "registered" (seconds since the epoch)."""
     seen_at = time.time()
     status = flow.get("get", "pod", pod)
     created = parse_time(status["metadata"]["creationTimestamp"])
@@ -367,6 +499,7 @@ def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) 
     TIMINGS[f"{step}: ... torch imported -> model loaded"] = loaded - threads
     TIMINGS[f"{step}: ... model loaded -> registered"] = registered - loaded
     TIMINGS[f"{step}: engine registered -> status shows it"] = seen_at - registered
+    return registered
 
 
 def parse_time(stamp: str) -> float:
