@@ -1,6 +1,12 @@
 """Embedded local mode (``dpserve serve``): a coordinator, N engines and the HTTP front on this
 machine, supervised by one process that leaves nothing behind when it stops.
 
+Supervision: a child that exits is started again with the same command line (an engine keeps
+its rank) after a backoff, while the others keep serving; one that keeps dying is left down
+(``dpserve.restarts`` decides both). An engine that exits with code 0 left on purpose (it was
+told to drain, or the coordinator was stopped) and is not restarted. ``serve`` ends when the
+coordinator is left down or no engine is left, since nothing could answer then.
+
 Without flags the deployment still uses CURVE: ``serve`` generates throw-away keys in a private
 directory, hands the directory to its children and removes it on exit. ``dpserve generate`` and
 ``dpserve http`` find those keys by port (``throwaway.find_local_credentials``), so the first
@@ -18,16 +24,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, TypeVar
 
-from dpserve.client import InferenceClient
+from dpserve.client import ClientError, InferenceClient
 from dpserve.engine.cpus import numa_core_sets, usable_cores
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.restarts import Deaths, RestartPolicy, describe_exit
 from dpserve.security import key_files, throwaway
 
 log = logging.getLogger("dpserve.serve")
 
 _PR_SET_PDEATHSIG = 1
+SUPERVISE_INTERVAL_S = 0.5  # how often the children are looked at: a death is noticed within it
+
+T = TypeVar("T")
 
 
 def _die_with_parent() -> None:
@@ -35,6 +47,33 @@ def _die_with_parent() -> None:
     even by SIGKILL, so no engine or coordinator is ever orphaned."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class DeploymentEnded(Exception):
+    """Nothing can serve any more (the coordinator or every engine is down for good); ``serve``
+    stops everything and exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Child:
+    """One process of the deployment, as ``LocalDeployment.supervise`` keeps it running."""
+
+    name: str  # "coordinator", "engine 0", ...
+    args: tuple[str, ...]  # its command line after ``python -m dpserve.cli``: the same each start
+    cores: frozenset[int] | None
+    deaths: Deaths
+    process: subprocess.Popen[bytes] | None = None  # the latest start's
+    started_at: float = 0.0  # time.monotonic() of the latest start
+    restart_at: float | None = None  # while it waits out its backoff
+    down: Literal["crash loop", "left"] | None = None  # why it is left down for good
+
+    @property
+    def is_engine(self) -> bool:
+        return self.name != "coordinator"
 
 
 @dataclass
@@ -54,16 +93,27 @@ class LocalDeployment:
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
+    step_delay: float = 0.0  # seconds per fake engine step (``fake`` only)
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.children: list[Child] = []
 
     @property
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
     def _spawn(self, name: str, *args: str, cores: frozenset[int] | None = None) -> None:
-        command = [sys.executable, "-m", "dpserve.cli", *args]
+        child = Child(name, args, cores, Deaths(self.restart_policy))
+        self.children.append(child)
+        self._start(child)
+
+    def _start(self, child: Child) -> None:
+        """Start ``child``'s process. Only ever from the thread that runs the event loop: the
+        kernel sends PR_SET_PDEATHSIG when the thread that forked the child ends, so a child
+        started from a short-lived worker thread would be killed with it."""
+        command = [sys.executable, "-m", "dpserve.cli", *child.args]
+        cores = child.cores
 
         def before_exec() -> None:
             _die_with_parent()
@@ -72,8 +122,16 @@ class LocalDeployment:
 
         # A session of their own: Ctrl-C in the terminal reaches only `dpserve serve`, which
         # then stops the children in order (engines drain while the coordinator still runs).
-        process = subprocess.Popen(command, preexec_fn=before_exec, start_new_session=True)
-        self.processes.append((name, process))
+        child.process = subprocess.Popen(command, preexec_fn=before_exec, start_new_session=True)
+        child.started_at = time.monotonic()
+
+    @property
+    def engines(self) -> list[Child]:
+        return [child for child in self.children if child.is_engine]
+
+    def engines_not_down(self) -> int:
+        """Engines running or waiting to be restarted: those ``serve`` still expects."""
+        return sum(1 for child in self.engines if child.down is None)
 
     def engine_cores(self) -> list[frozenset[int] | None]:
         """Each engine's cores: its NUMA node's when there is one engine per node (the
@@ -104,6 +162,8 @@ class LocalDeployment:
         )
         for rank, cores in enumerate(self.engine_cores()):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
+            if self.fake and self.step_delay:
+                engine += ["--step-delay", str(self.step_delay)]
             if not self.fake:
                 threads = self.threads_per_engine()
                 if cores and self.torch_threads is None:
@@ -130,35 +190,117 @@ class LocalDeployment:
             return self.torch_threads
         return max(1, usable_cores() // self.data_parallel_size)
 
-    def check_alive(self) -> None:
-        for name, process in self.processes:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {process.returncode}")
+    def supervise(self, now: float) -> None:
+        """Look at every child once: note the deaths (each logged with how and when it is
+        restarted), start again those whose backoff is over. Raises ``DeploymentEnded`` when
+        nothing can serve any more."""
+        for child in self.children:
+            if child.down is not None or child.process is None:
+                continue
+            if child.restart_at is None:
+                returncode = child.process.poll()
+                if returncode is not None:
+                    self._died(child, returncode, now)
+            elif now >= child.restart_at:
+                child.restart_at = None
+                self._start(child)
+                assert child.process is not None
+                log.warning("%s started again (pid %d)", child.name, child.process.pid)
+        coordinator = next(c for c in self.children if not c.is_engine)
+        if coordinator.down is not None:
+            raise DeploymentEnded(
+                "the coordinator is left down: nothing can serve without it; stopping", 1
+            )
+        if self.engines and self.engines_not_down() == 0:
+            if all(engine.down == "left" for engine in self.engines):
+                raise DeploymentEnded("every engine has left (exit code 0): stopping", 0)
+            raise DeploymentEnded(
+                "no engine is left to serve (each was left down: see the log above); stopping", 1
+            )
+
+    def _died(self, child: Child, returncode: int, now: float) -> None:
+        assert child.process is not None
+        what = f"{child.name} (pid {child.process.pid}) {describe_exit(returncode)}"
+        ran = f"after {now - child.started_at:.1f} s"
+        if child.is_engine and returncode == 0:
+            # Only a drain (SIGTERM) or the coordinator's STOP ends an engine with 0: someone
+            # asked it to go, and starting it again would undo that.
+            child.down = "left"
+            log.warning(
+                "%s %s: it left on purpose, so it is not restarted; %d engine(s) remain",
+                what,
+                ran,
+                self.engines_not_down(),
+            )
+            return
+        delay = child.deaths.record(now)
+        policy = child.deaths.policy
+        if delay is None:
+            child.down = "crash loop"
+            rest = (
+                f"engines left: {self.engines_not_down()} of {len(self.engines)}"
+                if child.is_engine
+                else "nothing can serve without it"
+            )
+            log.error(
+                "%s %s; it died %d times within %g s, a crash loop: it is left down until "
+                "dpserve serve is restarted (%s)",
+                what,
+                ran,
+                child.deaths.recent,
+                policy.crash_loop_window,
+                rest,
+            )
+            return
+        child.restart_at = now + delay
+        log.warning(
+            "%s %s; restarting it in %g s (death %d within %g s; the %s leaves it down)",
+            what,
+            ran,
+            delay,
+            child.deaths.recent,
+            policy.crash_loop_window,
+            _ordinal(policy.crash_loop_deaths),
+        )
+
+    async def keep_running(self, interval: float = SUPERVISE_INTERVAL_S) -> NoReturn:
+        """``supervise`` for ever (until cancelled, or ``DeploymentEnded``)."""
+        while True:
+            self.supervise(time.monotonic())
+            await asyncio.sleep(interval)
 
     async def wait_until_ready(self, client: InferenceClient, within: float = 600) -> None:
-        """Report progress until every engine registered (model loading takes a while)."""
+        """Report progress until every engine not left down registered (model loading takes a
+        while). Children that die meanwhile are ``keep_running``'s: a rank that crash-loops is
+        left down and no longer waited for."""
         deadline = time.monotonic() + within
-        shown = -1
+        shown: int | None = None
         while True:
-            self.check_alive()
-            status = await asyncio.wait_for(client.get_status(), 10)
-            if status["engines"] != shown:
-                shown = status["engines"]
-                print(
-                    f"dpserve: {shown}/{self.data_parallel_size} engine(s) registered",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if shown >= self.data_parallel_size:
-                return
+            try:
+                status = await asyncio.wait_for(client.get_status(), 5)
+            except (TimeoutError, ClientError):  # the coordinator is restarting: ask again
+                status = None
+            if status is not None:
+                registered = int(status["engines"])
+                if registered != shown:
+                    shown = registered
+                    print(
+                        f"dpserve: {shown}/{self.data_parallel_size} engine(s) registered",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                expected = self.engines_not_down()
+                if expected and registered >= expected:
+                    return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not ready after {within:g} s")
             await asyncio.sleep(0.5)
 
     def stop(self, grace: float = 30.0) -> None:
         """Engines first (SIGTERM drains them), then the coordinator; SIGKILL stragglers."""
-        engines = [(n, p) for n, p in self.processes if n != "coordinator"]
-        coordinator = [(n, p) for n, p in self.processes if n == "coordinator"]
+        started = [(c.name, c.process) for c in self.children if c.process is not None]
+        engines = [(n, p) for n, p in started if n != "coordinator"]
+        coordinator = [(n, p) for n, p in started if n == "coordinator"]
         for group in (engines, coordinator):
             for _, process in group:
                 if process.poll() is None:
@@ -171,6 +313,11 @@ class LocalDeployment:
                     log.warning("%s did not stop in %g s: killing it", name, grace)
                     process.kill()
                     process.wait()
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _coordinator_limit_flags(limits: RequestLimits) -> list[str]:
@@ -196,10 +343,16 @@ def banner(deployment: LocalDeployment) -> str:
         keys = f"CURVE, throw-away keys in {deployment.credentials} (removed on exit)"
     else:
         keys = f"CURVE, keys from {deployment.credentials}"
+    engines = f"{deployment.data_parallel_size} engine(s)"
+    down = [child.name for child in deployment.engines if child.down is not None]
+    if down:
+        engines = (
+            f"{deployment.engines_not_down()} of {engines} "
+            f"({', '.join(down)} left down: see the log above)"
+        )
     lines = [
         "",
-        f"dpserve is serving {deployment.model_path} with "
-        f"{deployment.data_parallel_size} engine(s).",
+        f"dpserve is serving {deployment.model_path} with {engines}.",
         f"  ZMQ:  {deployment.address}",
         f"  keys: {keys}",
         f'  try:  dpserve generate "Tell me a joke" --chat --address {deployment.address}{given}',
@@ -261,41 +414,70 @@ async def _start_http(
     return http_task
 
 
+async def _unless_ended(
+    work: Awaitable[T], stop: asyncio.Event, supervisor: asyncio.Task[NoReturn]
+) -> T | None:
+    """``work``'s result; None if ``stop`` is set first; what ``supervisor`` raises if it ends
+    first (``DeploymentEnded``). ``work`` is cancelled when it does not finish."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    if supervisor.done():
+        supervisor.result()
+    return None
+
+
 async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     deployment.start_processes()
+    # From here until everything stops, children that die are started again (or left down),
+    # during start-up as while serving.
+    supervisor = asyncio.create_task(deployment.keep_running(), name="dpserve-supervisor")
     client = InferenceClient(
         deployment.port, handshake_timeout=60, credentials=deployment.client_keys()
     )
     http_task: asyncio.Task[None] | None = None
     try:
-        await client.start()
-        ready = asyncio.create_task(deployment.wait_until_ready(client))
-        stopped = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if stopped in done:
-            ready.cancel()
+        if not await _unless_ended(_started(client), stop, supervisor):
             return 0
-        stopped.cancel()
-        ready.result()
+        if not await _unless_ended(_ready(deployment, client), stop, supervisor):
+            return 0
         if deployment.http_port:
             http_task = await _start_http(deployment, model_name, client, stop)
         print(banner(deployment), file=sys.stderr, flush=True)
-        while not stop.is_set():
-            deployment.check_alive()
-            if http_task is not None and http_task.done():
-                http_task.result()  # surface why the HTTP front ended
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 1.0)
+        waiting: set[asyncio.Future[Any]] = {supervisor, asyncio.create_task(stop.wait())}
+        if http_task is not None:
+            waiting.add(http_task)
+        done, pending = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending - {supervisor, http_task}:
+            task.cancel()
+        if supervisor in done:
+            supervisor.result()  # raises why nothing can serve any more
+        if http_task is not None and http_task in done:
+            http_task.result()  # surface why the HTTP front ended
         return 0
+    except DeploymentEnded as ended:
+        print(f"dpserve: {ended}", file=sys.stderr)
+        return ended.exit_code
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"dpserve: {exc}", file=sys.stderr)
         return 1
     finally:
+        # No restart may race the stop below, also one whose backoff is still running.
+        supervisor.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await supervisor
         stop.set()
         if http_task is not None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -303,3 +485,13 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
         client.stop()
         print("dpserve: stopping engines and coordinator...", file=sys.stderr, flush=True)
         await asyncio.to_thread(deployment.stop)
+
+
+async def _started(client: InferenceClient) -> bool:
+    await client.start()
+    return True
+
+
+async def _ready(deployment: LocalDeployment, client: InferenceClient) -> bool:
+    await deployment.wait_until_ready(client)
+    return True

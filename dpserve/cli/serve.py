@@ -52,6 +52,12 @@ def add_parser(subparsers: Subcommands) -> None:
     )
     serve.add_argument("--fake", action="store_true", help="fake engines, no model")
     serve.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="seconds per fake engine step, to watch streams (with --fake; default: 0)",
+    )
+    serve.add_argument(
         "--routing",
         choices=[p.value for p in RoutingPolicy],
         default=None,
@@ -78,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.data_parallel_size is not None and args.data_parallel_size < 1:
         print("dpserve serve: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    if args.step_delay and not args.fake:
+        print("dpserve serve: --step-delay is for fake engines (--fake)", file=sys.stderr)
+        return 2
+    if args.step_delay < 0:
+        print("dpserve serve: --step-delay must not be negative", file=sys.stderr)
         return 2
     try:
         if args.credentials and args.insecure:
@@ -106,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
         fake=args.fake,
+        step_delay=args.step_delay,
         routing=args.routing,
         credentials=args.credentials or None,
         api_keys=http_api_keys,

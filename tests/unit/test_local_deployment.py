@@ -1,13 +1,18 @@
 """``dpserve serve`` starts one engine per NUMA node by default, each pinned to its node's
-cores; any other engine count is not pinned."""
+cores; any other engine count is not pinned. Its supervision restarts a child that died after
+a backoff, leaves a crash-looping one down, and ends when nothing could serve."""
 
 from __future__ import annotations
+
+import itertools
+import logging
+import signal
 
 import pytest
 
 from dpserve import local
 from dpserve.cli import build_parser
-from dpserve.local import LocalDeployment
+from dpserve.local import Child, DeploymentEnded, LocalDeployment
 
 NODES = [frozenset({0, 1}), frozenset({2, 3})]
 
@@ -32,3 +37,182 @@ def test_serve_refuses_a_data_parallel_size_below_one(capsys: pytest.CaptureFixt
     args = build_parser().parse_args(["serve", "--fake", "--data-parallel-size", "0"])
     assert args.func(args) == 2
     assert "--data-parallel-size must be at least 1" in capsys.readouterr().err
+
+
+class StubProcess:
+    """What ``supervise`` and ``stop`` ask of a child's process."""
+
+    pids = itertools.count(1000)
+
+    def __init__(self) -> None:
+        self.pid = next(self.pids)
+        self.returncode: int | None = None
+        self.signals: list[int] = []
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        self.returncode = -signum
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return self.returncode
+
+
+class Supervised:
+    """A fake-engine deployment whose children are ``StubProcess``es, on a clock of its own."""
+
+    def __init__(self, engines: int = 2) -> None:
+        self.now = 0.0
+        self.deployment = LocalDeployment(
+            model_path="fake", data_parallel_size=engines, port=5555, http_port=None, fake=True
+        )
+        self.starts: list[str] = []
+
+        def start(child: Child) -> None:
+            child.process = StubProcess()  # type: ignore[assignment]
+            child.started_at = self.now
+            self.starts.append(child.name)
+
+        self.deployment._start = start  # type: ignore[method-assign]
+        self.deployment.start_processes()
+        self.starts.clear()
+
+    def process(self, name: str) -> StubProcess:
+        child = next(c for c in self.deployment.children if c.name == name)
+        return child.process  # type: ignore[return-value]
+
+    def at(self, now: float) -> None:
+        self.now = now
+        self.deployment.supervise(now)
+
+
+def test_a_killed_engine_is_started_again_with_its_rank_after_the_backoff(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = Supervised()
+    first = run.process("engine 1")
+    args = next(c for c in run.deployment.children if c.name == "engine 1").args
+    assert args[args.index("--rank") + 1] == "1"
+    first.returncode = -9
+    with caplog.at_level(logging.WARNING, "dpserve.serve"):
+        run.at(12.0)
+        assert run.starts == []
+        run.at(12.5)
+        assert run.starts == []
+        run.at(13.0)
+    assert run.starts == ["engine 1"]
+    assert run.process("engine 1") is not first
+    assert [c.args for c in run.deployment.children if c.name == "engine 1"] == [args]
+    assert caplog.messages == [
+        f"engine 1 (pid {first.pid}) was killed by SIGKILL after 12.0 s; restarting it in 1 s "
+        "(death 1 within 300 s; the 5th leaves it down)",
+        f"engine 1 started again (pid {run.process('engine 1').pid})",
+    ]
+
+
+def test_a_crash_looping_engine_is_left_down_and_the_rest_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = Supervised()
+    now = 0.0
+    for backoff in (1, 2, 4, 8):
+        run.process("engine 1").returncode = 1
+        run.at(now)
+        now += backoff
+        run.at(now)
+    assert run.starts == ["engine 1"] * 4
+    run.process("engine 1").returncode = 1
+    with caplog.at_level(logging.ERROR, "dpserve.serve"):
+        run.at(now)
+    assert "it died 5 times within 300 s, a crash loop: it is left down" in caplog.text
+    assert "(engines left: 1 of 2)" in caplog.text
+    assert run.deployment.engines_not_down() == 1
+    run.at(now + 3600)
+    assert run.starts == ["engine 1"] * 4, "left down means not started again"
+    assert "1 of 2 engine(s) (engine 1 left down" in local.banner(run.deployment)
+
+
+def test_no_engine_left_ends_the_deployment_with_an_error() -> None:
+    run = Supervised(engines=1)
+    now = 0.0
+    for backoff in (1, 2, 4, 8):
+        run.process("engine 0").returncode = 3
+        run.at(now)
+        now += backoff
+        run.at(now)
+    run.process("engine 0").returncode = 3
+    with pytest.raises(DeploymentEnded, match="no engine is left") as ended:
+        run.at(now)
+    assert ended.value.exit_code == 1
+
+
+def test_a_crash_looping_coordinator_ends_the_deployment() -> None:
+    run = Supervised()
+    now = 0.0
+    for backoff in (1, 2, 4, 8):
+        run.process("coordinator").returncode = -11
+        run.at(now)
+        now += backoff
+        run.at(now)
+    assert run.starts == ["coordinator"] * 4
+    run.process("coordinator").returncode = -11
+    with pytest.raises(DeploymentEnded, match="coordinator is left down") as ended:
+        run.at(now)
+    assert ended.value.exit_code == 1
+
+
+def test_an_engine_that_exits_zero_left_on_purpose_and_is_not_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = Supervised()
+    run.process("engine 0").returncode = 0
+    with caplog.at_level(logging.WARNING, "dpserve.serve"):
+        run.at(5.0)
+    assert "it left on purpose, so it is not restarted; 1 engine(s) remain" in caplog.text
+    run.at(100.0)
+    assert run.starts == []
+    run.process("engine 1").returncode = 0  # e.g. the coordinator's STOP reached both
+    with pytest.raises(DeploymentEnded, match="every engine has left") as ended:
+        run.at(101.0)
+    assert ended.value.exit_code == 0
+
+
+def test_the_coordinator_is_restarted_whatever_its_exit_code() -> None:
+    run = Supervised()
+    run.process("coordinator").returncode = 0
+    run.at(1.0)
+    run.at(2.0)
+    assert run.starts == ["coordinator"]
+
+
+def test_stop_signals_the_current_processes_also_of_a_child_waiting_to_restart() -> None:
+    """Ctrl-C during a backoff: the dead process is not signalled, nor started again; the
+    others get SIGTERM."""
+    run = Supervised()
+    dead = run.process("engine 1")
+    dead.returncode = -9
+    run.at(0.0)  # engine 1 now waits out its backoff
+    run.deployment.stop(grace=0.1)
+    assert dead.signals == []
+    assert run.process("engine 0").signals == [signal.SIGTERM]
+    assert run.process("coordinator").signals == [signal.SIGTERM]
+    assert run.starts == []
+
+
+def test_serve_refuses_a_step_delay_without_fake_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["serve", "--step-delay", "0.1"])
+    assert args.func(args) == 2
+    assert "--step-delay is for fake engines" in capsys.readouterr().err
+
+
+def test_fake_engines_get_the_step_delay() -> None:
+    run = Supervised()
+    run.deployment.step_delay = 0.25
+    run.deployment.children.clear()
+    run.deployment.start_processes()
+    engine = next(c for c in run.deployment.children if c.name == "engine 0")
+    assert engine.args[engine.args.index("--step-delay") + 1] == "0.25"
