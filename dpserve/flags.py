@@ -28,6 +28,10 @@ REQUEST_LIMIT_HELP: Final = {
     "max_choices": "n (and best_of): completions generated for one prompt",
     "max_prompts": "prompts in one completions request (a list of prompts)",
     "max_request_sequences": "sequences one HTTP request may start (n or best_of x prompts)",
+    "max_constraint_bytes": "bytes of a structured-output constraint (JSON schema, regex, choices)",
+    "constraint_compile_timeout": "seconds a structured-output constraint may take to be "
+    "checked and compiled (else 400)",
+    "constraint_mask_timeout": "seconds a constraint's token mask may take per step (else 400)",
 }
 HTTP_LIMIT_HELP: Final = {
     "request_timeout": "seconds one generation request may take before it is cancelled (504)",
@@ -58,6 +62,29 @@ def add_request_limits(parser: argparse.ArgumentParser) -> None:
             DEFAULT_REQUEST_LIMITS,
             REQUEST_LIMIT_HELP,
         )
+
+
+# The RequestLimits an engine enforces itself: it compiles the constraints.
+CONSTRAINT_LIMITS: Final = (
+    "max_constraint_bytes",
+    "constraint_compile_timeout",
+    "constraint_mask_timeout",
+)
+
+
+def add_constraint_limits(parser: argparse.ArgumentParser) -> None:
+    """The structured-output limits, for ``dpserve engine`` (same flags as the front's)."""
+    group = parser.add_argument_group("structured-output limits (docs/security.md)")
+    for name in CONSTRAINT_LIMITS:
+        _add(group, request_limit_flag(name), name, DEFAULT_REQUEST_LIMITS, REQUEST_LIMIT_HELP)
+
+
+def constraint_limits(args: argparse.Namespace) -> RequestLimits:
+    """The engine's RequestLimits: its constraint flags, the defaults for the rest."""
+    return dataclasses.replace(
+        DEFAULT_REQUEST_LIMITS,
+        **{name: getattr(args, "limit_" + name) for name in CONSTRAINT_LIMITS},
+    )
 
 
 def add_http_limits(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,10 @@ MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Per-request size limits (the edge enforces all of them)."""
+    """Per-request limits: sizes (the edge enforces all of them) and the bounds of a
+    structured-output constraint (the edge checks its size and its schema within the compile
+    budget; the engine checks them again and compiles it within the same budget, off its step
+    loop)."""
 
     max_body_bytes: int = 8 * MIB  # HTTP request body
     max_prompt_chars: int = 1_000_000  # prompt text, or all chat messages' text together
@@ -37,6 +40,17 @@ class RequestLimits:
     max_prompts: int = 256  # prompts in one completions request (a list of prompts)
     # n (or best_of) x prompts: the requests one HTTP request may start
     max_request_sequences: int = 512
+    # A structured-output constraint (a JSON schema as compact JSON, a regex, or the choices
+    # together): llguidance's compile time and mask cost grow with it (a 150 KB schema of 2000
+    # properties compiles in ~0.5 s on one core, a 345 KB one in ~5 s, BENCHMARKS.md).
+    max_constraint_bytes: int = 64 * 1024
+    # Seconds a constraint may take to be checked (the edge's schema checks) and compiled (the
+    # engine's grammar and first token mask), each off its event or step loop; past it: 400.
+    constraint_compile_timeout: float = 5.0
+    # Seconds one token mask of a constraint may take, measured on its first mask: a mask is
+    # computed on every step the request takes part in, so a costlier one is refused (400)
+    # rather than slowing every request on its engine.
+    constraint_mask_timeout: float = 0.05
 
     @property
     def max_message_bytes(self) -> int:

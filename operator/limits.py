@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
+from dpserve.flags import CONSTRAINT_LIMITS
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
 
 # Fields whose flag `dpserve coordinator` does not have (yet): not offered in the spec.
@@ -67,6 +68,12 @@ def parse_limits(data: Any, path: str, problems: list[str]) -> tuple[tuple[str, 
 def limit_args(limits: tuple[tuple[str, int | float], ...]) -> list[str]:
     """``dpserve coordinator`` flags for the limits set."""
     return [part for name, value in limits for part in (flag(name), str(value))]
+
+
+def engine_limit_args(limits: tuple[tuple[str, int | float], ...]) -> list[str]:
+    """``dpserve engine`` flags for the limits set that engines enforce too: the
+    structured-output limits (an engine compiles the constraints)."""
+    return limit_args(tuple((name, value) for name, value in limits if name in CONSTRAINT_LIMITS))
 
 
 def crd_schema() -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import credentials
-from .limits import limit_args
+from .limits import engine_limit_args, limit_args
 from .spec import CACHE_DIR, SCRATCH_DIR, DeploymentSpec, thaw
 
 NAME_LABEL = "app.kubernetes.io/name"
@@ -130,6 +130,7 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         "--device", spec.engine.device,
         "--ready-file", ENGINE_READY_FILE,
         *([] if spec.engine.prefix_caching else ["--no-prefix-caching"]),
+        *engine_limit_args(spec.coordinator.limits),
     ]  # fmt: skip
 
 

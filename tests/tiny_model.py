@@ -116,3 +116,33 @@ def build_tiny_model(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def build_tiny_byte_model(directory: Path) -> Path:
+    """The tiny Llama over ``ByT5Tokenizer``: a byte-level tokenizer that has no fast
+    (``tokenizers``) version, as some models ship. Structured output cannot use it (the
+    grammar library needs a fast tokenizer); everything else must."""
+    import torch
+    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = ByT5Tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dpserve import flags
 from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
@@ -103,6 +104,7 @@ def add_parser(subparsers: Subcommands) -> None:
         default=None,
         help="a file that exists exactly while the engine is registered (readiness probes)",
     )
+    flags.add_constraint_limits(engine)
     add_credentials(engine)
     engine.set_defaults(func=run)
 
@@ -190,4 +192,5 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs,
         prefix_caching=not args.no_prefix_caching,
+        limits=flags.constraint_limits(args),
     )

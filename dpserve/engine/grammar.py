@@ -16,6 +16,7 @@ until it runs out of tokens.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,13 +24,31 @@ import llguidance
 import llguidance.hf
 import torch
 
+from dpserve.engine.finite_schema import finite_document_problem
+from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.sampling import SamplingParams
 
 Matcher = llguidance.LLMatcher
 
 
 class GrammarError(ValueError):
-    """A request's grammar does not compile; the message names the problem."""
+    """A request's constraint cannot be followed (it does not compile, admits no document, or
+    is over a limit); the message names the problem. The request is refused (400)."""
+
+
+class GrammarUnavailable(ValueError):
+    """This model's tokenizer cannot drive the grammar library: no structured output here."""
+
+
+def constraint_size(params: SamplingParams) -> int:
+    """Bytes of a request's constraint as the limit ``max_constraint_bytes`` counts them."""
+    texts = [params.guided_json or "", params.guided_regex or "", *params.guided_choice]
+    return sum(len(text.encode()) for text in texts)
+
+
+def first_line(message: str) -> str:
+    """llguidance's error messages go on with a dump of the parser's state: the reason only."""
+    return message.strip().split("\n", 1)[0][:500]
 
 
 def grammar_of(params: SamplingParams) -> str:
@@ -58,24 +77,77 @@ def grammar_of(params: SamplingParams) -> str:
 class Grammars:
     """Builds matchers for one tokenizer and fills the batch's masks."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+    ) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
-        )
+        self.limits = limits
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
+            )
+        except Exception as exc:  # whatever it cannot read: a slow or an unusual tokenizer
+            raise GrammarUnavailable(
+                "structured output is not available for this model: the grammar library "
+                f"(llguidance) cannot use its tokenizer ({type(tokenizer).__name__}: "
+                f"{first_line(str(exc))})"
+            ) from None
 
-    def matcher(self, params: SamplingParams) -> Matcher:
-        """A fresh matcher for a request (raises ``GrammarError``)."""
+    def check_size(self, params: SamplingParams) -> None:
+        """The cheap bound, checked before a compile is queued (raises ``GrammarError``)."""
+        size, limit = constraint_size(params), self.limits.max_constraint_bytes
+        if size > limit:
+            raise GrammarError(
+                f"the structured-output constraint has {size} bytes, over the limit "
+                f"max_constraint_bytes={limit}"
+            )
+
+    def matcher(self, params: SamplingParams, consumed: Sequence[int] = ()) -> Matcher:
+        """A matcher for a request that has already generated ``consumed`` (a resume), its
+        first token mask computed (raises ``GrammarError``). Slow for a large constraint
+        (llguidance drops the GIL while it builds): engines call it off their step loop,
+        through ``constraint_compiler.ConstraintCompiler``."""
+        self.check_size(params)
+        if params.guided_json is not None:
+            try:
+                problem = finite_document_problem(json.loads(params.guided_json))
+            except (ValueError, RecursionError) as exc:
+                problem = f"guided_json is not a JSON schema this engine can read: {exc}"
+            if problem is not None:
+                raise GrammarError(problem)
         try:
             grammar = grammar_of(params)
         except (ValueError, RuntimeError, TypeError) as exc:
             raise GrammarError(
-                f"the structured-output constraint does not compile: {exc}"
+                f"the structured-output constraint does not compile: {first_line(str(exc))}"
             ) from None
-        matcher = Matcher(self._tokenizer, grammar)
+        matcher = Matcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(
-                f"the structured-output constraint does not compile: {matcher.get_error()}"
+                "the structured-output constraint does not compile: "
+                f"{first_line(matcher.get_error())}"
+            )
+        for token in consumed:  # generated elsewhere before a resume
+            advance(matcher, token)
+        started = time.monotonic()
+        matcher.compute_bitmask()
+        took = time.monotonic() - started
+        if matcher.is_error():
+            # The grammar admits nothing from here (a $ref cycle with no way out: llguidance
+            # says NoExtensionBias), or the resumed tokens left it.
+            raise GrammarError(
+                "the structured-output constraint admits no document: "
+                f"{first_line(matcher.get_error())}"
+            )
+        if took > self.limits.constraint_mask_timeout:
+            raise GrammarError(
+                f"one token mask of the structured-output constraint takes {took * 1000:.0f} "
+                "ms, over the limit constraint_mask_timeout="
+                f"{self.limits.constraint_mask_timeout:g} s (it would slow every step)"
             )
         return matcher
 
@@ -109,6 +181,18 @@ def allowed(
 
 def advance(matcher: Matcher, token: int) -> None:
     """Feed a sampled token (one the mask allowed). Once the grammar is complete only stop
-    tokens are allowed, and the request ends on one."""
+    tokens are allowed, and the request ends on one. A matcher that hits one of llguidance's
+    limits on the way is left in its error state (``failure`` reads it)."""
     if not matcher.is_stopped():
         matcher.consume_token(token)
+
+
+def failure(matcher: Matcher) -> str | None:
+    """Why a running request's constraint can no longer be followed (llguidance reported an
+    error while computing its mask or taking its token), else None."""
+    if matcher.is_error():
+        return (
+            "the structured-output constraint failed during generation: "
+            f"{first_line(matcher.get_error())}"
+        )
+    return None

@@ -28,19 +28,21 @@ import torch
 
 from dpserve.block_hash import BlockHash, extra_keys
 from dpserve.engine.backend import Backend
+from dpserve.engine.constraint_compiler import ConstraintCompiler
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_HF_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
-from dpserve.engine.grammar import GrammarError, Grammars, advance
+from dpserve.engine.grammar import GrammarError, Grammars, GrammarUnavailable, advance, failure
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.llama import unsupported_reason
 from dpserve.engine.paged_backend import PagedBackend, PagedConfig
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
+from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
@@ -85,6 +87,7 @@ class ModelRunner:
         overlap: bool | None = None,
         backend: str = "auto",
         prefix_caching: bool = True,
+        limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     ) -> None:
         if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
             raise ValueError(
@@ -134,8 +137,14 @@ class ModelRunner:
         self.context_size: int = self.backend.context_size
         facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
         log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
-        # Built on the first structured request (xgrammar reads the whole vocabulary once).
+        # Built on the first structured request (llguidance reads the whole vocabulary once);
+        # why it cannot be built, once that was found.
+        self._limits = limits
         self._grammars: Grammars | None = None
+        self._grammars_unavailable: str | None = None
+        self._compiler = ConstraintCompiler(
+            self._compile_matcher, limits.constraint_compile_timeout
+        )
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
         self._live: dict[int, Sequence] = {}  # every sequence the backend has, by request id
         self._with_stop_text: set[int] = set()  # those of them with stop strings
@@ -235,26 +244,58 @@ class ModelRunner:
             sequence.stop_text = StopText.start(
                 self._text_tokenizer, request.resume_tokens, params.stop_strings
             )
-        if params.guided:
-            sequence.matcher = self._matcher(sequence)
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
+        elif params.guided:
+            # Compiled off the step loop; admitted to the backend by a later step (``_admit``).
+            self._check_constraint(sequence)
+            self._compiler.submit(sequence)
         else:
-            self.backend.add(sequence)
-            self._live[request.request_id] = sequence
-            if sequence.stop_text is not None:
-                self._with_stop_text.add(request.request_id)
+            self._admit(sequence)
 
-    def _matcher(self, sequence: Sequence) -> Any:
+    def _admit(self, sequence: Sequence) -> None:
+        self.backend.add(sequence)
+        self._live[sequence.request_id] = sequence
+        if sequence.stop_text is not None:
+            self._with_stop_text.add(sequence.request_id)
+
+    def _grammars_for_requests(self) -> Grammars:
+        """The matcher factory, built once; a tokenizer llguidance cannot take refuses every
+        structured request (400) before it is queued, never inside a step."""
+        if self._grammars_unavailable is not None:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, self._grammars_unavailable)
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            try:
+                self._grammars = Grammars(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, self._limits
+                )
+            except GrammarUnavailable as exc:
+                self._grammars_unavailable = str(exc)
+                log.warning("%s", exc)
+                raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return self._grammars
+
+    def _check_constraint(self, sequence: Sequence) -> None:
+        """What is cheap to check before the compile is queued: the tokenizer, the size."""
         try:
-            matcher = self._grammars.matcher(sequence.params)
+            self._grammars_for_requests().check_size(sequence.params)
         except GrammarError as exc:
             raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
-        for token in sequence.tokens:  # generated elsewhere before a resume
-            advance(matcher, token)
-        return matcher
+
+    def _compile_matcher(self, sequence: Sequence) -> Any:
+        """On a compile worker: the sequence's matcher, past the tokens it resumes after."""
+        assert self._grammars is not None  # built by _check_constraint before the submit
+        return self._grammars.matcher(sequence.params, sequence.tokens)
+
+    def _collect_compiled(self) -> list[TokenUpdate]:
+        """Admit the sequences whose constraint compiled; report the refused ones."""
+        compiled = self._compiler.collect()
+        for sequence in compiled.ready:
+            self._admit(sequence)
+        return [
+            TokenUpdate(sequence.request_id, [], finish_reason=ErrorCode.BAD_REQUEST, error=why)
+            for sequence, why in compiled.refused
+        ]
 
     def _validate(self, request: RunnerRequest) -> None:
         prompt_length = len(request.prompt_tokens)
@@ -285,6 +326,8 @@ class ModelRunner:
             )
 
     def cancel(self, request_id: int) -> None:
+        if self._compiler.cancel(request_id):
+            return
         for sequence in self._arrived_done:
             if sequence.request_id == request_id:
                 self._arrived_done.remove(sequence)
@@ -298,7 +341,7 @@ class ModelRunner:
         return [update for sequence in self._live.values() if (update := sequence.unreported())]
 
     def has_work(self) -> bool:
-        return bool(self._arrived_done) or self.backend.has_work()
+        return bool(self._arrived_done) or self._compiler.pending() or self.backend.has_work()
 
     # -------------------------------------------------------------------- prefix cache
 
@@ -334,6 +377,12 @@ class ModelRunner:
         self._steps += 1
         updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
         self._arrived_done = []
+        if self._compiler.pending():
+            if not self.backend.has_work() and not updates:
+                self._compiler.wait(0.01)  # nothing else to run: no spinning meanwhile
+            updates += self._collect_compiled()
+        if not self.backend.has_work():
+            return updates
         with torch.inference_mode():
             for sampled in self.backend.step():
                 finished = []
@@ -348,7 +397,12 @@ class ModelRunner:
                 bare = logprobs is None and tops is None
                 for row, (sequence, token) in enumerate(pairs):
                     if sequence.matcher is not None:
-                        advance(sequence.matcher, token)
+                        broken = self._follow_constraint(sequence, token)
+                        if broken is not None:
+                            updates.append(broken)
+                            finished.append(sequence)
+                            stopped += 1  # its token is not reported: not counted either
+                            continue
                     if bare:
                         update = sequence.accept(token, None)
                     else:
@@ -369,6 +423,28 @@ class ModelRunner:
                         self._with_stop_text.discard(sequence.request_id)
                     self.backend.finish(finished)
         return updates
+
+    @staticmethod
+    def _follow_constraint(sequence: Sequence, token: int) -> TokenUpdate | None:
+        """Feed the sampled token to the sequence's matcher. When llguidance reported an error
+        (one of its limits, hit while computing the mask or taking the token), or the
+        sequence is about to stop on a stop token where its document is not complete, the
+        request fails with that error: its ``finish_reason`` is never "stop" on a document
+        that does not follow its constraint."""
+        matcher = sequence.matcher
+        assert matcher is not None
+        why = failure(matcher)
+        if why is None and token in sequence.stop_ids and not matcher.is_accepting():
+            why = (
+                "the structured-output constraint failed during generation: a stop token came "
+                "before the document was complete"
+            )
+        if why is None:
+            advance(matcher, token)
+            why = failure(matcher)
+        if why is None:
+            return None
+        return TokenUpdate(sequence.request_id, [], finish_reason=ErrorCode.ENGINE_ERROR, error=why)
 
 
 def _find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -60,6 +60,10 @@ class TokenUpdate:
     # Its log-prob and alternatives, when the request asked for log-probs.
     stop_logprob: float | None = None
     stop_top_logprobs: list[tuple[int, float]] | None = None
+    # The request failed after it was accepted (its constraint did not compile within its
+    # limits, or could no longer be followed): why. ``finish_reason`` then holds its
+    # ``protocol.ErrorCode``, as an ENGINE_REPLY entry's does, and nothing else is reported.
+    error: str | None = None
 
 
 class Runner(Protocol):

@@ -357,6 +357,16 @@ class EngineServer:
         except (InvalidSamplingParams, protocol.ProtocolError) as exc:
             self._outbox.append(_failed(request_id, ErrorCode.BAD_REQUEST, str(exc)))
             return
+        except Exception as exc:
+            # A request that passed validation must never end the engine: whatever admitting
+            # it raised fails that request alone (the runner checks what it can first, and
+            # ``add`` keeps a request only as its last step).
+            log.exception(
+                "engine rank %d: admitting request %d failed", self.connection.rank, request_id
+            )
+            why = f"the engine could not admit the request: {type(exc).__name__}: {exc}"
+            self._outbox.append(_failed(request_id, ErrorCode.ENGINE_ERROR, why))
+            return
         self._held[request_id] = _Held(
             request.params.stream, time.monotonic(), self._text.start(request.resume_tokens)
         )
@@ -391,6 +401,13 @@ class EngineServer:
         for update in updates:
             held = self._held.get(update.request_id)
             if held is None:
+                continue
+            if update.error is not None:  # failed after it was accepted: nothing else counts
+                del self._held[update.request_id]
+                self._stream_dirty.discard(update.request_id)
+                self._first_due.discard(update.request_id)
+                code = update.finish_reason or ErrorCode.ENGINE_ERROR
+                self._outbox.append(_failed(update.request_id, code, update.error))
                 continue
             first = held.ttft is None and bool(update.tokens)
             if first:

@@ -26,6 +26,7 @@ from dpserve.openai.errors import (
     outcome_for_status,
 )
 from dpserve.openai.generate import Generator, Outcome
+from dpserve.openai.guided import check_constraint
 from dpserve.openai.health import LIVE_BODY, readiness
 from dpserve.openai.metrics import STATUS_TIMEOUT, FrontMetrics
 from dpserve.openai.requests import (
@@ -100,6 +101,7 @@ class HttpFront:
             await self._follow_coordinator_limits()
             job = parse_completion_request(await self._read_json(request), self.limits)
             check_message_size(job, self.max_message_bytes)
+            await check_constraint(job.params, job.schema_param, self.limits)
         except InvalidRequest as exc:
             return _refusal(exc)
         return await self.generator.generate(request, CompletionFormat(), job, outcome)
@@ -110,6 +112,7 @@ class HttpFront:
             body = await self._read_json(request)
             job: GenerationRequest = parse_chat_request(body, self.tokenizer, self.limits)
             check_message_size(job, self.max_message_bytes)
+            await check_constraint(job.params, job.schema_param, self.limits)
         except InvalidRequest as exc:
             return _refusal(exc)
         return await self.generator.generate(request, ChatFormat(), job, outcome)

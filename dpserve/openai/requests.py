@@ -18,7 +18,7 @@ from typing import Any, Final
 from dpserve import protocol
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.openai.errors import InvalidRequest
-from dpserve.openai.guided import parse_guided
+from dpserve.openai.guided import parse_guided, schema_param
 from dpserve.openai.prompts import parse_messages, parse_prompts
 from dpserve.openai.values import (
     is_int,
@@ -137,6 +137,9 @@ class GenerationRequest:
     # The client did not ask for log-probs: they were turned on to rank best_of candidates.
     hide_logprobs: bool = False
     drop_generated: bool = False  # max_tokens 0 with echo: one token is generated, not shown
+    # The parameter its JSON schema came in, if any: the schema's own check
+    # (``guided.check_constraint``) runs off the event loop after parsing, and names it.
+    schema_param: str | None = None
 
     @property
     def all_prompts(self) -> tuple[str | list[int], ...]:
@@ -317,7 +320,7 @@ def _generation_request(
     stream = read_bool(body, "stream", default=False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     top_k = read_int(body, "top_k", 0)
-    guided = parse_guided(body)
+    guided = parse_guided(body, limits)
     try:
         params = SamplingParams(
             temperature=read_number(body, "temperature", 1.0),
@@ -340,7 +343,14 @@ def _generation_request(
     except InvalidSamplingParams as exc:  # SamplingParams owns the value rules
         raise InvalidRequest(str(exc), param=_param_named_in(str(exc), max_tokens_key)) from None
     return GenerationRequest(
-        prompt, params, stream, include_usage, continuous_usage, n=n, best_of=n
+        prompt,
+        params,
+        stream,
+        include_usage,
+        continuous_usage,
+        n=n,
+        best_of=n,
+        schema_param=schema_param(body) if params.guided_json is not None else None,
     )
 
 

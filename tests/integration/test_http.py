@@ -23,9 +23,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from dpserve.client import InferenceClient
-from dpserve.limits import HttpLimits
+from dpserve.limits import DEFAULT_REQUEST_LIMITS, HttpLimits
 from dpserve.openai import create_app
 from dpserve.openai.errors import InvalidRequest, failure_status
+from dpserve.openai.guided import check_constraint
 from dpserve.openai.health import readiness
 from dpserve.openai.logprobs import token_logprob_pairs
 from dpserve.openai.metrics import TokenRate
@@ -566,10 +567,6 @@ def test_completion_parameters_map_to_sampling_params() -> None:
     [
         ({"echo": "yes"}, "echo"),
         ({"presence_penalty": -3}, "presence_penalty"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}},
-            "response_format.json_schema.schema",
-        ),
         ({"best_of": 17}, "best_of"),
         ({"max_tokens": 10**30}, "max_tokens"),
         ({"temperature": 10**400}, "temperature"),
@@ -584,6 +581,15 @@ def test_unsupported_or_invalid_parameters(extra: dict[str, Any], param: str) ->
     with pytest.raises(InvalidRequest) as caught:
         parse_completion_request({"prompt": "p", **extra})
     assert caught.value.param == param
+
+
+async def test_an_invalid_schema_is_refused_by_its_check_naming_its_parameter() -> None:
+    # The meta-schema check runs off the event loop, after parsing (guided.check_constraint).
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": 1}}}
+    request = parse_completion_request({"prompt": "p", "response_format": schema})
+    with pytest.raises(InvalidRequest) as caught:
+        await check_constraint(request.params, request.schema_param, DEFAULT_REQUEST_LIMITS)
+    assert caught.value.param == "response_format.json_schema.schema"
 
 
 def test_no_op_values_of_unsupported_parameters_are_accepted() -> None:

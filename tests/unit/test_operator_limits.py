@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
+from dpserve import flags
 from dpserve.cli import build_parser
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
 from dpserve_operator.crd import spec_field
 from dpserve_operator.limits import LIMIT_FIELDS, WITHOUT_FLAG, crd_schema, flag
-from dpserve_operator.manifests import coordinator_command
+from dpserve_operator.manifests import coordinator_command, engine_command
 from dpserve_operator.spec import InvalidSpec, parse_spec
 
 BASE = {"model": "/models/m", "image": "ghcr.io/dpserve/runtime-cpu:0.1.0"}
@@ -72,3 +73,17 @@ def test_invalid_limits_are_named(limits: dict[str, object], problem: str) -> No
     with pytest.raises(InvalidSpec) as raised:
         parse_spec({**BASE, "coordinator": {"limits": limits}}, name="demo")
     assert any(problem in item for item in raised.value.problems), raised.value.problems
+
+
+def test_structured_output_limits_reach_the_engines_too() -> None:
+    # The engines compile the constraints: they enforce the size and time bounds themselves.
+    limits = {"maxConstraintBytes": 4096, "constraintCompileTimeout": 1.5, "maxPromptTokens": 64}
+    spec = parse_spec({**BASE, "coordinator": {"limits": limits}}, name="demo")
+    command = engine_command("demo", "default", spec)
+    assert command[command.index("--max-constraint-bytes") + 1] == "4096"
+    assert command[command.index("--constraint-compile-timeout") + 1] == "1.5"
+    assert "--max-prompt-tokens" not in command  # the coordinator's alone
+    args = build_parser().parse_args(command[1:])
+    assert flags.constraint_limits(args).max_constraint_bytes == 4096
+    assert flags.constraint_limits(args).constraint_compile_timeout == 1.5
+    assert flags.constraint_limits(args).constraint_mask_timeout == 0.05  # unset: the default
