@@ -26,9 +26,11 @@ from dpserve.engine.sequences import Sequence
 # Two workers: one hostile constraint that runs to its budget does not hold up the next
 # request's compile.
 COMPILE_WORKERS = 2
-# The workers run at the lowest CPU priority: a compile must not take cores from the forward
-# passes of the requests already running (torch's threads use every core an engine has).
-WORKER_NICENESS = 19
+# The workers run at a lower CPU priority: a compile must not take cores from the forward
+# passes of the requests already running (torch's threads use every core an engine has). Not
+# the lowest: at 19 a compile on a core that decodes gets ~1.5% of it and a legitimate schema
+# would run out its compile budget; at 10, ~10%.
+WORKER_NICENESS = 10
 
 
 def _lower_priority() -> None:

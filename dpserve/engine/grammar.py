@@ -30,6 +30,15 @@ from dpserve.sampling import SamplingParams
 
 Matcher = llguidance.LLMatcher
 
+# llguidance's default of 2000 Earley items in one row refuses an object of ~500 properties
+# mid-generation ("Current row has 7207 items; max is 2000") after its first token. What a
+# step costs is bounded by step_max_items (50,000 items, ~2.5 ms) whatever a row holds, so a
+# row may hold as many: every object within max_constraint_bytes fits (64 KiB is ~2,000
+# properties, ~8,000 items). The other limits keep llguidance's defaults.
+PARSER_LIMITS = llguidance.LLParserLimits(max_items_in_row=50_000)
+# Tokens a new matcher's copy is walked into its grammar at compile time (``Grammars._probe``).
+PROBE_TOKENS = 8
+
 
 class GrammarError(ValueError):
     """A request's constraint cannot be followed (it does not compile, admits no document, or
@@ -86,9 +95,10 @@ class Grammars:
     ) -> None:
         self.vocab_size = vocab_size
         self.limits = limits
+        self._stop_ids = frozenset(stop_token_ids)
         try:
             self._tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids)
+                tokenizer, n_vocab=vocab_size, eos_token=sorted(self._stop_ids)
             )
         except Exception as exc:  # whatever it cannot read: a slow or an unusual tokenizer
             raise GrammarUnavailable(
@@ -125,7 +135,7 @@ class Grammars:
             raise GrammarError(
                 f"the structured-output constraint does not compile: {first_line(str(exc))}"
             ) from None
-        matcher = Matcher(self._tokenizer, grammar, log_level=0)
+        matcher = Matcher(self._tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if matcher.is_error():
             raise GrammarError(
                 "the structured-output constraint does not compile: "
@@ -133,23 +143,54 @@ class Grammars:
             )
         for token in consumed:  # generated elsewhere before a resume
             advance(matcher, token)
-        started = time.monotonic()
-        matcher.compute_bitmask()
-        took = time.monotonic() - started
-        if matcher.is_error():
-            # The grammar admits nothing from here (a $ref cycle with no way out: llguidance
-            # says NoExtensionBias), or the resumed tokens left it.
+        self._probe(matcher)
+        return matcher
+
+    def _probe(self, matcher: Matcher) -> None:
+        """Walk a copy of the matcher a few tokens into its grammar, always down the lowest
+        allowed token that does not stop it (with byte-level vocabularies: the single bytes,
+        which open a structure — ``{``, ``"``, ``[`` — before they close it), timing each
+        mask. What fails here would fail the request in its first steps: a grammar that admits
+        nothing (a $ref cycle with no way out: llguidance says NoExtensionBias), resumed tokens
+        that left it, one of llguidance's limits, or a mask costlier than
+        ``constraint_mask_timeout`` (it is computed on every step the request takes part in)."""
+        probe = matcher.deep_copy()
+        slowest = 0.0
+        for _ in range(PROBE_TOKENS):
+            # This thread's CPU time: a compile worker runs at a low priority, and its wall
+            # time on a busy engine says more about the engine's load than about the mask.
+            started = time.thread_time()
+            mask = probe.compute_bitmask()
+            slowest = max(slowest, time.thread_time() - started)
+            if probe.is_error():
+                raise GrammarError(
+                    "the structured-output constraint admits no document or is beyond the "
+                    f"grammar library's limits: {first_line(probe.get_error())}"
+                )
+            token = _lowest_open_token(mask, self.vocab_size, self._stop_ids)
+            if token is None or probe.is_stopped():
+                break
+            probe.consume_token(token)
+        if slowest > self.limits.constraint_mask_timeout:
             raise GrammarError(
-                "the structured-output constraint admits no document: "
-                f"{first_line(matcher.get_error())}"
-            )
-        if took > self.limits.constraint_mask_timeout:
-            raise GrammarError(
-                f"one token mask of the structured-output constraint takes {took * 1000:.0f} "
-                "ms, over the limit constraint_mask_timeout="
+                f"one token mask of the structured-output constraint takes "
+                f"{slowest * 1000:.0f} ms, over the limit constraint_mask_timeout="
                 f"{self.limits.constraint_mask_timeout:g} s (it would slow every step)"
             )
-        return matcher
+
+
+def _lowest_open_token(mask: bytes, vocab_size: int, stop_ids: frozenset[int]) -> int | None:
+    """The lowest token id the packed mask allows that is not a stop token."""
+    for index, byte in enumerate(mask):
+        while byte:
+            bit = byte & -byte
+            token = index * 8 + bit.bit_length() - 1
+            if token >= vocab_size:
+                return None
+            if token not in stop_ids:
+                return token
+            byte ^= bit
+    return None
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,19 +48,16 @@ async def session(session_timeout: float) -> AsyncIterator[aiohttp.ClientSession
         yield instance
 
 
-@pytest.fixture(scope="module")
-def tiny_serve_url(
-    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
-    """``dpserve serve`` (one engine) on the tiny model for a module's tests: its
-    OpenAI-compatible base URL, ``http://127.0.0.1:PORT/v1``."""
+@contextlib.contextmanager
+def serving(model: Path, log: Path, *flags: str) -> Iterator[str]:
+    """``dpserve serve`` (one engine) on ``model`` while the block runs: its OpenAI-compatible
+    base URL, ``http://127.0.0.1:PORT/v1``; its output goes to ``log``."""
     port, http_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as out:
         serve = subprocess.Popen(
             [
                 DPSERVE, "serve", "--data-parallel-size", "1", "--port", str(port),
-                "--http-port", str(http_port), "--model", str(tiny_model_path),
+                "--http-port", str(http_port), "--model", str(model), *flags,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -75,3 +73,12 @@ def tiny_serve_url(
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_serve_url(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """``dpserve serve`` (one engine) on the tiny model for a module's tests."""
+    with serving(tiny_model_path, tmp_path_factory.mktemp("serve") / "serve.log") as url:
+        yield url
