@@ -97,7 +97,21 @@ class Membership:
         )
         self._ack_register(identity)
         self.control.engine_joined(identity)
+        self._probe_rank(engine)
         self.dispatcher.dispatch_queued()
+
+    def _probe_rank(self, newcomer: Engine) -> None:
+        """Probe every other engine registered with the newcomer's rank. An engine restarted
+        under its rank (``dpserve serve``'s supervisor, a StatefulSet's replacement pod) comes
+        back with a new identity while its dead predecessor is still registered: a send to the
+        dead one fails as soon as libzmq dropped its connection (at once for a killed
+        process), so it is removed now (``remove_unreachable``, after this message) instead of
+        when its heartbeats time out, and the counts never show both. A live engine that shares
+        the rank (two engines started with the same --rank) just gets a heartbeat ack."""
+        probe = protocol.encode(HeartbeatAck(self.shared.instance_id))
+        for engine in list(self.shared.registry.engines.values()):
+            if engine.rank == newcomer.rank and engine is not newcomer:
+                self.shared.transport.send(engine.identity, probe)
 
     def _ack_register(self, identity: bytes) -> None:
         self.shared.transport.send(

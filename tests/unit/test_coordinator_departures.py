@@ -16,7 +16,7 @@ from dpserve.coordinator.requests import InflightRequest, RequestTable
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.coordinator.shared import SharedState
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import EngineRequest, decode
+from dpserve.protocol import EngineRequest, Register, decode
 
 GONE, ALIVE, CLIENT = b"gone", b"alive", b"client"
 
@@ -105,3 +105,22 @@ def test_a_vanished_client_is_forgotten_with_its_requests_after_the_send() -> No
     assert len(shared.requests) == 0, "its other request was cancelled"
     cancels = [r for who, r in transport.sent if type(r).__name__ == "Cancel"]
     assert [c.ref for c in cancels] == [other.request_id]
+
+
+def test_an_engine_restarted_under_its_rank_replaces_its_dead_predecessor_at_once() -> None:
+    """dpserve serve restarts a dead engine with its rank (a StatefulSet pod keeps its
+    ordinal): the newcomer's registration probes the others of that rank, and a dead one is
+    removed then, not when its heartbeats time out; its requests go on elsewhere."""
+    shared, transport, _, membership = _parts()
+    held = _request(shared)
+    held.engine = GONE
+    shared.registry.engines[GONE].outstanding.add(held.request_id)
+    membership.on_register(b"restarted", Register(0, 8, "new"))  # GONE had rank 0
+    assert list(transport.unreachable) == [GONE]
+    membership.remove_unreachable()
+    assert set(shared.registry.engines) == {ALIVE, b"restarted"}
+    assert held.engine in (ALIVE, b"restarted")
+    # A live engine that shares a rank is only probed (a heartbeat ack), never removed.
+    membership.on_register(b"twin", Register(1, 8, "other"))  # ALIVE has rank 1
+    membership.remove_unreachable()
+    assert set(shared.registry.engines) == {ALIVE, b"restarted", b"twin"}
