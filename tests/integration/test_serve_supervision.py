@@ -97,10 +97,13 @@ class Serve:
 
 
 @contextmanager
-def serve(tmp_path: Path, crashing_ranks: tuple[str, ...] = ()) -> Iterator[Serve]:
-    """``dpserve serve --fake --data-parallel-size 2``, plain ZMQ (the test's client needs no
-    keys); with ``crashing_ranks``, those engines exit at once every time they start."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def serve(
+    tmp_path: Path, crashing_ranks: tuple[str, ...] = (), model: Path | None = None
+) -> Iterator[Serve]:
+    """``dpserve serve --data-parallel-size 2`` with fake engines (or ``model``), plain ZMQ
+    (the test's client needs no keys); with ``crashing_ranks``, those engines exit at once
+    every time they start."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     if crashing_ranks:
         site = tmp_path / "site"
         site.mkdir()
@@ -112,8 +115,10 @@ def serve(tmp_path: Path, crashing_ranks: tuple[str, ...] = ()) -> Iterator[Serv
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [
-                DPSERVE, "serve", "--fake", "--data-parallel-size", "2", "--insecure",
-                "--step-delay", str(STEP_DELAY), "--port", str(port), "--http-port", str(http_port),
+                DPSERVE, "serve", "--data-parallel-size", "2", "--insecure",
+                *(["--fake", "--step-delay", str(STEP_DELAY)] if model is None
+                  else ["--model", str(model)]),
+                "--port", str(port), "--http-port", str(http_port),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -135,7 +140,8 @@ async def stream(
     session: aiohttp.ClientSession, base: str, prompt: str, events: list[int], index: int
 ) -> tuple[str, str | None]:
     """One streamed completion: its whole text and finish reason."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body["stream"] = True
     pieces: list[str] = []
     finish = None
     async with session.post(f"{base}/v1/completions", json=body) as response:
@@ -193,10 +199,14 @@ async def uninterrupted_run(
     return run
 
 
+@pytest.mark.parametrize("mode", ["fake", "tiny-model"])
 async def test_an_engine_killed_mid_stream_is_restarted_while_the_other_serves(
-    tmp_path: Path,
+    mode: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    with serve(tmp_path) as deployment:
+    """With the tiny model too: a model engine takes a moment to die (the kernel frees its
+    memory before it closes its socket), and requests sent to it meanwhile must still move."""
+    model = None if mode == "fake" else request.getfixturevalue("tiny_model_path")
+    with serve(tmp_path, model=model) as deployment:
         banner = await asyncio.to_thread(wait_for_banner, deployment.process, deployment.log, 120)
         assert "2/2 engine(s) registered" in banner
         client = InferenceClient(deployment.port, handshake_timeout=20)

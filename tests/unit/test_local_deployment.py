@@ -216,3 +216,10 @@ def test_fake_engines_get_the_step_delay() -> None:
     run.deployment.start_processes()
     engine = next(c for c in run.deployment.children if c.name == "engine 0")
     assert engine.args[engine.args.index("--step-delay") + 1] == "0.25"
+
+
+def test_the_local_coordinator_probes_a_silent_engine_after_two_seconds() -> None:
+    run = Supervised()
+    coordinator = next(c for c in run.deployment.children if c.name == "coordinator")
+    flag = coordinator.args.index("--heartbeat-timeout")
+    assert coordinator.args[flag + 1] == str(local.LOCAL_HEARTBEAT_TIMEOUT_S) == "2.0"
