@@ -421,6 +421,8 @@ class ScaleStep:
         items = self.flow.kubectl.json(
             "get", "events", "-n", NAMESPACE, "--field-selector", involved
         )["items"]
+        # In the order they were written (a resourceVersion is etcd's revision).
+        items.sort(key=lambda e: int(e["metadata"].get("resourceVersion") or 0))
         return [((e["metadata"]["uid"], int(e.get("count") or 1)), e) for e in items]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
