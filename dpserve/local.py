@@ -30,6 +30,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from dpserve.client import ClientError, InferenceClient
 from dpserve.engine.cpus import numa_core_sets, usable_cores
+from dpserve.flags import CONSTRAINT_LIMITS, request_limit_flag
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.restarts import Deaths, RestartPolicy, describe_exit
 from dpserve.security import key_files, throwaway
@@ -180,6 +181,7 @@ class LocalDeployment:
                     threads = min(threads, len(cores))
                 engine += ["--torch-threads", str(threads)]
                 engine += self.kv_cache_args
+                engine += _engine_limit_flags(self.limits)
             if self.max_num_seqs:
                 engine += ["--max-num-seqs", str(self.max_num_seqs)]
             self._spawn(
@@ -337,6 +339,15 @@ def _coordinator_limit_flags(limits: RequestLimits) -> list[str]:
         str(limits.max_body_bytes),
         "--max-prompt-tokens",
         str(limits.max_prompt_tokens),
+    ]
+
+
+def _engine_limit_flags(limits: RequestLimits) -> list[str]:
+    """What an engine checks itself: it compiles the structured-output constraints."""
+    return [
+        part
+        for name in CONSTRAINT_LIMITS
+        for part in (request_limit_flag(name), str(getattr(limits, name)))
     ]
 
 

@@ -10,8 +10,9 @@ import signal
 
 import pytest
 
-from dpserve import local
+from dpserve import flags, local
 from dpserve.cli import build_parser
+from dpserve.limits import RequestLimits
 from dpserve.local import Child, DeploymentEnded, LocalDeployment
 
 NODES = [frozenset({0, 1}), frozenset({2, 3})]
@@ -223,3 +224,17 @@ def test_the_local_coordinator_probes_a_silent_engine_after_two_seconds() -> Non
     coordinator = next(c for c in run.deployment.children if c.name == "coordinator")
     flag = coordinator.args.index("--heartbeat-timeout")
     assert coordinator.args[flag + 1] == str(local.LOCAL_HEARTBEAT_TIMEOUT_S) == "2.0"
+
+
+def test_engines_get_the_structured_output_limits_serve_was_given() -> None:
+    # The engines compile the constraints: they enforce what `dpserve serve --max-constraint-
+    # bytes ...` set, as the front does.
+    run = Supervised()
+    run.deployment.fake = False
+    run.deployment.limits = RequestLimits(max_constraint_bytes=1234, constraint_compile_timeout=2.5)
+    run.deployment.children.clear()
+    run.deployment.start_processes()
+    engine = next(c for c in run.deployment.children if c.name == "engine 0")
+    args = build_parser().parse_args(engine.args[engine.args.index("engine") :])
+    assert flags.constraint_limits(args).max_constraint_bytes == 1234
+    assert flags.constraint_limits(args).constraint_compile_timeout == 2.5
