@@ -64,7 +64,8 @@ def test_the_block_runs_as_typed_on_the_local_path() -> None:
     helm_lines = [c for c in commands if " install " in c or " uninstall " in c]
     assert helm_lines and all(c.startswith("scripts/helm ") for c in helm_lines), helm_lines
     # Nothing that blocks a pasted block (a watch), and every wait bounded.
-    assert not any(re.search(r"(^| )(-w|--watch)( |$)", c) for c in commands), commands
+    kubectl = [c for c in commands if c.startswith("kubectl ")]
+    assert not any(re.search(r"(^| )(-w|--watch)( |$)", c) for c in kubectl), kubectl
     waits = [c for c in commands if c.startswith("kubectl wait")]
     assert waits and all("--timeout=" in c for c in waits), waits
 
@@ -137,11 +138,11 @@ def test_the_readme_block_runs_verbatim_on_the_cluster(
     assert not left, f"the block left processes running: {left}"
 
     # Both requests answered: dpserve generate's text, then curl's JSON.
-    reply = next(
-        json.loads(line) for line in reversed(output.splitlines()) if line.startswith('{"id"')
-    )
+    generated, _, answered = output.rpartition('{"id"')
+    reply, _ = json.JSONDecoder().raw_decode('{"id"' + answered)
     assert reply["choices"][0]["message"]["content"].strip(), reply
-    assert "Paris" in output.split('{"id"')[0], output[-3000:]
+    # Greedy, through the chat template: the instruct model answers (not a ramble).
+    assert "Paris" in generated, output[-3000:]
 
     credentials = home / ".config" / "dpserve" / "demo-credentials"
     assert not credentials.exists(), sorted(credentials.iterdir())
