@@ -261,8 +261,12 @@ class DataParallelInferenceCoordinator:
         now = time.monotonic()
         self.membership.check_engines(now)
         self.dispatcher.expire_queued(now)
-        # After every send of this turn: remove the peers a send found gone.
-        self.membership.remove_unreachable()
+        self.dispatcher.send_batched()
+        # After every send of this turn: remove the peers a send found gone (their requests
+        # are dispatched again, and sent).
+        while self.transport.unreachable:
+            self.membership.remove_unreachable()
+            self.dispatcher.send_batched()
 
     def _handle_batch(self, batch: Sequence[Received]) -> None:
         """Handle ``(identity, payload, role)`` messages, then run the batch step. On a CURVE
@@ -291,6 +295,7 @@ class DataParallelInferenceCoordinator:
             except Exception:  # a bug must not take the coordinator down with it
                 log.exception("error handling a message from %r", identity)
         self.intake.flush()
+        self.dispatcher.send_batched()  # the batch's new requests, before its results go out
         self.results.flush()
 
     def _on_status(self, identity: bytes, query: protocol.Status) -> None:

@@ -20,14 +20,34 @@ from dpserve.coordinator.registry import Engine
 from dpserve.coordinator.requests import InflightRequest
 from dpserve.coordinator.router import Router
 from dpserve.coordinator.shared import SharedState
-from dpserve.protocol import Cancel, EngineRequest, ErrorCode, KvSnapshotRequest
+from dpserve.protocol import Cancel, EngineRequest, EngineRequests, ErrorCode, KvSnapshotRequest
 
 log = logging.getLogger("dpserve.coordinator")
+
+
+# An ENGINE_REQUESTS message is cut after this many bytes of prompt and resume tokens, far
+# below any message size limit (a single request larger than this goes alone, as before).
+BATCH_BYTES = 1 << 20
+
+
+def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` runs of consecutive items whose sizes add up to at most BATCH_BYTES
+    (an item larger than that alone)."""
+    runs, start, total = [], 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and total + size > BATCH_BYTES:
+            runs.append((start, index))
+            start, total = index, 0
+        total += size
+    runs.append((start, len(sizes)))
+    return runs
 
 
 class Dispatcher:
     def __init__(self, shared: SharedState) -> None:
         self.shared = shared
+        # Requests dispatched this turn to engines that read ENGINE_REQUESTS, not sent yet.
+        self._batched: dict[bytes, list[tuple[InflightRequest, EngineRequest]]] = {}
         transport = shared.transport
         self.router = Router(
             shared.routing,
@@ -41,25 +61,25 @@ class Dispatcher:
     # ------------------------------------------------------------------- sending
 
     def dispatch(self, request: InflightRequest) -> None:
-        """Send the request to the engine the policy picks, or queue it when none can."""
+        """Send the request to the engine the policy picks, or queue it when none can. To an
+        engine that reads ENGINE_REQUESTS it goes out with the rest of this turn's requests
+        for that engine (``send_batched``), as if sent now."""
         shared = self.shared
         registry = shared.registry
         while (decision := self.router.choose(request)) is not None:
             identity = decision.identity
-            payload = protocol.encode(
-                EngineRequest(
-                    request.request_id,
-                    request.prompt_tokens,
-                    request.params,
-                    bytes(request.generated),
-                )
+            entry = EngineRequest(
+                request.request_id, request.prompt_tokens, request.params, bytes(request.generated)
             )
-            if not shared.transport.send(identity, payload):
+            engine = registry.engines[identity]
+            if engine.batched_requests:
+                self._batched.setdefault(identity, []).append((request, entry))
+            elif not shared.transport.send(identity, protocol.encode(entry)):
                 # That engine vanished: the request never got there. No more work for it; it
                 # is removed once this turn's sends are done.
                 registry.stop_routing(identity)
                 continue
-            registry.engines[identity].outstanding.add(request.request_id)
+            engine.outstanding.add(request.request_id)
             self.router.routed(request, decision)
             request.engine = identity
             request.progressed = False
@@ -75,6 +95,40 @@ class Dispatcher:
             )
         else:
             queue.append(request.request_id)
+
+    def send_batched(self) -> None:
+        """Send what ``dispatch`` held for engines that read ENGINE_REQUESTS: one message per
+        engine, split so none passes ``BATCH_BYTES``. When a send finds its engine gone, the
+        requests in it and after it never got there: they are taken back from that engine
+        and dispatched again (to the others, or the wait queue), and sent in the same call."""
+        by_id = self.shared.requests.by_id
+        while self._batched:
+            identity, held = self._batched.popitem()
+            # Since dispatched: cancelled or failed (gone from the table), or moved to another
+            # engine when this one was removed (``reassign``): not sent here.
+            entries = [
+                (request, entry)
+                for request, entry in held
+                if request.engine == identity and by_id.get(request.request_id) is request
+            ]
+            sizes = [len(entry.prompt_tokens) + len(entry.resume_tokens) for _, entry in entries]
+            for start, end in _chunks(sizes) if entries else ():
+                message = EngineRequests([entry for _, entry in entries[start:end]])
+                if self.shared.transport.send(identity, protocol.encode(message)):
+                    continue
+                self.shared.registry.stop_routing(identity)
+                for request, _ in entries[start:]:
+                    self._take_back(identity, request)
+                    self.dispatch(request)
+                break
+
+    def _take_back(self, identity: bytes, request: InflightRequest) -> None:
+        """Undo ``dispatch``'s bookkeeping of a request whose send failed."""
+        engine = self.shared.registry.engines.get(identity)
+        if engine is not None:
+            engine.outstanding.discard(request.request_id)
+        self.router.forget(request.request_id)
+        request.engine = None
 
     def dispatch_queued(self) -> None:
         requests, routable = self.shared.requests, self.shared.registry.routable

@@ -73,7 +73,7 @@ class Membership:
         )
 
     def on_register(self, identity: bytes, register: Register) -> None:
-        rank, capacity, instance = register
+        rank, capacity, instance, batched_requests = register
         if identity in self.shared.clients:
             raise ProtocolError("a client cannot register as an engine")
         if capacity < 1:
@@ -87,6 +87,7 @@ class Membership:
             # Same identity, new process: the old one died.
             self.remove_engine(existing, died=True)
         engine = Engine(identity, rank, capacity, instance, time.monotonic())
+        engine.batched_requests = batched_requests == 1
         self.shared.registry.add(engine)
         self.dispatcher.router.engine_added(engine)  # its snapshot follows the ack
         log.info(

@@ -20,6 +20,8 @@ class Engine:
     outstanding: set[int] = field(default_factory=set)  # request ids dispatched here
     # The runner's numbers from the engine's last heartbeat (engine_stats checked them).
     stats: dict[str, int | float] = field(default_factory=dict)
+    # It reads ENGINE_REQUESTS (it said so in its REGISTER): a turn's requests go in one send.
+    batched_requests: bool = False
 
     @property
     def load(self) -> float:

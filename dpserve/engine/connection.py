@@ -108,7 +108,7 @@ class EngineConnection:
             return False
         self._registered_on = self._connections
         self._register_sent = now
-        self.send(Register(self.rank, self.capacity, self.instance))
+        self.send(Register(self.rank, self.capacity, self.instance, batched_requests=1))
         return True
 
     def register_again(self) -> None:

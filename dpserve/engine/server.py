@@ -134,6 +134,7 @@ class EngineServer:
         # One handler per message header, called with the message's record.
         self._handlers: dict[Header, Callable[[Any], None]] = {
             Header.ENGINE_REQUEST: self._on_request,
+            Header.ENGINE_REQUESTS: self._on_requests,
             Header.CANCEL: self._on_cancel,
             Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
             Header.REGISTER_ACK: self._on_register_ack,
@@ -340,6 +341,10 @@ class EngineServer:
             self.connection.register_again()
         else:
             log.warning("coordinator error: %s: %s", error.code, error.message)
+
+    def _on_requests(self, batch: protocol.EngineRequests) -> None:
+        for message in batch.requests:
+            self._on_request(message)
 
     def _on_request(self, message: protocol.EngineRequest) -> None:
         request_id = message.request_id

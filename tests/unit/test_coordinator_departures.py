@@ -16,7 +16,7 @@ from dpserve.coordinator.requests import InflightRequest, RequestTable
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.coordinator.shared import SharedState
 from dpserve.coordinator.transport import Transport
-from dpserve.protocol import EngineRequest, Register, decode
+from dpserve.protocol import EngineRequest, EngineRequests, Register, decode
 
 GONE, ALIVE, CLIENT = b"gone", b"alive", b"client"
 
@@ -124,3 +124,51 @@ def test_an_engine_restarted_under_its_rank_replaces_its_dead_predecessor_at_onc
     membership.on_register(b"twin", Register(1, 8, "other"))  # ALIVE has rank 1
     membership.remove_unreachable()
     assert set(shared.registry.engines) == {ALIVE, b"restarted", b"twin"}
+
+
+def test_a_turns_requests_go_to_a_batching_engine_in_one_message() -> None:
+    shared, transport, dispatcher, _ = _parts()
+    shared.registry.remove(GONE)  # one engine: every request goes to ALIVE
+    shared.registry.engines[ALIVE].batched_requests = True
+    requests = [_request(shared) for _ in range(3)]
+    for request in requests:
+        dispatcher.dispatch(request)
+    assert transport.sent == [], "held until the turn's end"
+    assert all(r.engine == ALIVE for r in requests)
+    cancelled = requests[1]
+    dispatcher.cancel(cancelled)  # before the send: it never goes out
+    dispatcher.send_batched()
+    batches = [record for _, record in transport.sent if isinstance(record, EngineRequests)]
+    (batch,) = batches
+    assert [e.request_id for e in batch.requests] == [
+        requests[0].request_id,
+        requests[2].request_id,
+    ]
+
+
+def test_a_batch_whose_engine_is_gone_is_dispatched_again_in_the_same_call() -> None:
+    shared, transport, dispatcher, membership = _parts()
+    for identity in (GONE, ALIVE):
+        shared.registry.engines[identity].batched_requests = True
+    requests = [_request(shared) for _ in range(4)]
+    for request in requests:
+        dispatcher.dispatch(request)  # round robin: GONE, ALIVE, GONE, ALIVE
+    assert {r.engine for r in requests} == {GONE, ALIVE}
+    dispatcher.send_batched()
+    assert all(r.engine == ALIVE for r in requests)
+    assert shared.registry.engines[GONE].outstanding == set()
+    sent = [
+        e.request_id for _, r in transport.sent if isinstance(r, EngineRequests) for e in r.requests
+    ]
+    assert sorted(sent) == sorted(r.request_id for r in requests), "each sent once, to ALIVE"
+    membership.remove_unreachable()
+    assert GONE not in shared.registry.engines
+    assert shared.counters["redispatched"] == 0, "nothing was on GONE to hand over"
+
+
+def test_batches_are_cut_by_size() -> None:
+    from dpserve.coordinator.dispatch import BATCH_BYTES, _chunks
+
+    assert _chunks([1, 2, 3]) == [(0, 3)]
+    assert _chunks([BATCH_BYTES, 1, BATCH_BYTES - 1, 5]) == [(0, 1), (1, 3), (3, 4)]
+    assert _chunks([2 * BATCH_BYTES]) == [(0, 1)], "a large request goes alone"
