@@ -107,7 +107,9 @@ async def measure(submit, count: int) -> dict:
 # ------------------------------------------------------------------------ dpserve
 
 
-async def bench_dpserve(count: int, credentials: str | None = None) -> dict:
+async def bench_dpserve(
+    count: int, credentials: str | None = None, routing: str | None = None
+) -> dict:
     from dpserve.client import InferenceClient
     from dpserve.sampling import SamplingParams
     from tests.integration.runtime import wait_for_engines
@@ -116,7 +118,15 @@ async def bench_dpserve(count: int, credentials: str | None = None) -> dict:
     keys = ["--credentials", credentials] if credentials else []
     procs = [
         subprocess.Popen(
-            [DPSERVE, "coordinator", "--port", str(port), *keys], stderr=subprocess.DEVNULL
+            [
+                DPSERVE,
+                "coordinator",
+                "--port",
+                str(port),
+                *keys,
+                *(["--routing", routing] if routing else []),
+            ],
+            stderr=subprocess.DEVNULL,
         )
     ]
     for rank in range(2):
@@ -415,6 +425,13 @@ def main() -> None:
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--skip-curve", action="store_true")
     parser.add_argument("--streaming-only", action="store_true")
+    parser.add_argument(
+        "--routing",
+        nargs="+",
+        default=[],
+        choices=["prefix-aware", "least-outstanding", "round-robin"],
+        help="also run dpserve with these routing policies (the default run uses the default)",
+    )
     parser.add_argument("--streaming-engines", type=int, default=2)
     parser.add_argument(
         "--streaming-tokenizer",
@@ -430,6 +447,8 @@ def main() -> None:
         return
     results = {"raw relay": asyncio.run(bench_raw(args.requests))}
     results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
+    for routing in args.routing:
+        results[f"dpserve {routing}"] = asyncio.run(bench_dpserve(args.requests, routing=routing))
     if not args.skip_curve:
         from dpserve.security.key_files import generate_credentials
 
