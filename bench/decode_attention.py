@@ -24,8 +24,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_gpu import SHAPES, LlamaShape
-from dpserve.engine.paged_attention import paged_decode_attention_reference
-from dpserve.engine.triton_decode import GPU_LAUNCH, SplitLaunch, paged_decode_attention_triton
+from dpserve.engine.kernels.triton_decode import (
+    GPU_LAUNCH,
+    SplitLaunch,
+    paged_decode_attention_triton,
+)
+from dpserve.engine.layers.attention import paged_decode_attention_reference
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, PagedLlama
+from dpserve.engine.layers.kv_cache import PagedKVCache
+from dpserve.engine.models.base import ForwardBatch
+from dpserve.engine.models.llama import PagedLlama
 
 # Calls that return a view of their input: no data moves, no kernel runs.
 VIEW_OPS: Final = frozenset(

@@ -22,14 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_gpu import SHAPES
-from dpserve.engine.paged_attention import prefill_layout, varlen_prefill_attention
-from dpserve.engine.triton_prefill import (
+from dpserve.engine.kernels.triton_prefill import (
     GPU_LAUNCH,
     GPU_LAUNCH_WIDE_HEADS,
     PrefillLaunch,
     varlen_layout,
     varlen_prefill_attention_triton,
 )
+from dpserve.engine.layers.attention import prefill_layout, varlen_prefill_attention
 
 BLOCK_SIZE = 16
 LAUNCHES = [

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The schema grammar_mask.py compares the libraries on: the same typical schema here.
 from bench.grammar_mask import SCHEMA
-from dpserve.engine import grammar
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
+from dpserve.engine.sample import grammar
 from dpserve.sampling import SamplingParams
 
 

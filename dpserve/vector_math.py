@@ -7,7 +7,7 @@ function's kernel on its first call; when that first call runs on several thread
 thread may run a low-accuracy kernel for its whole chunk (pytorch/pytorch#188792, fixed in torch
 by the same warm-up, and gone with oneMKL 2025).
 
-In dpserve that first call is the engine's RoPE table (``PagedLlama._rope_rotation``): in about
+In dpserve that first call is the engine's RoPE table (``layers.rotary.rope_rotation``): in about
 one engine start in twenty on this project's 2-core machine, part of the table came out with
 errors of 1.5e-4 instead of 4e-6, silently, and every log-prob that engine served moved by up to
 2e-3 (found as a flaky test comparing two runs of the engine in one process). A call on one

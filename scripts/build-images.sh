@@ -145,7 +145,7 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
   # The CPU kernels, portable (x86-64-v3), built here against this torch: the image installs
   # the same torch wheel and has no compiler. Without one here the image runs without them.
   log "building the portable CPU kernels"
-  (cd "$ROOT" && "$PYTHON" -m dpserve.engine.cpu_kernels \
+  (cd "$ROOT" && "$PYTHON" -m dpserve.engine.kernels.cpu_kernels \
     --portable "$CONTEXT/images/kernels/dpserve_cpu_kernels.so" >&2) \
     || log "no portable CPU kernels: the image's engines will run torch's operations"
   if [[ ! -f "$CONTEXT/images/wheels/.key-$wheels_key" ]]; then

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     rank = resolve_rank(args.rank)
     if not args.fake:  # before the model loads: a bad setting should not cost a load to find
-        from dpserve.engine.linear import small_batch_rows_setting
+        from dpserve.engine.layers.linear import small_batch_rows_setting
 
         try:
             small_batch_rows_setting()

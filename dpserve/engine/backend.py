@@ -1,8 +1,8 @@
 """What ``ModelRunner`` needs of the part that owns the KV cache and runs the model: a
 ``Backend``.
 
-Two implementations: ``paged_backend.PagedBackend`` (our Llama forward, ``llama.PagedLlama``,
-over the paged cache) and ``hf_backend.HFBackend`` (transformers' forward, for every other
+Two implementations: ``paged.backend.PagedBackend`` (our forward, a ``models`` class, over the
+paged cache) and ``hf_backend.HFBackend`` (transformers' forward, for every other
 architecture). A backend schedules, runs the model and samples; it returns the sampled tokens
 (``Sampled``) and never calls back up. The runner keeps what is common: request validation,
 the finishing rules (``Sequence.accept``) and the updates; it tells the backend which
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dpserve.engine import grammar, sampler
+from dpserve.engine.sample import grammar, sampler
 from dpserve.engine.sequences import Sequence
 
 

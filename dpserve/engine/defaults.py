@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Final
 
 DEFAULT_BLOCK_SIZE: Final = 16  # tokens per KV cache block
+# Block 0 of the pool is never handed out: padding entries of a block table, and the slots that
+# padded rows of a CUDA graph write to, point at it harmlessly.
+RESERVED_BLOCKS: Final = 1
 DEFAULT_CPU_KV_CACHE_BYTES: Final = 1024**3  # the KV pool on CPU unless --kv-cache-bytes
 DEFAULT_GPU_MEMORY_UTILIZATION: Final = 0.9
 # Tokens one step computes. On CPU a forward is compute bound well below 512 tokens, so a

@@ -1,10 +1,10 @@
 """KV events: what an engine tells the coordinator about the block hashes its cache holds.
 
-The pool (``kv_cache.BlockPool``, or the fake engine's simulated cache) appends ``KVEvent``s as
-blocks get hashes or lose them; ``KVEventPublisher`` turns them into KV_EVENTS messages:
-numbered per engine incarnation (the coordinator sees a gap as lost events and asks for a
-snapshot), at most ``max_hashes_per_message`` hashes each, and a snapshot (a *cleared* event and
-every hash held) after each registration or when asked.
+The pool (``paged.block_pool.BlockPool``, or the fake engine's simulated cache) appends
+``KVEvent``s as blocks get hashes or lose them; ``KVEventPublisher`` turns them into KV_EVENTS
+messages: numbered per engine incarnation (the coordinator sees a gap as lost events and asks
+for a snapshot), at most ``max_hashes_per_message`` hashes each, and a snapshot (a *cleared*
+event and every hash held) after each registration or when asked.
 """
 
 from __future__ import annotations

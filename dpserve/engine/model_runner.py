@@ -3,10 +3,11 @@
 It owns what every model shares — request validation, sampling, the finishing rules
 (``sequences``) and the updates — and hands the KV cache and the forward passes to a backend:
 
-* Llama-family models (Llama, Mistral, Qwen2, SmolLM; ``llama.unsupported_reason`` says which)
-  run on ``paged_backend.PagedBackend``: our forward (``llama.PagedLlama``) over a paged KV
-  cache, chunked prefill mixed with decode under a token budget, preemption instead of
-  out-of-memory, CUDA graphs for decode on a GPU;
+* the architectures of ``models.registry`` (Llama, Mistral, Qwen2, SmolLM, Qwen3;
+  ``registry.unsupported_reason`` says which) run on ``paged.backend.PagedBackend``: our
+  forward (the registered ``models`` class) over a paged KV cache, chunked prefill mixed
+  with decode under a token budget, preemption instead of out-of-memory, CUDA graphs for
+  decode on a GPU;
 * every other architecture runs on ``hf_backend.HFBackend`` (transformers' forward over a
   left-padded batched cache), and the start-up log says so and why.
 
@@ -28,19 +29,25 @@ import torch
 
 from dpserve.block_hash import BlockHash, extra_keys
 from dpserve.engine.backend import Backend
-from dpserve.engine.constraint_compiler import ConstraintCompiler
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_HF_MAX_NUM_SEQS,
     default_max_num_batched_tokens,
 )
-from dpserve.engine.grammar import GrammarError, Grammars, GrammarUnavailable, advance, failure
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.llama import unsupported_reason
-from dpserve.engine.paged_backend import PagedBackend, PagedConfig
+from dpserve.engine.models.registry import unsupported_reason
+from dpserve.engine.paged.backend import PagedBackend, PagedConfig
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
+from dpserve.engine.sample.constraint_compiler import ConstraintCompiler
+from dpserve.engine.sample.grammar import (
+    GrammarError,
+    Grammars,
+    GrammarUnavailable,
+    advance,
+    failure,
+)
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
@@ -67,7 +74,7 @@ class ModelRunner:
     (paged backend; default: on CUDA only). ``dtype`` / ``device``:
     "auto" is bf16 on CUDA, fp32 on CPU. ``gguf_file`` loads a GGUF file inside
     ``model_path_or_id`` directly. ``prefix_caching``: share the KV blocks of equal prompt
-    prefixes between requests (paged backend only; ``kv_cache.BlockPool``).
+    prefixes between requests (paged backend only; ``paged.block_pool.BlockPool``).
     """
 
     def __init__(

@@ -192,7 +192,7 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[TopEntry]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    # Structured output: the grammar matcher (``dpserve.engine.grammar``), None without one.
+    # Structured output: the grammar matcher (``dpserve.engine.sample.grammar``), None without one.
     matcher: GrammarMatcher | None = None
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
     # Its log-prob and alternatives (with return_log_probs), reported with it.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpserve.engine import triton_greedy
+from dpserve.engine.kernels import triton_greedy
 from tests.unit.test_triton_greedy import torch_greedy
 
 pytestmark = pytest.mark.skipif(

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpserve.engine.paged_attention import paged_decode_attention_reference
-from dpserve.engine.sampler import sample
+from dpserve.engine.layers.attention import paged_decode_attention_reference
+from dpserve.engine.sample.sampler import sample
 from dpserve.sampling import SamplingParams
 from tests.paged_cases import PagedCase, make_paged_case, random_lengths
 from tests.unit.test_sampling_safety import ROW_KINDS, check_output, make_row, sampling_params
@@ -56,7 +56,7 @@ def llama_case(dtype: torch.dtype, head_dim: int, batch: int, longest: int, seed
 def test_triton_kernel_matches_the_reference(
     dtype: torch.dtype, head_dim: int, batch: int, longest: int, num_splits: int | None
 ) -> None:
-    from dpserve.engine.triton_decode import paged_decode_attention_triton
+    from dpserve.engine.kernels.triton_decode import paged_decode_attention_triton
 
     case = llama_case(dtype, head_dim, batch, longest, seed=batch + head_dim)
     got = paged_decode_attention_triton(*case.args(), num_splits=num_splits)
@@ -66,7 +66,7 @@ def test_triton_kernel_matches_the_reference(
 
 
 def test_triton_kernel_replays_in_a_cuda_graph_with_new_lengths() -> None:
-    from dpserve.engine.triton_decode import paged_decode_attention_triton
+    from dpserve.engine.kernels.triton_decode import paged_decode_attention_triton
 
     first = llama_case(torch.bfloat16, 64, 32, 1000, seed=1)
     second = llama_case(torch.bfloat16, 64, 32, 1000, seed=2)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine import triton_layer_ops, triton_prefill
-from dpserve.engine.paged_attention import prefill_attention
+from dpserve.engine.kernels import triton_layer_ops, triton_prefill
+from dpserve.engine.layers.attention import prefill_attention
 from tests.unit.test_triton_layer_kernels import rotated_by_torch
 
 pytestmark = pytest.mark.skipif(

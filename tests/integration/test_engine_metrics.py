@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from dpserve import protocol
 from dpserve.client import InferenceClient
-from dpserve.engine.kv_cache import RESERVED_BLOCKS
+from dpserve.engine.defaults import RESERVED_BLOCKS
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import Header, Heartbeat, HeartbeatAck, Register, RegisterAck
 from tests.integration.http_support import metric, metric_samples, ready_is, start_front

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from dpserve.engine.finite_schema import finite_document_problem
-from dpserve.engine.grammar import Grammars, GrammarUnavailable
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
+from dpserve.engine.sample.finite_schema import finite_document_problem
+from dpserve.engine.sample.grammar import Grammars, GrammarUnavailable
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams

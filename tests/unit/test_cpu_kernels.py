@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``dpserve.engine.cpu_kernels``) against the torch code they replace:
+"""The C++ CPU kernels (``dpserve.engine.kernels.cpu_kernels``) against the torch code they replace:
 RMSNorm, RoPE with the KV write, decode attention over the paged pool (NaN wherever a
 sequence owns nothing, so a read past a length or a padding entry fails the comparison), a
 whole model's logits with and without them, the refusal of out-of-range inputs, and how the
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine import cpu_kernels
-from dpserve.engine.llama import _rotate_in_place
-from dpserve.engine.paged_attention import paged_decode_attention_reference
+from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.layers.attention import paged_decode_attention_reference
+from dpserve.engine.layers.rotary import rotate_in_place
 from tests.paged_cases import make_paged_case, random_lengths
 
 needs_kernels = pytest.mark.skipif(
@@ -47,7 +47,7 @@ def test_rotate_and_write_kv_equals_torch(heads: int, kv_heads: int, head_dim: i
     pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
 
     expected_qkv, expected_pool = qkv.clone(), pool.clone()
-    _rotate_in_place(
+    rotate_in_place(
         expected_qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, -1, 2),
         rotation.index_select(0, positions),
     )
@@ -111,8 +111,9 @@ def test_a_model_gives_the_same_logits_with_and_without_the_kernels(
     largest magnitude."""
     from transformers import AutoModelForCausalLM
 
-    from dpserve.engine.kv_cache import PagedKVCache
-    from dpserve.engine.llama import ForwardBatch, PagedLlama, PrefillSlice
+    from dpserve.engine.layers.kv_cache import PagedKVCache
+    from dpserve.engine.models.base import ForwardBatch, PrefillSlice
+    from dpserve.engine.models.llama import PagedLlama
 
     def load(kernels: bool) -> PagedLlama:
         with monkeypatch.context() as patch:
@@ -200,7 +201,7 @@ def test_a_prebuilt_library_is_refused_unless_it_fits(tmp_path: Path) -> None:
 
 _LOAD_WITHOUT_A_COMPILER = """
 import torch
-from dpserve.engine import cpu_kernels
+from dpserve.engine.kernels import cpu_kernels
 assert cpu_kernels.available()
 rows = torch.randn(3, 40)
 weight = torch.randn(40)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from dpserve.engine import sampler
-from dpserve.engine.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
-from dpserve.engine.llama import ForwardBatch
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.paged_backend import PagedBackend
+from dpserve.engine.models.base import ForwardBatch
+from dpserve.engine.paged.backend import PagedBackend
+from dpserve.engine.paged.cuda_graphs import StaticDecodeInputs, graph_batch_sizes
 from dpserve.engine.runner import RunnerRequest
+from dpserve.engine.sample import sampler
 from dpserve.sampling import SamplingParams
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.paged_attention import (
+from dpserve.engine.layers.attention import (
     decode_attention_backend,
     paged_decode_attention,
     paged_decode_attention_reference,
     prefill_attention,
 )
+from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.skipif(
 )
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
-    or importlib.util.find_spec("dpserve.engine.triton_decode") is None,
-    reason="needs Triton and dpserve.engine.triton_decode",
+    or importlib.util.find_spec("dpserve.engine.kernels.triton_decode") is None,
+    reason="needs Triton and dpserve.engine.kernels.triton_decode",
 )
 
 

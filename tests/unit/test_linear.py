@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine import linear as linear_module
-from dpserve.engine.linear import SMALL_BATCH_ROWS_ENV, Linear, small_batch_rows, uses_onednn
+from dpserve.engine.layers import linear as linear_module
+from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, Linear, small_batch_rows, uses_onednn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

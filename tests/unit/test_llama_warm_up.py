@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import PagedLlama, _warm_up_batch
+from dpserve.engine.layers.kv_cache import PagedKVCache
+from dpserve.engine.models.base import warm_up_batch
+from dpserve.engine.models.llama import PagedLlama
 
 
 def test_the_warm_up_step_writes_only_block_zero(tiny_model_path: Path) -> None:
@@ -19,7 +20,7 @@ def test_the_warm_up_step_writes_only_block_zero(tiny_model_path: Path) -> None:
         cache = PagedKVCache(llama.kv_cache_shape(4), 8, torch.device("cpu"))
         for pair in cache.kv:
             pair.fill_(7.0)  # what sequences would hold
-        batch = _warm_up_batch(1, 1100, torch.device("cpu"))
+        batch = warm_up_batch(1, 1100, torch.device("cpu"))
         assert [chunk.length for chunk in batch.prefills] == [512, 512, 76]
         logits = llama.forward(batch, cache)
     assert logits.shape == (1 + 3, llama.vocab_size)  # the decode row, each chunk's last row

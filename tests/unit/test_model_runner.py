@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine import paged_backend
-from dpserve.engine.linear import ONEDNN_MIN_ROWS, SMALL_BATCH_ROWS_ENV
+from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS, SMALL_BATCH_ROWS_ENV
 from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.paged import backend as paged_backend
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams
@@ -741,7 +741,7 @@ def test_transformers_path_still_serves_llama_exactly(
 
 
 def _variant_config(kind: str, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = {
         "vocab_size": len(tokenizer),
@@ -758,6 +758,10 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
         return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "mistral":
         return MistralConfig(**common, sliding_window=None, head_dim=32)
+    if kind == "qwen3":
+        # Per-head q/k RMSNorm before RoPE; random norm weights (transformers starts them at
+        # ones), so a weight left in transformers' dimension order, not RoPE pair order, shows.
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
     rope = {
         "rope_type": "llama3",
@@ -776,19 +780,37 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3-rope-tied-biases"])
-def test_llama_family_variants_match_generate(
-    kind: str, tiny_model_path: Path, tmp_path: Path
-) -> None:
+VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3"]
+# The class of models/ that each variant's model_type is registered to (models.registry).
+MODEL_CLASS = {"qwen3": "PagedQwen3"}
+
+
+def _variant_model(kind: str, tiny_model_path: Path, directory: Path) -> Any:
+    """A tiny random model of ``kind`` saved in ``directory`` (with the tiny tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     torch.manual_seed(6)
     model = AutoModelForCausalLM.from_config(_variant_config(kind, tokenizer)).eval()
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    with torch.no_grad():  # norm weights away from their initial ones (every norm alike)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_llama_family_variants_match_generate(
+    kind: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _variant_model(kind, tiny_model_path, tmp_path)
     runner = ModelRunner(str(tmp_path), max_num_batched_tokens=40, block_size=8)
     assert runner.stats()["backend"] == "paged"
+    assert runner.stats()["model_class"] == MODEL_CLASS.get(kind, "PagedLlama")
     prompts = random_prompts(4, seed=26, low=20, high=120)
     requests = [request(i, prompts[i], num_tokens_to_generate=25) for i in range(4)]
     outcomes = run(runner, {0: requests})
@@ -796,3 +818,51 @@ def test_llama_family_variants_match_generate(
     for i in range(4):
         expected, finish = greedy_reference(reference, prompts[i], 25)
         assert (outcomes[i].tokens, outcomes[i].finish) == (expected, finish), f"request {i}"
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_llama_family_variants_match_generate_through_preemption_and_prefix_hits(
+    kind: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Chunked prefill (40-token steps), a pool too small for the four first requests at once
+    (preemption and recompute), and later requests that share their prompts' first blocks
+    (prefix-cache hits): greedy tokens equal generate's, log-probs the model's within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    _variant_model(kind, tiny_model_path, tmp_path)
+    probe = ModelRunner(str(tmp_path), max_num_seqs=1, block_size=8, kv_cache_bytes=1 << 20)
+    block_bytes = probe.stats()["kv_bytes"] // probe.stats()["kv_blocks"]
+    runner = ModelRunner(
+        str(tmp_path),
+        max_num_seqs=4,
+        max_num_batched_tokens=40,
+        block_size=8,
+        kv_cache_bytes=13 * block_bytes,  # 96 tokens for four 58-77 token sequences
+    )
+    runner.eos_token_ids = frozenset()  # every request runs its tokens
+    shared = random_prompts(1, seed=27, low=32, high=32)[0]
+    tails = random_prompts(6, seed=28, low=1, high=20)
+    prompts = [shared + tail for tail in tails]
+    requests = [
+        request(i, prompts[i], num_tokens_to_generate=25, return_log_probs=True) for i in range(6)
+    ]
+    outcomes = run(runner, {0: requests[:4], 60: requests[4:]})
+    stats = runner.stats()
+    assert stats["preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for i in range(6):
+        tokens = outcomes[i].tokens
+        with torch.inference_mode():
+            output = reference.generate(
+                torch.tensor([prompts[i]]),
+                attention_mask=torch.ones(1, len(prompts[i]), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=25,
+                eos_token_id=None,
+            )
+            assert tokens == output[0, len(prompts[i]) :].tolist(), f"request {i}"
+            logits = reference(torch.tensor([prompts[i] + tokens[:-1]])).logits[0]
+        expected = torch.log_softmax(logits[len(prompts[i]) - 1 :].float(), -1)
+        expected_logprobs = expected.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        assert outcomes[i].logprobs == pytest.approx(expected_logprobs.tolist(), abs=1e-4)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.ops_per_layer import count_decode_ops_per_layer
-from dpserve.engine import cpu_kernels
+from dpserve.engine.kernels import cpu_kernels
 
 MAX_OPS_PER_LAYER = 12
 

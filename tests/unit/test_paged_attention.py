@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from dpserve.engine.paged_attention import (
+from dpserve.engine.layers.attention import (
     paged_decode_attention,
     paged_decode_attention_gathered,
     paged_decode_attention_reference,

@@ -10,9 +10,9 @@ import random
 
 import torch
 
-from dpserve.engine.paged_batch import BatchBuilder, apply_pending
+from dpserve.engine.paged.batch import BatchBuilder, apply_pending
+from dpserve.engine.paged.scheduler import PrefillChunk, StepPlan
 from dpserve.engine.runner import RunnerRequest
-from dpserve.engine.scheduler import PrefillChunk, StepPlan
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve.engine import cpu_kernels
-from dpserve.engine.llama import ForwardBatch
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.paged_backend import PagedBackend
-from dpserve.engine.piecewise_graphs import (
+from dpserve.engine.models.base import ForwardBatch
+from dpserve.engine.paged.backend import PagedBackend
+from dpserve.engine.paged.piecewise_graphs import (
     MAX_GRAPH_TOKENS,
     TOKEN_BUCKETS,
     PiecewiseGraphs,
@@ -155,7 +155,7 @@ def test_the_backend_runs_steps_with_prompt_chunks_through_the_pieces(
 def test_a_failed_capture_or_check_leaves_prompt_steps_eager(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dpserve.engine import paged_backend as module
+    from dpserve.engine.paged import backend as module
 
     paged = paged_backend(runner_on("torch", tiny_model_path, monkeypatch))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no device here

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, hash_block, unpack_hashes
-from dpserve.engine.kv_cache import BlockPool
 from dpserve.engine.kv_events import KVEventKind, KVEventPublisher
 from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.paged.block_pool import BlockPool
+from dpserve.engine.paged.scheduler import Scheduler
 from dpserve.engine.runner import RunnerRequest as EngineRequest
-from dpserve.engine.scheduler import Scheduler
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 
 BLOCK = 4

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from dpserve.engine import sampler
-from dpserve.engine.sampler import (
+from dpserve.engine.sample import sampler
+from dpserve.engine.sample.sampler import (
     SampleOutput,
     greedy,
     sample,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dpserve import protocol
-from dpserve.engine.sampler import TokenHistory, log_probs_of, sample
+from dpserve.engine.sample.sampler import TokenHistory, log_probs_of, sample
 from dpserve.protocol import ProtocolError
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 

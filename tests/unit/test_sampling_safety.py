@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
-from dpserve.engine.sampler import sample
+from dpserve.engine.sample.sampler import sample
 from dpserve.sampling import GREEDY_TEMPERATURE, SamplingParams
 
 VOCAB = 37

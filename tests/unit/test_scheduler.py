@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dpserve.engine.kv_cache import BlockPool
-from dpserve.engine.scheduler import Scheduler, StepPlan
+from dpserve.engine.paged.block_pool import BlockPool
+from dpserve.engine.paged.scheduler import Scheduler, StepPlan
 
 BLOCK_SIZE = 4
 

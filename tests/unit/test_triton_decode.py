@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from dpserve.engine import triton_decode
-from dpserve.engine.paged_attention import paged_decode_attention_reference
-from dpserve.engine.triton_decode import TritonUnavailable, paged_decode_attention_triton
+from dpserve.engine.kernels import triton_decode
+from dpserve.engine.kernels.triton_decode import TritonUnavailable, paged_decode_attention_triton
+from dpserve.engine.layers.attention import paged_decode_attention_reference
 from tests.paged_cases import make_paged_case, random_lengths
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 

@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from dpserve.engine import sampler, triton_greedy
+from dpserve.engine.kernels import triton_greedy
+from dpserve.engine.sample import sampler
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
 pytest.importorskip("triton", reason=TRITON_MISSING)
@@ -78,7 +79,7 @@ def test_a_kernel_that_disagrees_is_not_used(
 ) -> None:
     triton_greedy.verified.cache_clear()
     monkeypatch.setattr(triton_greedy, "greedy", lambda logits: torch_greedy(logits) + 1)
-    with caplog.at_level(logging.WARNING, "dpserve.engine.triton_greedy"):
+    with caplog.at_level(logging.WARNING, "dpserve.engine.kernels.triton_greedy"):
         assert not triton_greedy.verified(torch.device("cpu"))
     assert "disagreed with torch" in caplog.text
     triton_greedy.verified.cache_clear()
@@ -93,7 +94,7 @@ def test_a_kernel_that_fails_is_not_used(
 
     triton_greedy.verified.cache_clear()
     monkeypatch.setattr(triton_greedy, "greedy", refuse)
-    with caplog.at_level(logging.WARNING, "dpserve.engine.triton_greedy"):
+    with caplog.at_level(logging.WARNING, "dpserve.engine.kernels.triton_greedy"):
         assert not triton_greedy.verified(torch.device("cpu"))
     assert "PTX: no such instruction" in caplog.text
     triton_greedy.verified.cache_clear()

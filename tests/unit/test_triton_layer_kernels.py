@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine import triton_layer_ops, triton_prefill
-from dpserve.engine.llama import _rotate_in_place
-from dpserve.engine.paged_attention import prefill_attention
+from dpserve.engine.kernels import triton_layer_ops, triton_prefill
+from dpserve.engine.layers.attention import prefill_attention
+from dpserve.engine.layers.rotary import rotate_in_place
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
 pytest.importorskip("triton", reason=TRITON_MISSING)
@@ -45,12 +45,13 @@ def rotated_by_torch(
     heads: int,
     kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of ``qkv`` and ``kv_pair`` after the torch path's RoPE and KV write (llama.py's
-    ``_rotate_in_place`` and ``index_put_``): what ``rotate_and_write_kv`` must make of them."""
+    """Copies of ``qkv`` and ``kv_pair`` after the torch path's RoPE and KV write
+    (``rotary.rotate_in_place`` and ``index_put_``): what ``rotate_and_write_kv`` must make of
+    them."""
     tokens, head_dim = qkv.shape[0], kv_pair.shape[-1]
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     expected_qkv, expected_kv = qkv.clone(), kv_pair.clone()
-    _rotate_in_place(
+    rotate_in_place(
         expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
         rotation.index_select(0, positions),
     )
@@ -189,7 +190,7 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
 ) -> None:
     """The whole engine on CPU with the CUDA path's kernels (interpreted) against torch's:
     prefill chunks after cached prefixes, mixed steps, decodes; same tokens and log-probs."""
-    from dpserve.engine import llama
+    from dpserve.engine.layers import kernel_choice
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
 
@@ -200,7 +201,9 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
     ]
     outcomes = []
     for triton_layers in (False, True):
-        monkeypatch.setattr(llama, "uses_triton_layers", lambda _device, on=triton_layers: on)
+        monkeypatch.setattr(
+            kernel_choice, "uses_triton_layers", lambda _device, on=triton_layers: on
+        )
         runner = small_steps_runner(tiny_model_path)
         assert runner.backend.model.triton_layers is triton_layers
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=6, return_log_probs=True)
@@ -226,12 +229,12 @@ def test_prompt_steps_through_the_piecewise_pieces_give_the_same_tokens(
     """The piecewise graphs' pieces with the CUDA path's kernels (interpreted), replayed by
     running again: their start check passes, and prompts arriving beside decoding sequences
     get the eager forward's tokens and log-probs (with the same kernels) through them."""
-    from dpserve.engine import llama
-    from dpserve.engine.piecewise_graphs import PiecewiseGraphs, eager
+    from dpserve.engine.layers import kernel_choice
+    from dpserve.engine.paged.piecewise_graphs import PiecewiseGraphs, eager
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
 
-    monkeypatch.setattr(llama, "uses_triton_layers", lambda _device: True)
+    monkeypatch.setattr(kernel_choice, "uses_triton_layers", lambda _device: True)
     rng = random.Random(7)
     prompts = [[rng.randrange(5, 380) for _ in range(rng.randint(1, 30))] for _ in range(6)]
     outcomes, piecewise_steps = [], []

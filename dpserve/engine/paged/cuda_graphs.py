@@ -26,9 +26,10 @@ from typing import Final
 
 import torch
 
-from dpserve.engine import sampler, triton_greedy
-from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, PagedLlama
+from dpserve.engine.kernels import triton_greedy
+from dpserve.engine.layers.kv_cache import PagedKVCache
+from dpserve.engine.models.base import ForwardBatch, PagedModel
+from dpserve.engine.sample import sampler
 
 GRAPH_BATCH_SIZES: Final = (1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16))
 _WARMUP_RUNS: Final = 2  # Triton compiles and cuBLAS picks its kernels before capture
@@ -95,7 +96,7 @@ class StaticDecodeInputs:
 class DecodeGraphs:
     def __init__(
         self,
-        model: PagedLlama,
+        model: PagedModel,
         cache: PagedKVCache,
         max_batch: int,
         max_blocks_per_sequence: int,
@@ -113,7 +114,7 @@ class DecodeGraphs:
             triton_greedy.verified(device)
             self._capture(model, cache)
 
-    def _capture(self, model: PagedLlama, cache: PagedKVCache) -> None:
+    def _capture(self, model: PagedModel, cache: PagedKVCache) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -17,12 +17,13 @@ on one file lock, and one builds.
 
 Where no compiler is (the container images have none), a prebuilt library named by
 ``$DPSERVE_CPU_KERNELS_PREBUILT`` is loaded instead if it was built for this torch version and
-the CPU has what it was compiled for: ``python -m dpserve.engine.cpu_kernels --portable OUT``
-builds one for x86-64-v3 (AVX2 and FMA: every x86 server since ~2015), and
-``scripts/build-images.sh`` puts one in the runtime image. Without either, on a failed build,
-or with ``DPSERVE_CPU_KERNELS=0``, ``available()`` is False and the model runs torch's
-operations instead (the same results to ~1e-6). ``python -m dpserve.engine.cpu_kernels``
-builds ahead of time (``make setup`` does) and prints where the library is, or why there is none.
+the CPU has what it was compiled for:
+``python -m dpserve.engine.kernels.cpu_kernels --portable OUT`` builds one for x86-64-v3 (AVX2
+and FMA: every x86 server since ~2015), and ``scripts/build-images.sh`` puts one in the
+runtime image. Without either, on a failed build, or with ``DPSERVE_CPU_KERNELS=0``,
+``available()`` is False and the model runs torch's operations instead (the same results to
+~1e-6). ``python -m dpserve.engine.kernels.cpu_kernels`` builds ahead of time (``make setup``
+does) and prints where the library is, or why there is none.
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``[batch, heads * dim]``: what ``paged_attention.paged_decode_attention_reference``
+    """``[batch, heads * dim]``: what ``attention.paged_decode_attention_reference``
     computes, for ``query`` ``[batch, heads, dim]`` over a layer's ``kv_pair``."""
     out: torch.Tensor = torch.ops.dpserve_cpu.decode_attention(
         query, kv_pair, block_tables, seq_lens, scale
@@ -300,7 +301,7 @@ def decode_attention(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dpserve.engine.cpu_kernels",
+        prog="python -m dpserve.engine.kernels.cpu_kernels",
         description="build the CPU kernels for this machine (into the cache) or, with "
         "--portable, for any x86-64-v3 CPU (for an image)",
     )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpserve.engine.sampler import HostSample, SampleOutput
+from dpserve.engine.sample.sampler import HostSample, SampleOutput
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ Decodes are never held back by the token budget (a step with more running sequen
 budget still decodes all of them); prefill then waits for the next step. So inter-token latency
 stays one step, and a burst of long prompts is spread over steps of bounded size.
 
-The scheduler only moves block ids around; the runner builds the tensors (``paged_batch``).
+The scheduler only moves block ids around; the runner builds the tensors (``batch``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from dpserve.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
-from dpserve.engine.kv_cache import BlockPool
+from dpserve.engine.paged.block_pool import BlockPool
 
 
 class PagedSequence(Protocol):

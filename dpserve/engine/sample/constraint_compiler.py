@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dpserve.engine.grammar import GrammarError, Matcher
+from dpserve.engine.sample.grammar import GrammarError, Matcher
 from dpserve.engine.sequences import Sequence
 
 # Two workers: one hostile constraint that runs to its budget does not hold up the next

@@ -28,8 +28,8 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from dpserve.engine.llama import ForwardBatch, PrefillSlice
-from dpserve.engine.scheduler import PagedSequence, StepPlan
+from dpserve.engine.models.base import ForwardBatch, PrefillSlice
+from dpserve.engine.paged.scheduler import PagedSequence, StepPlan
 
 
 class TokenSequence(PagedSequence, Protocol):

@@ -14,7 +14,7 @@ Layout (one pair of tensors per layer):
 
 The reference gathers each sequence's keys and values and runs a plain softmax in float32: it is
 what the GPU kernels are tested against. ``paged_decode_attention`` is what the model calls: the
-Triton kernel (``dpserve.engine.triton_decode``) for CUDA tensors when it imports, else
+Triton kernel (``dpserve.engine.kernels.triton_decode``) for CUDA tensors when it imports, else
 ``paged_decode_attention_gathered``, the same computation vectorized over the batch (one gather
 of every row's blocks, padded to the block table's width and masked by ``seq_lens``) with no
 host synchronisation, so it is CPU-fast and can be captured in a CUDA graph.
@@ -141,7 +141,7 @@ def paged_decode_attention_gathered(
 @functools.cache
 def _triton_kernel() -> DecodeAttention | None:
     try:
-        from dpserve.engine.triton_decode import paged_decode_attention_triton
+        from dpserve.engine.kernels.triton_decode import paged_decode_attention_triton
     except Exception as exc:  # not written yet, no Triton in this build, no compiler ...
         log.warning("Triton decode attention unavailable (%s): using the torch version", exc)
         return None

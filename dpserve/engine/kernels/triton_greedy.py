@@ -9,7 +9,7 @@ the same token as ``sampler.greedy``'s torch path: the first maximal index, wher
 nothing but -inf or NaN gives 0.
 
 ``cuda_graphs.DecodeGraphs`` captures it after the forward, so a bare greedy decode step
-(``paged_backend``) replays one graph and copies out only the ids.
+(``paged.backend``) replays one graph and copies out only the ids.
 
 Code that has only run in the interpreter may still fail to compile on a GPU: ``verified``
 runs the kernel once on a device against torch (ties, NaN, infinities, a vocabulary that is
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dpserve.engine.triton_layer_ops import interpreting
+from dpserve.engine.kernels.triton_layer_ops import interpreting
 
 try:
     import triton

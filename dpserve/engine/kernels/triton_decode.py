@@ -1,6 +1,6 @@
 """Paged decode attention as a Triton split-K ("flash-decoding") kernel.
 
-Same inputs and output as ``paged_attention.paged_decode_attention_reference`` (the layout is
+Same inputs and output as ``layers.attention.paged_decode_attention_reference`` (the layout is
 documented there). Two launches:
 
 1. ``_split_kernel``, one program per (sequence, KV head, KV split): it loads the queries of
@@ -302,7 +302,7 @@ def paged_decode_attention_triton(
     launch: SplitLaunch | None = None,
 ) -> torch.Tensor:
     """``[batch, num_heads, head_dim]`` attention output for one new token per sequence; the
-    layout is ``paged_attention``'s. ``num_splits`` (the grid's splits per sequence) overrides
+    layout is ``layers.attention``'s. ``num_splits`` (the grid's splits per sequence) overrides
     ``default_num_splits``; each sequence spreads its own length over as many of them as keep a
     split at least ``min_split_tokens`` long. A row with ``seq_lens == 0`` (batch padding) gets
     zeros. ``launch`` overrides the compiled variant (``GPU_LAUNCH``)."""

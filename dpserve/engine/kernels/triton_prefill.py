@@ -13,7 +13,7 @@ group, never repeated), keys and values are read straight from the pool through 
 (no gather into a padded copy, no mask tensor), and the softmax runs online in fp32. Tiles past
 a chunk's rows exit at once, so the grid is sized by the longest chunk only.
 
-The torch version (``paged_attention.varlen_prefill_attention``: one gather of every chunk's
+The torch version (``layers.attention.varlen_prefill_attention``: one gather of every chunk's
 context, padded, and one SDPA call with a mask) runs on CPU and is what this kernel is tested
 against. On an H100 (issue 16) that gather alone took 0.4-0.8 ms per layer of a 8,192-token
 step, and SDPA with a mask falls back to its memory-efficient kernel.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dpserve.engine import triton_layer_ops
+from dpserve.engine.kernels import triton_layer_ops
 
 try:
     import triton

@@ -1,16 +1,18 @@
-"""The GPU engine core: our Llama forward over the paged KV cache, scheduled in chunks.
+"""The paged engine core, on CPU and CUDA alike: a model's forward over the paged KV cache,
+scheduled in chunks.
 
-``PagedBackend`` owns the pool (``kv_cache``), the scheduler (``scheduler``), the model
-(``llama.PagedLlama``) and, on CUDA, the graphs of decode steps (``cuda_graphs``) and of
-steps with prompt chunks (``piecewise_graphs``). One step = one forward: the scheduler's
-decodes and prefill chunks are flattened into one batch (``paged_batch``), the model writes
-their keys/values into the pool and returns the logits of the rows whose next token is due,
-and those rows are sampled on the device.
+``PagedBackend`` owns the cache's tensors (``layers.kv_cache``) and its block pool
+(``block_pool``), the scheduler (``scheduler``), the model (a ``models.base.PagedModel``, the
+class ``models.registry`` names for its architecture) and, on CUDA, the graphs of decode steps
+(``cuda_graphs``) and of steps with prompt chunks (``piecewise_graphs``). One step = one
+forward: the scheduler's decodes and prefill chunks are flattened into one batch (``batch``),
+the model writes their keys/values into the pool and returns the logits of the rows whose next
+token is due, and those rows are sampled on the device.
 
 Overlap (``PagedConfig.overlap``, on by default on CUDA): the forward and sampling of step N
 are submitted to a ``DeviceQueue`` and the host returns the results of step N-1 while step N
 runs, then schedules and builds step N+1. Sampled ids stay on the device: a sequence whose fed
-token is still there (``Sequence.pending``) gets it on the device (``paged_batch.apply_pending``).
+token is still there (``Sequence.pending``) gets it on the device (``batch.apply_pending``).
 A sequence that step N-1 finished was already scheduled in step N: it finishes one step late
 and that extra token is discarded (it is no longer tracked when its result arrives), so the
 outputs are those of the sequential engine.
@@ -36,32 +38,35 @@ from typing import Any
 import torch
 
 from dpserve.block_hash import BlockHash
-from dpserve.engine import grammar, sampler, triton_greedy
 from dpserve.engine.backend import Sampled, grammar_matchers, token_histories
-from dpserve.engine.cuda_graphs import DecodeGraphs
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CPU_KV_CACHE_BYTES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    RESERVED_BLOCKS,
     TOKENS_PER_SEQUENCE,
 )
-from dpserve.engine.device_queue import DeviceQueue, Launched
-from dpserve.engine.kv_cache import (
-    RESERVED_BLOCKS,
+from dpserve.engine.kernels import triton_greedy
+from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.layers.attention import decode_attention_backend
+from dpserve.engine.layers.kv_cache import (
     KVCacheShape,
     PagedKVCache,
     cuda_kv_budget_bytes,
     num_blocks_for_budget,
 )
-from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.linear import ONEDNN_MIN_ROWS
-from dpserve.engine.llama import ForwardBatch, PagedLlama
-from dpserve.engine.paged_attention import decode_attention_backend
-from dpserve.engine.paged_batch import BatchBuilder, PendingTokens, apply_pending, pad_decodes
-from dpserve.engine.piecewise_graphs import PiecewiseGraphs
-from dpserve.engine.scheduler import Scheduler
+from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
+from dpserve.engine.models import registry
+from dpserve.engine.models.base import ForwardBatch, PagedModel
+from dpserve.engine.paged.batch import BatchBuilder, PendingTokens, apply_pending, pad_decodes
+from dpserve.engine.paged.block_pool import BlockPool
+from dpserve.engine.paged.cuda_graphs import DecodeGraphs
+from dpserve.engine.paged.device_queue import DeviceQueue, Launched
+from dpserve.engine.paged.piecewise_graphs import PiecewiseGraphs
+from dpserve.engine.paged.scheduler import Scheduler
+from dpserve.engine.sample import grammar, sampler
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
 
@@ -77,7 +82,7 @@ class PagedConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     cuda_graphs: bool = True
     overlap: bool | None = None  # None: on CUDA only (a CPU forward cannot run beside the host)
-    prefix_caching: bool = True  # share full blocks of equal prefixes (``kv_cache.BlockPool``)
+    prefix_caching: bool = True  # share full blocks of equal prefixes (``block_pool.BlockPool``)
 
 
 @dataclass(slots=True)
@@ -125,13 +130,12 @@ class PagedBackend:
 
     def _build(self, model: Any) -> None:
         with torch.inference_mode():
-            self.model: PagedLlama | None = PagedLlama(model)
+            self.model: PagedModel | None = registry.build(model)
             shape = self.model.kv_cache_shape(self.config.block_size)
-            self.cache: PagedKVCache | None = PagedKVCache(
-                shape,
-                self._pool_blocks(shape),
-                self.device,
-                enable_prefix_caching=self.config.prefix_caching,
+            num_blocks = self._pool_blocks(shape)
+            self.cache: PagedKVCache | None = PagedKVCache(shape, num_blocks, self.device)
+            self.pool: BlockPool | None = BlockPool(
+                num_blocks, enable_caching=self.config.prefix_caching
             )
         self.context_size = min(self.model.context_size, self.cache.token_capacity)
         # oneDNN's kernels for 1-2 rows are slower than for 4: smaller decode steps are padded.
@@ -149,7 +153,7 @@ class PagedBackend:
         previous = self.scheduler
         waiting = previous.waiting if previous is not None else []
         self.scheduler = Scheduler(
-            self.cache.pool,
+            self.pool,
             self.config.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -227,6 +231,8 @@ class PagedBackend:
 
     def describe(self) -> dict[str, Any]:
         facts: dict[str, Any] = {"backend": "paged", "overlap": self._queue.overlap}
+        if self.model is not None:  # which class of models/ runs it (models.registry)
+            facts["model_class"] = type(self.model).__name__
         if self.cache is not None:
             facts.update(self.cache.describe())
         facts.update(
@@ -249,7 +255,6 @@ class PagedBackend:
             facts["small_batch_rows"] = self.model.lm_head.small_rows
         if self.device.type == "cuda":  # which code picks greedy tokens (sampler.greedy)
             facts["greedy_argmax"] = "triton" if triton_greedy.verified(self.device) else "torch"
-        facts.pop("kv_free_blocks", None)
         return facts
 
     def stats(self) -> dict[str, Any]:
@@ -285,13 +290,13 @@ class PagedBackend:
     def kv_events(self) -> list[KVEvent]:
         """What changed in the pool's cached hashes since the last call."""
         events, self._released_events = self._released_events, []
-        if self.cache is not None:
-            events += self.cache.pool.take_events()
+        if self.pool is not None:
+            events += self.pool.take_events()
         return events
 
     def kv_snapshot(self) -> list[BlockHash]:
         """Every hash the pool holds now (events taken before this are superseded by it)."""
-        return [] if self.cache is None else self.cache.pool.snapshot()
+        return [] if self.pool is None else self.pool.snapshot()
 
     # ---------------------------------------------------------------------------- requests
 
@@ -329,10 +334,10 @@ class PagedBackend:
             self._ready += self._collect(self._in_flight.popleft())
         self._queue.drain()
         self.scheduler.preempt_all()
-        if self.cache is not None:
-            self.cache.pool.clear_cache()
-            self._released_events += self.cache.pool.take_events()
-        self.model = self.cache = self.graphs = self.piecewise = self.inputs = None
+        if self.pool is not None:
+            self.pool.clear_cache()
+            self._released_events += self.pool.take_events()
+        self.model = self.cache = self.pool = self.graphs = self.piecewise = self.inputs = None
         self._last_sampled = None
 
     def reload(self, model: Any) -> None:
@@ -446,7 +451,7 @@ class PagedBackend:
         if matchers is not None:
             allowed = grammar.allowed(matchers, logits.shape[1], logits.device)
         if prompt_targets is not None and prompt_out is not None:
-            # The rows after the sampled ones are prompt positions (paged_batch).
+            # The rows after the sampled ones are prompt positions (batch.py).
             targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device)
             prompt_out.append(sampler.log_probs_of(logits[rows:], targets, prompt_k))
             logits = logits[:rows]

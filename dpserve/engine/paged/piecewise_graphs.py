@@ -38,8 +38,8 @@ from typing import Final
 
 import torch
 
-from dpserve.engine.kv_cache import PagedKVCache
-from dpserve.engine.llama import ForwardBatch, PagedLlama, PrefillSlice
+from dpserve.engine.layers.kv_cache import PagedKVCache
+from dpserve.engine.models.base import ForwardBatch, PagedModel, PrefillSlice
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PiecewiseGraphs:
 
     def __init__(
         self,
-        model: PagedLlama,
+        model: PagedModel,
         cache: PagedKVCache,
         max_tokens: int,
         capture: Capture | None = None,
@@ -89,7 +89,7 @@ class PiecewiseGraphs:
         qkv_width = model.q_size + 2 * model.kv_size
         self.qkv = torch.zeros(largest, qkv_width, dtype=dtype, device=device)
         self.attended = torch.zeros(largest, model.q_size, dtype=dtype, device=device)
-        self.pieces_per_step = len(model.layers) + 1
+        self.pieces_per_step = model.num_layers + 1
         if capture is None:
             capture = _cuda_capture(device, self._warm_up)
         self._pieces: dict[int, list[Callable[[], None]]] = {}
@@ -107,7 +107,7 @@ class PiecewiseGraphs:
             hidden = model.embed(self.input_ids[:size])
         else:
             hidden = model.layer_output(index - 1, self.hidden[:size], self.attended[:size])
-        if index == len(model.layers):
+        if index == model.num_layers:
             self.normed[:size].copy_(model.final_norm(hidden))
             return
         self.hidden[:size].copy_(hidden)
@@ -123,7 +123,7 @@ class PiecewiseGraphs:
         return bool(batch.prefills) and batch.input_ids.shape[0] <= self.sizes[-1]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """The logits of ``batch``, as ``PagedLlama.forward`` computes them."""
+        """The logits of ``batch``, as ``PagedModel.forward`` computes them."""
         model = self.model
         count = batch.input_ids.shape[0]
         size = next(size for size in self.sizes if size >= count)
@@ -136,7 +136,7 @@ class PiecewiseGraphs:
             buffer[count:size].zero_()  # padding rows: see the module docstring
         layout = model.attention_layout(batch, self.cache.block_size)
         pieces = self._pieces[size]
-        for index in range(len(model.layers)):
+        for index in range(model.num_layers):
             pieces[index]()
             attended = model.attention(index, self.qkv[:count], self.cache, layout)
             self.attended[:count].copy_(attended)

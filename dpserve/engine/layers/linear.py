@@ -33,6 +33,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional
@@ -45,7 +46,7 @@ _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # weight more slowly than the one for 3-6 (SmolLM2-135M's MLP projections, one thread, weights
 # from memory as in a decode step, AMD EPYC Zen 4, torch 2.13: 0.28 / 0.33 / 0.27 / 0.25 ms for
 # 1 / 2 / 3 / 4 rows; a decode step of 2 sequences took 57 ms against 41 for 4). Smaller decode
-# batches are padded up to it (``paged_batch.pad_decodes``).
+# batches are padded up to it (``paged.batch.pad_decodes``).
 ONEDNN_MIN_ROWS = 4
 
 SMALL_BATCH_ROWS_ENV = "DPSERVE_CPU_SMALL_BATCH_ROWS"
@@ -254,3 +255,27 @@ class Linear:
             assert self.dense is not None
             return torch.addmm(residual, x, self.dense.t())
         return self._dense(x).add_(residual)
+
+
+def detached_weights(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformers ``nn.Linear``'s weight and bias, detached (the arguments of ``Linear``)."""
+    bias = linear.bias
+    return linear.weight.detach(), None if bias is None else bias.detach()
+
+
+def fused_weights(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``Linear``'s weight and bias for several projections of the same input (their
+    outputs concatenated): a missing bias is zeros where another projection has one."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    if all(bias is None for bias in biases):
+        return weight, None
+    bias = torch.cat(
+        [
+            linear.bias.detach()
+            if linear.bias is not None
+            else weight.new_zeros(linear.out_features)
+            for linear in linears
+        ]
+    )
+    return weight, bias

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dpserve.engine import triton_greedy
+from dpserve.engine.kernels import triton_greedy
 from dpserve.sampling import SamplingParams
 
 _MASK_32 = 0xFFFFFFFF

@@ -24,7 +24,7 @@ import llguidance
 import llguidance.hf
 import torch
 
-from dpserve.engine.finite_schema import finite_document_problem
+from dpserve.engine.sample.finite_schema import finite_document_problem
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.sampling import SamplingParams
 

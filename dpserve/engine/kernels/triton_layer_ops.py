@@ -61,7 +61,7 @@ def _rotate_and_write_kernel(  # type: ignore[no-untyped-def]
     row_ptr = qkv_ptr + row * qkv_stride
     slot_base = slot * cache_stride_slot
     # The query heads, then the key heads, read as one contiguous run of the row. Each head's
-    # dimensions come in RoPE pairs (llama.py's _rotary_pair_order): split into the pairs'
+    # dimensions come in RoPE pairs (layers/rotary.py's rotary_pair_order): split into the pairs'
     # first and second elements, rotated, and joined back in place.
     columns = tl.arange(0, BLOCK_ROTATED)
     rotated = columns < Q_SIZE + KV_SIZE
@@ -133,7 +133,7 @@ def _check(device: torch.device) -> None:
     if not available(device):
         raise RuntimeError(
             f"the Triton layer kernels do not run on {device} here (no triton, or CPU tensors "
-            "without TRITON_INTERPRET=1): use the torch code in llama.py"
+            "without TRITON_INTERPRET=1): use the torch code of dpserve.engine.layers"
         )
 
 

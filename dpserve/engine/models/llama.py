@@ -1,0 +1,262 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM) over the paged cache: our own forward.
+
+Why not transformers' forward: on a GPU it is kernel-launch bound and its caches are not paged
+(issue 10). Here one forward covers a whole step — every sequence's tokens flattened into one
+``[tokens, hidden]`` matrix, so the projections and the MLP are one matmul each — and attention
+reads and writes the paged cache directly: new keys and values go in through the slot mapping,
+the decode rows in one call and every prefill chunk of the step in one
+(``layers.step_attention``). Which implementation each op runs is ``layers.kernel_choice``'s.
+
+The weights are taken from the transformers model that ``dpserve.models`` loaded (any
+directory, hub id or the GGUF default): q/k/v and gate/up are fused into one matrix each, the
+query and key rows in RoPE pair order (``layers.rotary``), and the transformers layers are
+dropped one by one as they are converted, so memory never holds two copies of the model.
+Subclasses (``qwen3``) change a layer's conversion and its attention input, nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
+from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
+from dpserve.engine.layers.linear import Linear, detached_weights
+from dpserve.engine.layers.mlp import GatedMLP
+from dpserve.engine.layers.norm import row_norm
+from dpserve.engine.layers.rotary import (
+    LENGTH_DEPENDENT_ROPE,
+    RotaryKVWrite,
+    TokenInputs,
+    pair_rotary_dims,
+    rope_rotation,
+)
+from dpserve.engine.layers.step_attention import AttentionLayout, StepAttention
+from dpserve.engine.models.base import ForwardBatch, warm_up_batch
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why ``PagedLlama`` cannot run ``model`` of a registered type (then the transformers
+    backend serves it), or None."""
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu is implemented)"
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    if any(kind != "full_attention" for kind in layer_types) or (
+        getattr(config, "model_type", None) == "mistral"
+        and window
+        and window < config.max_position_embeddings
+    ):
+        return "sliding-window attention is not implemented"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return "no model.rotary_emb module"
+    if getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
+        return f"RoPE type {rotary.rope_type!r} depends on the sequence length"
+    return None
+
+
+@dataclass(slots=True)
+class LlamaLayer:
+    input_norm: torch.Tensor
+    qkv: Linear  # query and key rows in RoPE-pair order (layers.rotary)
+    o_proj: Linear
+    post_norm: torch.Tensor
+    mlp: GatedMLP
+
+
+def fused_qkv(
+    attention: Any, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The q/k/v projections as one weight (and bias), queries and keys in RoPE pair order."""
+    q_weight, q_bias = pair_rotary_dims(*detached_weights(attention.q_proj), num_heads, head_dim)
+    k_weight, k_bias = pair_rotary_dims(*detached_weights(attention.k_proj), num_kv_heads, head_dim)
+    v_weight, v_bias = detached_weights(attention.v_proj)
+    qkv_weight = torch.cat((q_weight, k_weight, v_weight))
+    qkv_bias = None
+    if any(bias is not None for bias in (q_bias, k_bias, v_bias)):
+        qkv_bias = torch.cat(
+            [
+                bias if bias is not None else qkv_weight.new_zeros(weight.shape[0])
+                for bias, weight in ((q_bias, q_weight), (k_bias, k_weight), (v_bias, v_weight))
+            ]
+        )
+    return qkv_weight, qkv_bias
+
+
+class PagedLlama:
+    """The weights of a Llama-family model and its forward pass over a ``PagedKVCache``."""
+
+    unsupported_reason = staticmethod(unsupported_reason)
+
+    def __init__(self, model: Any) -> None:
+        reason = type(self).unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"not a supported {type(self).__name__} model: {reason}")
+        self.config = config = model.config
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        )
+        self.group = self.num_heads // self.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.eps = float(config.rms_norm_eps)
+        self.context_size = int(config.max_position_embeddings)
+        decoder = model.model
+        self.embedding = decoder.embed_tokens.weight.detach()
+        self.dtype, self.device = self.embedding.dtype, self.embedding.device
+        self.norm = decoder.norm.weight.detach()
+        # The embedding itself when tied; prepacked for oneDNN it becomes a copy (the lookup
+        # needs the dense table), which is what makes the vocabulary projection fast.
+        self.lm_head = Linear(model.lm_head.weight.detach())
+        self.vocab_size = self.lm_head.out_features
+        self.kernels: KernelChoice = choose_kernels(self.embedding)
+        self.rotation = rope_rotation(
+            decoder.rotary_emb, self.context_size, self.head_dim, self.dtype, self.device
+        )
+        self.rotary = RotaryKVWrite(
+            self.rotation, self.num_heads, self.num_kv_heads, self.head_dim, self.kernels
+        )
+        self.step_attention = StepAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kernels
+        )
+        self._norm = row_norm(self.kernels)
+        self.layers: list[Any] = []
+        for index in range(len(decoder.layers)):
+            self.layers.append(self.convert_layer(decoder.layers[index]))
+            decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
+
+    @property
+    def glue(self) -> str:
+        """Which code runs the layers' glue: "triton", "cpu" (C++ kernels) or "torch"."""
+        return self.kernels.glue
+
+    @property
+    def triton_layers(self) -> bool:
+        return self.kernels.triton_layers
+
+    @property
+    def decode_backend(self) -> str:
+        return self.kernels.decode_attention
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def convert_layer(self, layer: Any) -> LlamaLayer:
+        """One transformers decoder layer's weights, converted (then the layer is dropped)."""
+        return LlamaLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=Linear(
+                *fused_qkv(layer.self_attn, self.num_heads, self.num_kv_heads, self.head_dim)
+            ),
+            o_proj=Linear(*detached_weights(layer.self_attn.o_proj)),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            mlp=GatedMLP(layer.mlp, self.kernels),
+        )
+
+    def kv_cache_shape(self, block_size: int) -> KVCacheShape:
+        return KVCacheShape(
+            num_layers=len(self.layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            block_size=block_size,
+        )
+
+    def activation_bytes(self, max_tokens: int, max_logit_rows: int) -> int:
+        """A generous bound on what one forward of ``max_tokens`` tokens allocates beside the
+        cache: a few hidden-size and intermediate-size rows per token, the logits in fp32."""
+        config = self.config
+        widths = 6 * int(config.hidden_size) + 3 * int(config.intermediate_size)
+        element: int = self.embedding.element_size()
+        return max_tokens * widths * element + 2 * max_logit_rows * self.vocab_size * 4
+
+    def warm_up(
+        self, cache: PagedKVCache, max_batch: int, max_blocks: int, max_tokens: int
+    ) -> None:
+        """Before serving, on CUDA: compile every Triton kernel variant a run can hit and run
+        one step of ``max_tokens`` prompt tokens, so that the first requests wait for neither
+        the JIT nor the allocator's growth, and a step that does not fit beside the pool fails
+        here, at start, rather than mid-serving. Only block 0 (never handed out) is written."""
+        if self.device.type != "cuda":
+            return
+        with torch.cuda.device(self.device):
+            if self.triton_layers:
+                for decodes in (0, 1):  # the query rows at an aligned and an unaligned address
+                    self.forward(warm_up_batch(decodes, 4, self.device), cache)
+            self.forward(warm_up_batch(0, max_tokens, self.device), cache)
+            self.step_attention.warm_up(cache.block_size, self.device, max_batch, max_blocks)
+
+    # ---------------------------------------------------------------------------- forward
+
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (the model's dtype) for ``batch.logits_indices`` (every
+        row if None). The stages below, in this order, are what ``piecewise_graphs`` cuts at
+        attention."""
+        tokens = self.token_inputs(batch.positions, batch.slot_mapping)
+        layout = self.attention_layout(batch, cache.block_size)
+        hidden = self.embed(batch.input_ids)
+        for index in range(len(self.layers)):
+            qkv = self.attention_input(index, hidden, tokens, cache)
+            hidden = self.layer_output(index, hidden, self.attention(index, qkv, cache, layout))
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        return self.lm_head(self.final_norm(hidden))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return functional.embedding(input_ids, self.embedding)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._norm(hidden, self.norm, self.eps)
+
+    def token_inputs(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> TokenInputs:
+        return self.rotary.token_inputs(positions, slot_mapping)
+
+    def attention_layout(self, batch: ForwardBatch, block_size: int) -> AttentionLayout:
+        return self.step_attention.layout(
+            batch.num_decodes,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.prefills,
+            batch.slot_mapping,
+            block_size,
+        )
+
+    def attention_input(
+        self, index: int, hidden: torch.Tensor, tokens: TokenInputs, cache: PagedKVCache
+    ) -> torch.Tensor:
+        """Layer ``index``'s ``qkv`` ``[tokens, q + k + v]`` from its input ``hidden``: the
+        queries rotated in place, the rotated keys and the values written to the pool."""
+        layer = self.layers[index]
+        qkv: torch.Tensor = layer.qkv(self._norm(hidden, layer.input_norm, self.eps))
+        self.before_rotary(layer, qkv)
+        self.rotary(qkv, tokens, cache.kv[index])
+        return qkv
+
+    def before_rotary(self, layer: Any, qkv: torch.Tensor) -> None:
+        """What a layer does to its queries and keys before RoPE: nothing in Llama."""
+
+    def layer_output(
+        self, index: int, hidden: torch.Tensor, attended: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer ``index``'s output: its input ``hidden`` plus the output projection of
+        ``attended`` ``[tokens, num_heads * head_dim]``, then plus its MLP."""
+        layer = self.layers[index]
+        hidden = layer.o_proj.plus(attended, hidden)
+        out: torch.Tensor = layer.mlp.plus(self._norm(hidden, layer.post_norm, self.eps), hidden)
+        return out
+
+    def attention(
+        self, index: int, qkv: torch.Tensor, cache: PagedKVCache, layout: AttentionLayout
+    ) -> torch.Tensor:
+        """``[tokens, num_heads * head_dim]``: decode rows in one call, prefill chunks in
+        one."""
+        return self.step_attention(qkv, cache.kv[index], layout)
