@@ -741,7 +741,7 @@ def test_transformers_path_still_serves_llama_exactly(
 
 
 def _variant_config(kind: str, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = {
         "vocab_size": len(tokenizer),
@@ -762,6 +762,17 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
         # Per-head q/k RMSNorm before RoPE; random norm weights (transformers starts them at
         # ones), so a weight left in transformers' dimension order, not RoPE pair order, shows.
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if kind == "qwen3-moe":
+        # Eight experts, two per token, renormalised; the second layer dense (mlp_only_layers).
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
     # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
     rope = {
         "rope_type": "llama3",
@@ -780,9 +791,9 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
     )
 
 
-VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3"]
+VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3", "qwen3-moe"]
 # The class of models/ that each variant's model_type is registered to (models.registry).
-MODEL_CLASS = {"qwen3": "PagedQwen3"}
+MODEL_CLASS = {"qwen3": "PagedQwen3", "qwen3-moe": "PagedQwen3Moe"}
 
 
 def _variant_model(kind: str, tiny_model_path: Path, directory: Path) -> Any:
@@ -796,6 +807,8 @@ def _variant_model(kind: str, tiny_model_path: Path, directory: Path) -> Any:
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: no ties between experts
+                parameter.normal_(0.0, 0.3)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return model

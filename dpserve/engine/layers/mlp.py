@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn import functional
@@ -10,6 +10,14 @@ from torch.nn import functional
 from dpserve.engine.kernels import triton_layer_ops
 from dpserve.engine.layers.kernel_choice import KernelChoice
 from dpserve.engine.layers.linear import Linear, detached_weights, fused_weights, uses_onednn
+
+
+class FeedForward(Protocol):
+    """A layer's feed-forward block (``GatedMLP``, ``moe.SparseMoE``)."""
+
+    def plus(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + block(normed)``."""
+        ...
 
 
 class GatedMLP:

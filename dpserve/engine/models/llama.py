@@ -25,7 +25,7 @@ from torch.nn import functional
 from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.layers.linear import Linear, detached_weights
-from dpserve.engine.layers.mlp import GatedMLP
+from dpserve.engine.layers.mlp import FeedForward, GatedMLP
 from dpserve.engine.layers.norm import row_norm
 from dpserve.engine.layers.rotary import (
     LENGTH_DEPENDENT_ROPE,
@@ -66,7 +66,7 @@ class LlamaLayer:
     qkv: Linear  # query and key rows in RoPE-pair order (layers.rotary)
     o_proj: Linear
     post_norm: torch.Tensor
-    mlp: GatedMLP
+    mlp: FeedForward
 
 
 def fused_qkv(
@@ -159,8 +159,12 @@ class PagedLlama:
             ),
             o_proj=Linear(*detached_weights(layer.self_attn.o_proj)),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            mlp=GatedMLP(layer.mlp, self.kernels),
+            mlp=self.convert_mlp(layer.mlp),
         )
+
+    def convert_mlp(self, mlp: Any) -> FeedForward:
+        """A layer's feed-forward block: the gated MLP in Llama."""
+        return GatedMLP(mlp, self.kernels)
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
         return KVCacheShape(

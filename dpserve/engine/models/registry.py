@@ -12,6 +12,7 @@ from typing import Any, Final
 from dpserve.engine.models.base import PagedModel
 from dpserve.engine.models.llama import PagedLlama
 from dpserve.engine.models.qwen3 import PagedQwen3
+from dpserve.engine.models.qwen3_moe import PagedQwen3Moe
 
 # Every architecture here is a PagedLlama or a subclass of it (its layers changed).
 MODEL_CLASSES: Final[Mapping[str, type[PagedLlama]]] = {
@@ -19,6 +20,7 @@ MODEL_CLASSES: Final[Mapping[str, type[PagedLlama]]] = {
     "mistral": PagedLlama,
     "qwen2": PagedLlama,
     "qwen3": PagedQwen3,
+    "qwen3_moe": PagedQwen3Moe,
 }
 
 

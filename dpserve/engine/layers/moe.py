@@ -1,0 +1,59 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral): a softmax router picks ``top_k`` of the experts for
+each token, their weights renormalised to sum to one where the model says so, and each expert is
+a SwiGLU MLP.
+
+CPU path (also the torch path on CUDA, where a fused Triton kernel is still to come): the
+step's (token, expert) pairs are sorted by expert, and each active expert runs one matmul over
+its tokens; the outputs, scaled by the router's weights, are added back per token in expert
+order, which is transformers' order, so the sums are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional
+
+
+class SparseMoE:
+    """A MoE block's router and stacked expert weights (``gate_up`` ``[experts, 2 * inner,
+    hidden]``, ``down`` ``[experts, hidden, inner]``), taken from transformers' block."""
+
+    def __init__(self, block: Any, top_k: int, renormalize: bool) -> None:
+        self.router = block.gate.weight.detach()  # [experts, hidden]
+        self.gate_up = block.experts.gate_up_proj.detach()
+        self.down = block.experts.down_proj.detach()
+        self.num_experts = int(self.router.shape[0])
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts ``[tokens, top_k]`` and their weights (softmax in
+        fp32, renormalised over the chosen ones if the model says so, in the model's dtype)."""
+        probabilities = torch.softmax(functional.linear(normed, self.router), -1, torch.float)
+        weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(normed.dtype)
+
+    def plus(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + moe(normed)``."""
+        experts, weights = self.route(normed)
+        pairs = experts.reshape(-1)
+        order = torch.argsort(pairs, stable=True)  # (token, choice) pairs grouped by expert
+        tokens = order // self.top_k
+        pair_weights = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        counts = torch.bincount(pairs, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(normed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            hidden = normed.index_select(0, tokens[rows])
+            gate, up = functional.linear(hidden, self.gate_up[expert]).chunk(2, dim=-1)
+            expert_out = functional.linear(functional.silu(gate) * up, self.down[expert])
+            out.index_add_(0, tokens[rows], expert_out * pair_weights[rows])
+        return residual + out
