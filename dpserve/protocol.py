@@ -582,6 +582,9 @@ def _unpack(typecode: str, what: str, data: bytes | bytearray) -> list[Any]:
     return values.tolist()
 
 
+TOKEN_BYTES: Final = 4  # one packed token id (int32)
+
+
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian int32 bytes."""
     return _pack("i", tokens)

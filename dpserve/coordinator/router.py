@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dpserve import protocol
-from dpserve.block_hash import BlockHash, block_hashes, extra_keys
+from dpserve.block_hash import BlockHash, extra_keys, packed_block_hashes
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
@@ -67,22 +67,27 @@ class Router:
         routable.rotate(-1)  # the remaining ties go round
         now = time.monotonic()
         self.index.expire(now)
-        tokens = protocol.unpack_tokens(request.prompt_tokens)
-        context = tokens + protocol.unpack_tokens(request.generated)
+        # The context as the wire packs it (int32 each): hashed straight from those bytes.
+        context = request.prompt_tokens + bytes(request.generated)
+        context_length = len(context) // protocol.TOKEN_BYTES
         extra = extra_keys(request.params.get("cache_salt"))
         hashes_by_size: dict[int, list[BlockHash]] = {}
-        cached: dict[bytes, int] = {}
+        engines_by_size: dict[int, list[bytes]] = {}
+        cached: dict[bytes, int] = dict.fromkeys(routable, 0)
         for identity in routable:
             size = self.index.block_size(identity)
-            if size is None:
-                cached[identity] = 0
-                continue
-            if size not in hashes_by_size:
-                # At most context - 1 tokens can come from a cache (the last is computed).
-                usable = (len(context) - 1) // size
-                hashes_by_size[size] = block_hashes(context[: usable * size], size, extra)
-            blocks = self.index.matched_blocks(hashes_by_size[size], (identity,), now)
-            cached[identity] = blocks[identity] * size
+            if size is not None:
+                engines_by_size.setdefault(size, []).append(identity)
+        for size, identities in engines_by_size.items():
+            # At most context - 1 tokens can come from a cache (the last is computed).
+            usable = (context_length - 1) // size
+            hashes = packed_block_hashes(
+                context[: usable * size * protocol.TOKEN_BYTES], size, extra
+            )
+            hashes_by_size[size] = hashes
+            # One walk along the prompt's blocks for every engine of this block size.
+            for identity, blocks in self.index.matched_blocks(hashes, identities, now).items():
+                cached[identity] = blocks * size
         engines = self.registry.engines
         candidates = [
             Candidate(

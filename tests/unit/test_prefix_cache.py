@@ -13,12 +13,20 @@ from typing import Any
 
 import pytest
 
-from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, hash_block, unpack_hashes
+from dpserve.block_hash import (
+    ROOT_HASH,
+    block_hashes,
+    extra_keys,
+    hash_block,
+    packed_block_hashes,
+    unpack_hashes,
+)
 from dpserve.engine.kv_events import KVEventKind, KVEventPublisher
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged.block_pool import BlockPool
 from dpserve.engine.paged.scheduler import Scheduler
 from dpserve.engine.runner import RunnerRequest as EngineRequest
+from dpserve.protocol import pack_tokens
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 
 BLOCK = 4
@@ -41,6 +49,11 @@ def test_block_hashes_chain_and_are_stable_across_processes() -> None:
     assert block_hashes([9, 9, 9, 9, 4, 5, 6, 7], BLOCK)[1] != hashes[1]
     assert block_hashes(tokens, BLOCK, extra_keys("tenant-a")) != hashes
     assert block_hashes(tokens, BLOCK, start=1, parent=hashes[0]) == hashes[1:]
+    # The coordinator hashes a prompt straight from its packed wire bytes: the same hashes.
+    for salt in (b"", extra_keys("tenant-a")):
+        assert packed_block_hashes(pack_tokens(tokens), BLOCK, salt) == block_hashes(
+            tokens, BLOCK, salt
+        )
 
 
 def test_block_hash_is_the_same_in_another_interpreter() -> None:
