@@ -473,34 +473,73 @@ class ScaleStep:
         )
 
 
+# The engine's own start-up lines, in the order it writes them (``kubectl logs --timestamps``
+# times each): (the stage that ends with the line, words of the line). The optional ones may
+# change with the engine's code: a missing line leaves its stage out of the split.
+ENGINE_STAGES = (
+    # dpserve.cli.engine: torch (and dpserve's engine modules) imported, threads set.
+    ("torch imported", "torch thread(s)", True),
+    # dpserve.engine.layers.linear, when the first layer is converted: transformers has read
+    # the weights (with the dense/oneDNN probe where no memory limit is set).
+    ("weights loaded", "decode steps", False),
+    # dpserve.engine.model_runner: every layer converted and prepacked, CPU kernels, KV pool.
+    ("model loaded", "): backend ", True),
+    ("registered", "registered with coordinator", True),
+)
+
+
 def record_start_timeline(flow: Flow, pod: str, step: str, commanded_at: float) -> float:
     """Where a new engine's start went, so that a slow step says which stage was slow: the
     command -> the pod's creation (the operator, the StatefulSet controller) -> its container
-    running (scheduling, sandbox, container start) -> the engine's "registered" log line
-    (Python imports, loading the model) -> the operator's status reporting it (what
-    ``wait_registered`` waits for). Kubernetes timestamps have one-second resolution.
+    running (scheduling, sandbox, container start) -> the engine's "registered" log line,
+    split by the engine's own lines (ENGINE_STAGES: imports, reading the weights, converting
+    the layers, the handshake) -> the operator's status reporting it (what
+    ``wait_registered`` waits for) and the pod's readiness probe seeing it. Kubernetes
+    timestamps have one-second resolution, the engine's log lines do not.
     Returns when the engine logged "registered" (seconds since the epoch)."""
     seen_at = time.time()
-    status = flow.get("get", "pod", pod)
+
+    def pod_ready() -> JSON | None:
+        found: JSON = flow.get("get", "pod", pod)
+        conditions = {c["type"]: c for c in found["status"].get("conditions") or []}
+        return found if conditions.get("Ready", {}).get("status") == "True" else None
+
+    # The status says Ready once the engine registered, the pod a readiness probe later.
+    status = wait_for(pod_ready, 60, f"{pod} Ready", interval=0.5, diagnostics=flow.diagnostics)
     created = parse_time(status["metadata"]["creationTimestamp"])
     running = parse_time(status["status"]["containerStatuses"][0]["state"]["running"]["startedAt"])
+    ready_condition = next(c for c in status["status"]["conditions"] if c["type"] == "Ready")
+    pod_ready_at = parse_time(ready_condition["lastTransitionTime"])
     logs = flow.kubectl("logs", pod, "-n", NAMESPACE, "--timestamps").stdout.splitlines()
 
-    def logged(words: str) -> float:
-        return parse_time(next(line for line in logs if words in line).split(" ", 1)[0])
+    def logged(words: str) -> float | None:
+        line = next((line for line in logs if words in line), None)
+        return None if line is None else parse_time(line.split(" ", 1)[0])
 
-    # The engine's own lines: torch imported and threads set; the model loaded and converted
-    # (KV pool allocated); registered.
+    stages = {name: logged(words) for name, words, _ in ENGINE_STAGES}
+    missing = [name for name, _, required in ENGINE_STAGES if required and stages[name] is None]
+    assert not missing, (missing, logs[-40:])
     threads, loaded, registered = (
-        logged(words) for words in ("torch thread(s)", "): backend ", "registered with coordinator")
+        stages[name] or 0.0 for name in ("torch imported", "model loaded", "registered")
     )
     TIMINGS[f"{step}: command -> pod created"] = created - commanded_at
     TIMINGS[f"{step}: pod created -> container running"] = running - created
     TIMINGS[f"{step}: container running -> engine registered"] = registered - running
     TIMINGS[f"{step}: ... running -> torch imported"] = threads - running
     TIMINGS[f"{step}: ... torch imported -> model loaded"] = loaded - threads
+    weights = stages["weights loaded"]
+    if weights is not None:
+        TIMINGS[f"{step}: ... ... torch imported -> weights read (first layer converted)"] = (
+            weights - threads
+        )
+        TIMINGS[f"{step}: ... ... weights read -> every layer converted, kernels, KV pool"] = (
+            loaded - weights
+        )
     TIMINGS[f"{step}: ... model loaded -> registered"] = registered - loaded
     TIMINGS[f"{step}: engine registered -> status shows it"] = seen_at - registered
+    TIMINGS[f"{step}: engine registered -> pod Ready (readiness probe; 1 s resolution)"] = (
+        pod_ready_at - registered
+    )
     return registered
 
 
