@@ -190,6 +190,12 @@ def test_helm_install_runs_the_operator_as_a_pod(flow: Flow) -> None:
     role = flow.kubectl.json("get", "clusterrole", RELEASE)
     assert role["rules"], role
     assert flow.kubectl("get", "crd", CRD_NAME).returncode == 0
+    # A fresh node shows no SystemOOM events the kubelet replayed from the kernel log of
+    # earlier runs (scripts/local-cluster.sh drops them).
+    replayed = flow.kubectl.json(
+        "get", "events", "-n", "default", "--field-selector", "reason=SystemOOM"
+    )["items"]
+    assert not replayed, [e.get("message") for e in replayed]
 
 
 def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
@@ -223,6 +229,9 @@ def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
     )
     coordinator_logs = flow.kubectl("logs", coordinator_pod, "-n", NAMESPACE).stdout
     assert "converting" not in coordinator_logs, coordinator_logs[-2000:]
+    # The operator starts it with --data-parallel-size 0: it says what that means.
+    assert "serving now; engines join as they register" in coordinator_logs, coordinator_logs[:2000]
+    assert "waiting for 0 engine(s)" not in coordinator_logs
 
 
 def test_pods_run_non_root_with_a_read_only_root_and_no_privilege_escalation(
@@ -776,6 +785,11 @@ def test_delete_infd_garbage_collects_then_helm_uninstall(flow: Flow) -> None:
         return not pod_names(flow.kubectl, NAMESPACE)
 
     wait_for(children_gone, 120, "every child of demo deleted", diagnostics=flow.diagnostics)
+    # The operator's log holds what it did, not the kubelet's liveness probes (one every few
+    # seconds for the whole run).
+    operator_pod = next(iter(pod_names(flow.kubectl, OPERATOR_NS)))
+    operator_log = flow.kubectl("logs", operator_pod, "-n", OPERATOR_NS).stdout
+    assert "/healthz" not in operator_log, operator_log[-2000:]
     # helm uninstall dpserve-operator --namespace dpserve-system
     flow.helm("uninstall", RELEASE, "--namespace", OPERATOR_NS)
     wait_for(
