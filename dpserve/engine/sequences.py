@@ -117,9 +117,16 @@ class StopText:
             )
             if match_at >= 0:
                 return bisect_right(ends, match_at - base), True
-        # Hold back a tail that is the beginning of a stop string: it may complete next step.
-        # It ends the text, so only the beginnings ending in the text's last character can be
-        # (usually none: then everything may go, decided without building the window).
+        return self.releasable(), False
+
+    def releasable(self) -> int:
+        """How many of the tokens not returned yet may be returned: all but a tail that is the
+        beginning of a stop string (it may complete next step). Also before ``min_tokens``,
+        when no stop string may end the request yet: one that begins before that point and
+        ends after it still cuts the text where it begins."""
+        ends, unsent = self._ends, self._unsent
+        # The tail ends the text, so only the beginnings ending in the text's last character
+        # can be (usually none: then everything may go, decided without building the window).
         end = unsent or self._sent_tail
         candidates = self._prefixes_ending_in.get(end[-1], ()) if end else ()
         for prefix in candidates:
@@ -128,8 +135,8 @@ class StopText:
                 if len(prefix) <= len(unsent)
                 else (self._sent_tail + unsent).endswith(prefix)
             ):
-                return bisect_right(ends, len(unsent) - len(prefix)), False
-        return len(ends), False
+                return bisect_right(ends, len(unsent) - len(prefix))
+        return len(ends)
 
     def release(self, count: int, final: bool) -> str:
         """The text of the next ``count`` tokens, now returned; with ``final`` (the request
@@ -313,6 +320,8 @@ class Sequence:
                     return self.emit(ready, "stop", cut=True)
                 if finish is None:
                     ready = self.emitted + releasable
+            elif finish is None:  # no stop string may end it yet, but one may begin here
+                ready = self.emitted + text.releasable()
         if finish is not None:
             return self.emit(ready, finish)
         self.ready = ready
