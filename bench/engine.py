@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
-from dpserve.models import load_model_and_tokenizer, resolve_model
+from dpserve.model_loading import load_model_and_tokenizer, resolve_model
 from dpserve.sampling import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt tokens, tokens to generate)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine import Workload, run_static_batch, run_through_coordinator
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
-from dpserve.models import load_model_and_tokenizer
+from dpserve.model_loading import load_model_and_tokenizer
 from dpserve.sampling import SamplingParams
 
 

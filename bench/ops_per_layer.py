@@ -153,7 +153,7 @@ def count_decode_ops_per_layer(
     model_dir: str | Path, batch: int = 8, context: int = 40, block_size: int = 16
 ) -> OpCount:
     """Operations per decoder layer of a decode step of the model in ``model_dir`` (CPU)."""
-    from dpserve.models import load_model_and_tokenizer
+    from dpserve.model_loading import load_model_and_tokenizer
 
     loaded, _ = load_model_and_tokenizer(str(model_dir), device="cpu")
     with torch.inference_mode():

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prefix import BLOCK, kv_bytes_per_token
 from bench.serving_cpu import dpserve_server, start, stop, wait_ready
-from dpserve.models import resolve_model
+from dpserve.model_loading import resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "bench" / "inference_perf_shared_prefix.yaml"

