@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import Kubectl, wait_for
-from tests.e2e.local_node import TIMINGS, cluster_opt_in
+from tests.e2e.local_node import TIMELINES, TIMINGS, cluster_opt_in
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -149,14 +149,39 @@ def test_the_readme_block_runs_verbatim_on_the_cluster(
     assert (home / ".config" / "dpserve").stat().st_mode & 0o077 == 0
     assert not key_files_in(ROOT, since=started_wall)
 
-    def everything_removed() -> bool:
-        for args in (("get", "crd", CRD), ("get", "namespace", OPERATOR_NS)):
-            if kubectl(*args, check=False).returncode == 0:
-                return False
-        pods = kubectl("get", "pods", "-n", "default", "-o", "name", check=False).stdout
-        return "demo-" not in pods
+    ended = time.monotonic()
+    seen: list[str] = []
 
-    wait_for(everything_removed, 120, "the block's objects all gone from the cluster")
+    def everything_removed() -> bool:
+        left = [
+            name
+            for args in (("get", "crd", CRD), ("get", "namespace", OPERATOR_NS))
+            for name in kubectl(*args, "-o", "name", check=False).stdout.split()
+        ]
+        listed = kubectl("get", "all", "-n", "default", "-o", "name", check=False).stdout
+        left += [name for name in listed.split() if "demo-" in name]
+        # What is still there, each time it changes: how the garbage collection went.
+        line = f"{time.monotonic() - ended:6.1f} s after the block: {' '.join(left) or 'nothing'}"
+        if not seen or seen[-1].split(": ", 1)[1] != line.split(": ", 1)[1]:
+            seen.append(line)
+        return not left
+
+    def diagnostics() -> str:
+        return "\n".join(
+            kubectl(*args, check=False).stdout
+            for args in (
+                ("get", "all,events", "-n", "default", "-o", "wide"),
+                ("get", "namespaces"),
+                ("get", "crd"),
+            )
+        )
+
+    # Garbage collection is asynchronous: the pods go within their grace period (60 s).
+    try:
+        wait_for(everything_removed, 180, "the block's objects gone", diagnostics=diagnostics)
+    finally:
+        TIMELINES["README Kubernetes block: what was left after it"] = seen
+    TIMINGS["README Kubernetes block: end -> the cluster empty again"] = time.monotonic() - ended
 
 
 def remove_leftovers(kubectl: Kubectl) -> None:
