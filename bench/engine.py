@@ -1,6 +1,7 @@
 """Engine throughput: ``ModelRunner`` against transformers' own ways to generate.
 
     python bench/engine.py [--model PATH|smollm2-135m-instruct] [--requests 32] [--batch-size 32]
+    python bench/engine.py --model-type qwen3_moe [--concurrency 1,16,64] [--repeat 2]
 
 Without ``--model`` it builds the tiny random Llama of the tests (``--size small``: a ~10M
 parameter one) in a temporary directory. All
@@ -14,6 +15,13 @@ greedy, with EOS disabled so every method produces exactly the requested tokens:
 * ``ModelRunner`` driven in-process by its ``step()`` loop;
 * the whole stack (``run_through_coordinator``): a coordinator and one engine process, the
   requests sent concurrently by an ``InferenceClient``.
+
+``--model-type qwen3_moe`` measures something else: our fast path (``ModelRunner`` on the paged
+backend) against the transformers fallback (``ModelRunner(backend="transformers")``) on a
+random-weight Qwen3-MoE built here from transformers' ``Qwen3MoeConfig`` (``--moe-shape``), at
+each concurrency of ``--concurrency``: ``max_num_seqs`` = C and 2 x C requests (at least 8)
+submitted at once, so C run together; prompts of 8-96 tokens, ``--output-tokens`` each. Both
+sides get the same requests; they alternate, ``--repeat`` rounds each, every round reported.
 """
 
 from __future__ import annotations
@@ -48,6 +56,33 @@ GENERATED_SIZES: dict[str, dict[str, int]] = {
     "small": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4},
 }
 
+# Random-weight Qwen3-MoE shapes for --model-type qwen3_moe (Qwen3MoeConfig fields). "small":
+# 16 experts, 2 per token, every layer sparse: at 64 concurrent requests each expert sees ~8
+# tokens per decode step, so the per-expert loop and its small matmuls are what is measured,
+# as in the real 30B-A3B (128 experts, 8 per token) at a few hundred tokens per step.
+MOE_SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+    "small": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+    },
+}
+
 
 def make_workload(requests: int, vocab_size: int, seed: int = 0) -> Workload:
     rng = random.Random(seed)
@@ -59,6 +94,124 @@ def make_workload(requests: int, vocab_size: int, seed: int = 0) -> Workload:
         )
         for _ in range(requests)
     ]
+
+
+def build_qwen3_moe(directory: Path, shape: dict[str, int]) -> Path:
+    """A random-weight Qwen3-MoE of ``shape`` with the tests' tiny BPE tokenizer, saved in
+    ``directory`` (deterministic: fixed seed)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
+
+    from tests.tiny_model import MAX_POSITIONS, SEED, _train_tokenizer
+
+    tokenizer = _train_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        intermediate_size=2 * shape["hidden_size"],  # dense layers only; none in these shapes
+        max_position_embeddings=MAX_POSITIONS,
+        norm_topk_prob=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **shape,
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def concurrency_workload(
+    concurrency: int, vocab_size: int, output_tokens: int, seed: int = 0
+) -> Workload:
+    """2 x ``concurrency`` requests (at least 8): prompts of 8-96 tokens, ``output_tokens``
+    each, so ``concurrency`` of them are in flight at once until the last ones finish."""
+    rng = random.Random(seed + concurrency)
+    return [
+        ([rng.randrange(16, vocab_size) for _ in range(rng.randint(8, 96))], output_tokens)
+        for _ in range(max(8, 2 * concurrency))
+    ]
+
+
+def compare_backends(
+    model_path: str, levels: Sequence[int], repeat: int, output_tokens: int
+) -> dict[int, dict[str, list[float]]]:
+    """Output tok/s of the paged backend and the transformers fallback at each concurrency,
+    every round of each (the two alternate, so load from other processes hits both)."""
+    rates: dict[int, dict[str, list[float]]] = {}
+    for concurrency in levels:
+        runners = {
+            backend: ModelRunner(model_path, max_num_seqs=concurrency, backend=backend)
+            for backend in ("paged", "transformers")
+        }
+        vocab_size = int(runners["paged"].model.config.vocab_size)
+        workload = concurrency_workload(concurrency, vocab_size, output_tokens)
+        for runner in runners.values():  # warm-up: one short request
+            run_model_runner(runner, [(workload[0][0], 4)])
+        rates[concurrency] = {backend: [] for backend in runners}
+        for round_index in range(max(1, repeat)):
+            for backend, runner in runners.items():
+                seconds, tokens = timed(partial(run_model_runner, runner, workload))
+                if tokens != output_tokens * len(workload):
+                    raise RuntimeError(f"{backend}: {tokens} tokens, not {output_tokens} each")
+                rates[concurrency][backend].append(tokens / seconds)
+                print(
+                    f"concurrency {concurrency:3d} round {round_index + 1} {backend:<12} "
+                    f"{tokens:6d} tokens {seconds:7.2f} s {tokens / seconds:8.1f} tok/s",
+                    flush=True,
+                )
+        del runners
+    return rates
+
+
+def print_backend_table(rates: dict[int, dict[str, list[float]]]) -> None:
+    def cell(values: list[float]) -> str:
+        return f"{max(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
+
+    print(
+        f"\n{'concurrency':>11} {'paged tok/s (range)':>26} {'transformers tok/s (range)':>28} "
+        f"{'ratio best':>10} {'ratio range':>13}"
+    )
+    for concurrency, by_backend in rates.items():
+        fast, fallback = by_backend["paged"], by_backend["transformers"]
+        print(
+            f"{concurrency:>11} {cell(fast):>26} {cell(fallback):>28} "
+            f"{max(fast) / max(fallback):9.2f}x "
+            f"{min(fast) / max(fallback):5.2f}-{max(fast) / min(fallback):.2f}x"
+        )
+
+
+def main_moe(args: argparse.Namespace) -> int:
+    levels = [int(level) for level in args.concurrency.split(",")]
+    shape = MOE_SHAPES[args.moe_shape]
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model:
+            model_path = resolve_model(args.model)
+        else:
+            model_path = str(build_qwen3_moe(Path(scratch) / args.moe_shape, shape))
+        model, _ = load_model_and_tokenizer(model_path)
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        config = model.config
+        del model
+        print(
+            f"model {model_path}: {config.model_type}, {params:.1f}M params, hidden "
+            f"{config.hidden_size}, {config.num_hidden_layers} layers, {config.num_experts} "
+            f"experts, {config.num_experts_per_tok} per token, expert inner "
+            f"{config.moe_intermediate_size}; concurrency {levels}, {args.output_tokens} output "
+            f"tokens per request, {args.repeat} rounds per side, torch threads "
+            f"{torch.get_num_threads()}",
+            flush=True,
+        )
+        rates = compare_backends(model_path, levels, args.repeat, args.output_tokens)
+    print_backend_table(rates)
+    return 0
 
 
 def timed(function: Callable[[], int]) -> tuple[float, int]:
@@ -256,10 +409,27 @@ def main(argv: list[str] | None = None) -> int:
         help="without --model: the generated Llama's size (tiny: the tests' 0.1M-parameter "
         "model; small: ~10M parameters, where compute rather than Python overhead dominates)",
     )
+    parser.add_argument(
+        "--model-type",
+        choices=("llama", "qwen3_moe"),
+        default="llama",
+        help="llama: the methods above on a Llama; qwen3_moe: the paged backend against the "
+        "transformers fallback on a random Qwen3-MoE, at each --concurrency",
+    )
+    parser.add_argument("--moe-shape", choices=sorted(MOE_SHAPES), default="small")
+    parser.add_argument(
+        "--concurrency", default="1,16,64", help="qwen3_moe: concurrent requests, comma-separated"
+    )
+    parser.add_argument(
+        "--output-tokens", type=int, default=64, help="qwen3_moe: output tokens per request"
+    )
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32, help="ModelRunner max_num_seqs")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="runs of the fast methods; the best one counts"
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of the fast methods; the best one counts (qwen3_moe: rounds per side)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument(
@@ -271,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model_type == "qwen3_moe":
+        return main_moe(args)
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.model:
