@@ -69,6 +69,8 @@ DRIFT_CHECK_SECONDS = 60.0
 RETRY_DELAY_SECONDS = 10.0
 MAX_RETRIES = 12
 AUTOSCALE_TICK_SECONDS = 1.0
+# How long after a reconcile a status timer tick whose body predates it is skipped.
+STALE_STATUS_SECONDS = 2.0
 # status.autoscaling is rewritten at once when the decision changes, else at most this often.
 AUTOSCALING_STATUS_SECONDS = 5.0
 
@@ -172,6 +174,9 @@ def reconcile(
     body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
 ) -> None:
     _apply(_cluster(memo), body, status, patch, retry_transient_errors=True)
+    # The status timer runs beside this handler, on the body of the moment it started: for
+    # a little while its status may predate what this reconcile writes (see refresh_status).
+    memo.applied = (_generation(body), time.monotonic())
 
 
 @kopf.timer(
@@ -196,6 +201,16 @@ def refresh_status(
         spec_error = str(invalid)
     # `memo` is kopf's per-object copy of the operator's memo: this deployment's clock.
     now = time.monotonic()
+    applied_generation, applied_at = getattr(memo, "applied", (None, float("-inf")))
+    if (
+        applied_generation is not None
+        and int(status.get("observedGeneration") or 0) < applied_generation
+        and now - applied_at < STALE_STATUS_SECONDS
+    ):
+        # This body's status predates the reconcile that just ran for a newer generation:
+        # a status computed from it ("Reconciling", the old counts) would overwrite the
+        # reconcile's fresher one. The next tick has the new body.
+        return
     if converged(status, spec, generation) and (
         now - getattr(memo, "last_status_refresh", float("-inf")) < STATUS_REFRESH_SECONDS
     ):

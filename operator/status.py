@@ -252,12 +252,20 @@ def compute_status(
 
 
 def status_patch(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge-patch turning ``previous`` into ``new`` for the keys this module owns.
+    """The merge-patch turning ``previous`` into ``new`` for the keys this module owns: the
+    keys that changed, and the phase and conditions with any change.
 
     Empty when nothing changed, so an idle operator writes nothing. ``None`` values delete.
     """
     previous = previous or {}
-    return {key: value for key, value in new.items() if previous.get(key) != value}
+    changes = {key: value for key, value in new.items() if previous.get(key) != value}
+    if changes:
+        # The verdict goes whole: the reconcile handler and the status timer write
+        # concurrently, each from its own view, and a phase from one computation must not be
+        # left beside the conditions of another.
+        for key in ("phase", "conditions"):
+            changes[key] = new[key]
+    return changes
 
 
 def sticky_apply_error(previous: Mapping[str, Any] | None, generation: int) -> str | None:

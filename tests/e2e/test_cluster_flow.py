@@ -421,6 +421,7 @@ class ScaleStep:
             status.get("readyReplicas"),
             status.get("replicas"),
             next((c["reason"] for c in conditions.values() if c.get("status") == "True"), ""),
+            status.get("observedGeneration"),
         )
         if not self.records or self.records[-1][1] != state:
             self.records.append((at, state))
@@ -457,10 +458,16 @@ class ScaleStep:
             )
         if ready_at is not None:
             TIMINGS[f"{self.name}: command -> status Ready"] = ready_at - self.commanded_at
+        lines += [f"operator: {line}" for line in self._operator_log()]
         TIMELINES[self.name] = lines
         if exc_type is not None:
             return  # the step's own failure says more
         phases = [state[2] for at, state in self.records if at >= self.commanded_at]
+        if ready_at is not None:
+            after = [state[2] for at, state in self.records if at > ready_at]
+            assert all(phase == "Ready" for phase in after), (
+                f"{self.name}: Ready, then {after}:\n" + "\n".join(lines)
+            )
         warnings = [e for e in events if e.get("type") == "Warning"]
         report = "\n".join(lines)
         assert "Degraded" not in phases, f"{self.name} reported Degraded:\n{report}"
@@ -472,13 +479,22 @@ class ScaleStep:
                 f"{self.name}: Ready {late:.2f} s after the engine registered:\n{report}"
             )
 
+    def _operator_log(self) -> list[str]:
+        """The operator's own lines during the step (kopf's handler and retry messages)."""
+        since = max(1, int(time.time() - self.commanded_at) + 2)
+        found = self.flow.kubectl(
+            "logs", f"deployment/{RELEASE}", "-n", OPERATOR_NS, f"--since={since}s", check=False
+        ).stdout.splitlines()
+        return [line[:300] for line in found][-30:]
+
     def _line(self, at: float, state: tuple[Any, ...]) -> str:
-        if len(state) != 7:
+        if len(state) != 8:
             return f"{at - self.commanded_at:+7.2f} s  {state}"
-        generation, desired, phase, registered, ready, replicas, reason = state
+        generation, desired, phase, registered, ready, replicas, reason, observed = state
         return (
-            f"{at - self.commanded_at:+7.2f} s  generation {generation}  {phase} ({reason})  "
-            f"desired {desired} registered {registered} ready {ready} replicas {replicas}"
+            f"{at - self.commanded_at:+7.2f} s  generation {generation} (observed {observed})  "
+            f"{phase} ({reason})  desired {desired} registered {registered} ready {ready} "
+            f"replicas {replicas}"
         )
 
 

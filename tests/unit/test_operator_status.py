@@ -317,6 +317,18 @@ def test_patch_holds_only_changed_keys_and_deletes_unknown_counts() -> None:
     assert patch["registeredEngines"] is None  # a merge-patch null removes the field
     assert "replicas" not in patch and "selector" not in patch
     assert "conditions" in patch  # the Ready message changed
+    assert patch["phase"] == READY  # unchanged, but the verdict is written whole
+
+
+def test_a_change_of_counts_alone_rewrites_the_verdict_with_it() -> None:
+    # Another writer may have left another phase meanwhile: the one written matches the
+    # conditions written with it.
+    before = compute(SERVING, now=T0)
+    # A scale-down's leaving pod still counted: only `replicas` differs.
+    after = compute(dataclasses.replace(SERVING, statefulset=statefulset(3, 2, wanted=2)),
+                    previous=before, now=T1)  # fmt: skip
+    patch = status_patch(before, after)
+    assert patch == {"replicas": 3, "phase": READY, "conditions": after["conditions"]}
 
 
 def test_patch_from_nothing_is_the_whole_status_minus_unknowns() -> None:
