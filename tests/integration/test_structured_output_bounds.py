@@ -106,8 +106,11 @@ async def test_a_hostile_constraint_does_not_stall_other_requests(tiny_serve_url
         assert took < DEFAULT_REQUEST_LIMITS.constraint_compile_timeout + 10
     huge_answers = [answer for _, status, answer, schema in answers if schema is HUGE_SCHEMA]
     assert all(answer["error"]["code"] == "max_constraint_bytes" for answer in huge_answers)
-    # Within 2x of before; the floor keeps a 10 ms baseline's scheduling noise from failing it.
-    assert p95(during) <= 2 * max(p95(before), 0.05), (p95(before), p95(during))
+    # Within 2x of before. A bystander takes 5-15 ms here, and a legitimate 60 KB constraint's
+    # compile (~0.3 s of a core, at nice 10) still shares the 2 cores with the engine's torch
+    # threads, so the baseline is floored at 100 ms: what this catches is a stall (on 7c4c0c1
+    # bystanders waited up to 31.8 s), not the scheduler's noise.
+    assert p95(during) <= 2 * max(p95(before), 0.1), (p95(before), p95(during))
 
 
 async def test_a_schema_with_no_finite_document_is_a_400(tiny_serve_url: str) -> None:
