@@ -29,7 +29,7 @@ HEAVY_IMPORTS = {
     "gguf": "gguf",
     # Structured output: the engine compiles grammars, the HTTP front checks schemas.
     "llguidance": "llguidance",
-    "jsonschema": "jsonschema",
+    "jsonschema-rs": "jsonschema_rs",
 }
 
 
