@@ -83,15 +83,41 @@ def build_tiny_model(
 ) -> Path:
     """Write a tiny Llama (by default hidden 64, 2 layers, 4 heads / 2 KV heads, ~0.1M
     parameters) and its tokenizer. The benchmark asks for a larger one to load the CPU more."""
+    return _write_tiny_llama(
+        directory,
+        _train_tokenizer(),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
+
+
+def build_tiny_byte_model(directory: Path) -> Path:
+    """The tiny Llama over ``ByT5Tokenizer``: a byte-level tokenizer that has no fast
+    (``tokenizers``) version, as some models ship. Structured output cannot use it (the
+    grammar library needs a fast tokenizer); everything else must."""
+    from transformers import ByT5Tokenizer
+
+    return _write_tiny_llama(directory, ByT5Tokenizer())
+
+
+def _write_tiny_llama(
+    directory: Path,
+    tokenizer,  # a transformers tokenizer
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+) -> Path:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer()
-    vocab_size = len(tokenizer)
     config = LlamaConfig(
-        vocab_size=vocab_size,
+        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
@@ -114,35 +140,5 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def build_tiny_byte_model(directory: Path) -> Path:
-    """The tiny Llama over ``ByT5Tokenizer``: a byte-level tokenizer that has no fast
-    (``tokenizers``) version, as some models ship. Structured output cannot use it (the
-    grammar library needs a fast tokenizer); everything else must."""
-    import torch
-    from transformers import ByT5Tokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = ByT5Tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(SEED)
-    LlamaForCausalLM(config).eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
