@@ -741,7 +741,14 @@ def test_transformers_path_still_serves_llama_exactly(
 
 
 def _variant_config(kind: str, tokenizer: Any) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = {
         "vocab_size": len(tokenizer),
@@ -773,6 +780,11 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if kind == "mixtral":
+        # Every layer sparse: six experts, two per token, always renormalised.
+        return MixtralConfig(
+            **common, sliding_window=None, num_local_experts=6, num_experts_per_tok=2
+        )
     # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
     rope = {
         "rope_type": "llama3",
@@ -791,9 +803,9 @@ def _variant_config(kind: str, tokenizer: Any) -> Any:
     )
 
 
-VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3", "qwen3-moe"]
+VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3", "qwen3-moe", "mixtral"]
 # The class of models/ that each variant's model_type is registered to (models.registry).
-MODEL_CLASS = {"qwen3": "PagedQwen3", "qwen3-moe": "PagedQwen3Moe"}
+MODEL_CLASS = {"qwen3": "PagedQwen3", "qwen3-moe": "PagedQwen3Moe", "mixtral": "PagedMixtral"}
 
 
 def _variant_model(kind: str, tiny_model_path: Path, directory: Path) -> Any:

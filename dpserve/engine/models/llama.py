@@ -47,7 +47,7 @@ def unsupported_reason(model: Any) -> str | None:
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     if any(kind != "full_attention" for kind in layer_types) or (
-        getattr(config, "model_type", None) == "mistral"
+        getattr(config, "model_type", None) in ("mistral", "mixtral")
         and window
         and window < config.max_position_embeddings
     ):

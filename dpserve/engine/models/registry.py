@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from dpserve.engine.models.base import PagedModel
 from dpserve.engine.models.llama import PagedLlama
+from dpserve.engine.models.mixtral import PagedMixtral
 from dpserve.engine.models.qwen3 import PagedQwen3
 from dpserve.engine.models.qwen3_moe import PagedQwen3Moe
 
@@ -18,6 +19,7 @@ from dpserve.engine.models.qwen3_moe import PagedQwen3Moe
 MODEL_CLASSES: Final[Mapping[str, type[PagedLlama]]] = {
     "llama": PagedLlama,
     "mistral": PagedLlama,
+    "mixtral": PagedMixtral,
     "qwen2": PagedLlama,
     "qwen3": PagedQwen3,
     "qwen3_moe": PagedQwen3Moe,
