@@ -1,17 +1,25 @@
 """Coordinator throughput and latency: dpserve (plain and CURVE) vs Megatron-Core 0.16.1 vs a
 raw pyzmq relay.
 
-    python bench/coordinator.py [--requests 20000] [--skip-megatron] [--skip-curve]
+    python bench/coordinator.py [--requests 20000] [--max-inflight 512] [--skip-megatron]
+        [--skip-curve] [--skip-raw] [--skip-streaming] [--routing POLICY ...] [--repeat N]
 
-Same workload for all, in one run: a burst of N single-token requests from one asyncio
-client through a ROUTER in its own process to 2 instant fake engines (each a process that
-answers everything it has read with one batched reply, as an engine step would), then 300
-requests one at a time for the unloaded round trip. Megatron runs its own coordinator and
-real ``InferenceClient`` (``pip install --no-deps megatron-core==0.16.1``; it needs torch,
-pyzmq and msgpack). The raw relay is the ceiling: a poll-and-drain ROUTER that only forwards
-bytes. The CURVE run is dpserve again with keys from a temporary ``dpserve keys generate``
-directory: every message encrypted, every connection authenticated, every message's role
-checked. Prints requests/s, p50/p99 latency, lost requests and the ratios; not a test.
+Same workload for all, in one run: N single-token requests from one asyncio client, at most
+``--max-inflight`` in flight (a new one sent as each answer arrives), through a ROUTER in its
+own process to 2 instant fake engines (each a process that answers everything it has read with
+one batched reply, as an engine step would), then 300 requests one at a time for the unloaded
+round trip. Megatron runs its own coordinator and real ``InferenceClient`` (``pip install
+--no-deps megatron-core==0.16.1``; it needs torch, pyzmq and msgpack). The raw relay is the
+ceiling: a poll-and-drain ROUTER that only forwards bytes. The CURVE run is dpserve again with
+keys from a temporary ``dpserve keys generate`` directory: every message encrypted, every
+connection authenticated, every message's role checked.
+
+Every system is judged alike: req/s counts completed requests only (a result, not an error
+answer), and each request is reported as completed, failed (an error answer: dpserve refuses
+past ``--max-inflight-per-client``), lost (never answered) or never sent. With
+``--max-inflight 0`` all N go at once: Megatron's coordinator then loses thousands, because its
+sockets keep ZMQ's default high-water mark (1,000 messages per peer) and a ROUTER drops what is
+sent to a peer past it, silently; with unbounded marks it loses none (BENCHMARKS.md).
 
     python bench/coordinator.py --streaming-only
 
@@ -60,46 +68,65 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def gather_with_losses(futures: list[asyncio.Future]) -> int:
-    """Wait until every future is done or none completed for QUIET_PERIOD; return how many
-    never completed."""
-    pending = set(futures)
-    while pending:
-        done, pending = await asyncio.wait(pending, timeout=QUIET_PERIOD)
-        if not done:
-            break
-    for future in pending:
-        future.cancel()
-    return len(pending)
-
-
-async def measure(submit, count: int) -> dict:
-    """``submit(i)`` returns a future; returns throughput, latencies and losses."""
-    submitted: dict[int, float] = {}
+async def measure(submit, count: int, window: int) -> dict:
+    """``submit(i)`` returns a future. Sends ``count`` requests with at most ``window`` in
+    flight (0: all at once), a new one as each answer arrives, and returns throughput, latency
+    and what became of every request: completed (a result), failed (an error answer) or lost
+    (no answer within QUIET_PERIOD of the last one; with a window, a window full of lost requests
+    leaves the rest never sent). Only completed requests count towards
+    req/s, for every system alike."""
+    loop = asyncio.get_running_loop()
+    window = window or count
     latencies: list[float] = []
+    tally = {"completed": 0, "failed": 0, "submitted": 0}
+    last_answer = [time.perf_counter()]
+    everything_answered = loop.create_future()
+
+    def launch() -> None:
+        index = tally["submitted"]
+        tally["submitted"] += 1
+        submitted_at = time.perf_counter()
+        submit(index).add_done_callback(lambda future: answered(future, submitted_at))
+
+    def answered(future: asyncio.Future, submitted_at: float) -> None:
+        if future.cancelled():
+            return
+        last_answer[0] = time.perf_counter()
+        if future.exception() is None:
+            tally["completed"] += 1
+            latencies.append(time.perf_counter() - submitted_at)
+        else:
+            tally["failed"] += 1
+        if tally["submitted"] < count:
+            launch()
+        elif tally["completed"] + tally["failed"] == count and not everything_answered.done():
+            everything_answered.set_result(None)
+
     start = time.perf_counter()
-    futures = []
-    for i in range(count):
-        future = submit(i)
-        submitted[i] = time.perf_counter()
-        future.add_done_callback(
-            lambda f, i=i: f.cancelled() or latencies.append(time.perf_counter() - submitted[i])
-        )
-        futures.append(future)
-    lost = await gather_with_losses(futures)
-    elapsed = (time.perf_counter() - start) - (QUIET_PERIOD if lost else 0)
-    answered = count - lost
+    for _ in range(min(window, count)):
+        launch()
+    answers = 0
+    while not everything_answered.done():
+        await asyncio.wait({everything_answered}, timeout=QUIET_PERIOD)
+        if tally["completed"] + tally["failed"] == answers:
+            break  # nothing arrived for QUIET_PERIOD: what is missing is lost
+        answers = tally["completed"] + tally["failed"]
+    elapsed = last_answer[0] - start
+    lost = tally["submitted"] - tally["completed"] - tally["failed"]
     sequential = []
-    if not lost:
+    if tally["completed"] == count:
         for i in range(SEQUENTIAL):
             t0 = time.perf_counter()
             await asyncio.wait_for(submit(count + i), 10)
             sequential.append(time.perf_counter() - t0)
     return {
-        "rps": answered / elapsed,
+        "rps": tally["completed"] / elapsed,
         "p50": percentile(latencies, 0.5),
         "p99": percentile(latencies, 0.99),
+        "completed": tally["completed"],
+        "failed": tally["failed"],
         "lost": lost,
+        "never_sent": count - tally["submitted"],
         "rtt_p50": percentile(sequential, 0.5) if sequential else float("nan"),
     }
 
@@ -108,7 +135,7 @@ async def measure(submit, count: int) -> dict:
 
 
 async def bench_dpserve(
-    count: int, credentials: str | None = None, routing: str | None = None
+    count: int, window: int, credentials: str | None = None, routing: str | None = None
 ) -> dict:
     from dpserve.client import InferenceClient
     from dpserve.sampling import SamplingParams
@@ -153,7 +180,7 @@ async def bench_dpserve(
         await wait_for_engines(client, 2)
         params = SamplingParams(num_tokens_to_generate=1)
         before = cpu_seconds(procs[0].pid)
-        result = await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+        result = await measure(lambda i: client.add_request(f"prompt {i}", params), count, window)
         # CPU per request varies far less than throughput on a shared machine.
         spent = cpu_seconds(procs[0].pid) - before
         result["cpu_us"] = spent / (count + SEQUENTIAL) * 1e6
@@ -289,7 +316,7 @@ def _megatron_engine(address: str) -> None:
             sock.send(msgpack.packb([4, records], use_bin_type=True))
 
 
-async def bench_megatron(count: int) -> dict:
+async def bench_megatron(count: int, window: int) -> dict:
     from megatron.core.inference.inference_client import InferenceClient
     from megatron.core.inference.sampling_params import SamplingParams
 
@@ -313,7 +340,7 @@ async def bench_megatron(count: int) -> dict:
     try:
         await client.start()
         params = SamplingParams(num_tokens_to_generate=1)
-        return await measure(lambda i: client.add_request(f"prompt {i}", params), count)
+        return await measure(lambda i: client.add_request(f"prompt {i}", params), count, window)
     finally:
         client.stop()
         for proc in (coordinator, *engines):
@@ -367,7 +394,7 @@ def _echo_engine(port: int) -> None:
             pass
 
 
-async def bench_raw(count: int) -> dict:
+async def bench_raw(count: int, window: int) -> dict:
     spawn = mp.get_context("spawn")
     port = free_port()
     ready = spawn.Event()
@@ -406,7 +433,7 @@ async def bench_raw(count: int) -> dict:
 
     listener = asyncio.create_task(listen())
     try:
-        return await measure(submit, count)
+        return await measure(submit, count, window)
     finally:
         listener.cancel()
         sock.close(0)
@@ -422,8 +449,17 @@ async def bench_raw(count: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=512,
+        help="requests in flight at most, a new one sent as each answer arrives (0: all at "
+        "once, a burst; Megatron's sockets then drop requests at their high-water marks)",
+    )
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--skip-curve", action="store_true")
+    parser.add_argument("--skip-raw", action="store_true")
+    parser.add_argument("--skip-streaming", action="store_true")
     parser.add_argument("--streaming-only", action="store_true")
     parser.add_argument(
         "--routing",
@@ -431,6 +467,12 @@ def main() -> None:
         default=[],
         choices=["prefix-aware", "least-outstanding", "round-robin"],
         help="also run dpserve with these routing policies (the default run uses the default)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every system this many times, interleaved (dpserve, Megatron, dpserve, ...)",
     )
     parser.add_argument("--streaming-engines", type=int, default=2)
     parser.add_argument(
@@ -441,45 +483,71 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     tokenizer = None if args.streaming_tokenizer == "bytes" else args.streaming_tokenizer
-    streaming = asyncio.run(bench_streaming(args.streaming_engines, tokenizer))
+    streaming = None
+    if not args.skip_streaming or args.streaming_only:
+        streaming = asyncio.run(bench_streaming(args.streaming_engines, tokenizer))
     if args.streaming_only:
+        assert streaming is not None
         print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
         return
-    results = {"raw relay": asyncio.run(bench_raw(args.requests))}
-    results["dpserve"] = asyncio.run(bench_dpserve(args.requests))
-    for routing in args.routing:
-        results[f"dpserve {routing}"] = asyncio.run(bench_dpserve(args.requests, routing=routing))
-    if not args.skip_curve:
-        from dpserve.security.key_files import generate_credentials
-
-        with tempfile.TemporaryDirectory(prefix="dpserve-bench-keys-") as directory:
-            generate_credentials(directory)
-            results["dpserve CURVE"] = asyncio.run(bench_dpserve(args.requests, directory))
-    if not args.skip_megatron:
-        try:
-            results["megatron 0.16.1"] = asyncio.run(bench_megatron(args.requests))
-        except ImportError as exc:
-            print(
-                f"megatron-core not installed ({exc}); pip install --no-deps megatron-core==0.16.1"
+    count, window = args.requests, args.max_inflight
+    for run in range(args.repeat):
+        results: dict[str, dict] = {}
+        if not args.skip_raw:
+            results["raw relay"] = asyncio.run(bench_raw(count, window))
+        results["dpserve"] = asyncio.run(bench_dpserve(count, window))
+        for routing in args.routing:
+            results[f"dpserve {routing}"] = asyncio.run(
+                bench_dpserve(count, window, routing=routing)
             )
-    print_results(results, args.requests)
-    print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
+        if not args.skip_curve:
+            from dpserve.security.key_files import generate_credentials
+
+            with tempfile.TemporaryDirectory(prefix="dpserve-bench-keys-") as directory:
+                generate_credentials(directory)
+                results["dpserve CURVE"] = asyncio.run(bench_dpserve(count, window, directory))
+        if not args.skip_megatron:
+            try:
+                results["megatron 0.16.1"] = asyncio.run(bench_megatron(count, window))
+            except ImportError as exc:
+                print(
+                    f"megatron-core not installed ({exc}); "
+                    "pip install --no-deps megatron-core==0.16.1"
+                )
+        if args.repeat > 1:
+            print(f"\nrun {run + 1} of {args.repeat}")
+        print_results(results, count, window)
+    if streaming is not None:
+        print_streaming(streaming, args.streaming_engines, args.streaming_tokenizer)
 
 
-def print_results(results: dict[str, dict], requests: int) -> None:
-    print(f"\n{requests} requests, 2 instant fake engines, one client")
+def print_results(results: dict[str, dict], requests: int, window: int) -> None:
+    inflight = f"at most {window} in flight" if window else "all at once"
+    print(f"\n{requests} requests ({inflight}), 2 instant fake engines, one client")
     print(
-        f"{'':18}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'lost':>8}{'1-by-1 p50 ms':>15}"
-        f"{'coord CPU us/req':>18}"
+        f"{'':22}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'completed':>10}{'failed':>7}"
+        f"{'lost':>7}{'unsent':>7}{'1-by-1 p50 ms':>15}{'coord CPU us/req':>18}"
     )
     for name, r in results.items():
         print(
-            f"{name:18}{r['rps']:>10.0f}{r['p50'] * 1e3:>10.1f}{r['p99'] * 1e3:>10.1f}"
-            f"{r['lost']:>8}{r['rtt_p50'] * 1e3:>15.3f}{r.get('cpu_us', float('nan')):>18.1f}"
+            f"{name:22}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.1f}{r['p99'] * 1e3:>9.1f}"
+            f"{r['completed']:>10}{r['failed']:>7}{r['lost']:>7}{r['never_sent']:>7}"
+            f"{r['rtt_p50'] * 1e3:>15.3f}{r.get('cpu_us', float('nan')):>18.1f}"
         )
-    ours, raw = results["dpserve"], results["raw relay"]
-    print(f"\ndpserve / raw relay throughput: {ours['rps'] / raw['rps']:.2f}x")
-    print(f"dpserve / raw relay unloaded round trip p50: {ours['rtt_p50'] / raw['rtt_p50']:.2f}x")
+    ours = results["dpserve"]
+    if "raw relay" in results:
+        raw = results["raw relay"]
+        print(f"\ndpserve / raw relay throughput: {ours['rps'] / raw['rps']:.2f}x")
+        print(
+            f"dpserve / raw relay unloaded round trip p50: {ours['rtt_p50'] / raw['rtt_p50']:.2f}x"
+        )
+    for name, other in results.items():
+        if name.startswith("dpserve ") and name != "dpserve CURVE":
+            print(
+                f"{name} / dpserve (default routing): throughput "
+                f"{other['rps'] / ours['rps']:.2f}x, coordinator CPU per request "
+                f"{other['cpu_us'] / ours['cpu_us']:.2f}x"
+            )
     if "dpserve CURVE" in results:
         curve = results["dpserve CURVE"]
         print(
@@ -490,8 +558,8 @@ def print_results(results: dict[str, dict], requests: int) -> None:
     if "megatron 0.16.1" in results:
         meg = results["megatron 0.16.1"]
         print(
-            f"dpserve / megatron throughput: {ours['rps'] / meg['rps']:.2f}x "
-            f"(megatron lost {meg['lost']}, dpserve lost {ours['lost']})"
+            f"dpserve / megatron throughput (completed requests): {ours['rps'] / meg['rps']:.2f}x "
+            f"(megatron completed {meg['completed']} of {requests}, dpserve {ours['completed']})"
         )
 
 
