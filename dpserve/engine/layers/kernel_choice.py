@@ -8,7 +8,7 @@ model, and read by the layers through ``KernelChoice`` (no layer asks the device
 | q/k RMSNorm       | torch, per head              | torch, per head      | torch, per head   |
 | RoPE + KV write   | ``triton_layer_ops``         | ``cpu_kernels``      | complex product   |
 | SiLU x up         | ``triton_layer_ops``         | oneDNN epilogues     | torch             |
-| mixture of experts| none yet (the fallback)      | ``moe``: by expert   | ``moe``: by expert|
+| mixture of experts| ``triton_moe``               | ``moe``: by expert   | ``moe``: by expert|
 | decode attention  | ``triton_decode``            | ``cpu_kernels``      | gathered torch    |
 | prefill attention | ``triton_prefill``           | SDPA, gathered       | SDPA, gathered    |
 | greedy argmax     | ``triton_greedy`` (sampler)  | torch                | torch             |

@@ -18,4 +18,6 @@ class PagedMixtral(PagedLlama):
     unsupported_reason = staticmethod(moe_unsupported_reason)
 
     def convert_mlp(self, mlp: Any) -> SparseMoE:
-        return SparseMoE(mlp, int(self.config.num_experts_per_tok), renormalize=True)
+        return SparseMoE(
+            mlp, int(self.config.num_experts_per_tok), renormalize=True, kernels=self.kernels
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpserve.engine.layers.kernel_choice import uses_triton_layers
 from dpserve.engine.layers.mlp import FeedForward
 from dpserve.engine.layers.moe import SparseMoE
 from dpserve.engine.models.llama import unsupported_reason
@@ -14,10 +15,10 @@ from dpserve.engine.models.qwen3 import PagedQwen3
 
 def moe_unsupported_reason(model: Any) -> str | None:
     """Why ``PagedQwen3Moe`` cannot run ``model``, or None."""
-    if model.device.type != "cpu":
-        # The expert loop reads each expert's token count on the host: no CUDA graph can hold
-        # it, and the fused Triton MoE kernel that would is not written yet.
-        return "mixture of experts runs on CPU only so far"
+    if model.device.type != "cpu" and not uses_triton_layers(model.device):
+        # Off CPU only the fused Triton kernel runs the experts (the host-side expert loop
+        # would sync every layer and no CUDA graph could hold it).
+        return f"mixture of experts on {model.device.type} needs Triton"
     return unsupported_reason(model)
 
 
@@ -30,4 +31,6 @@ class PagedQwen3Moe(PagedQwen3):
         if not hasattr(mlp, "experts"):  # a dense layer (mlp_only_layers, decoder_sparse_step)
             return super().convert_mlp(mlp)
         config = self.config
-        return SparseMoE(mlp, int(config.num_experts_per_tok), bool(config.norm_topk_prob))
+        return SparseMoE(
+            mlp, int(config.num_experts_per_tok), bool(config.norm_topk_prob), self.kernels
+        )
