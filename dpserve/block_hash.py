@@ -3,7 +3,7 @@
 A block's hash chains its parent's: ``hash(parent hash, the block's token ids, extra keys)``,
 so equal hashes mean equal *prefixes*, not just equal blocks, and the coordinator can find an
 engine's cached prefix of a prompt from hashes alone. Extra keys separate caches that must not
-be shared (today a request's ``cache_salt``; later an adapter's name).
+be shared: a request's ``cache_salt`` and its LoRA adapter's name.
 
 The hash is 64 bits of BLAKE2b over a fixed little-endian encoding: the same on every process,
 machine and restart (Python's ``hash()`` is salted per process, so it is never used here).
@@ -29,11 +29,16 @@ _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _TOKEN_BYTES: Final = 4  # token ids are int32, as on the wire
 
 
-def extra_keys(cache_salt: str | None) -> bytes:
-    """The extra keys of a request as the bytes every block hash of it mixes in."""
-    if not cache_salt:
-        return b""
-    return b"salt:" + cache_salt.encode("utf-8")
+def extra_keys(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The extra keys of a request as the bytes every block hash of it mixes in: its salt
+    and its LoRA adapter (the same tokens through another adapter have other keys and
+    values, so adapters never share blocks with each other or with the base model)."""
+    salt = b"salt:" + cache_salt.encode("utf-8") if cache_salt else b""
+    if not lora_name:
+        return salt  # as before adapters existed: base-model hashes are unchanged
+    # Length-prefixed, so no (adapter, salt) pair reads as another.
+    name = lora_name.encode("utf-8")
+    return b"lora:%d:" % len(name) + name + salt
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:

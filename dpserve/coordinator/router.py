@@ -70,7 +70,7 @@ class Router:
         # The context as the wire packs it (int32 each): hashed straight from those bytes.
         context = request.prompt_tokens + bytes(request.generated)
         context_length = len(context) // protocol.TOKEN_BYTES
-        extra = extra_keys(request.params.get("cache_salt"))
+        extra = extra_keys(request.params.get("cache_salt"), request.params.get("lora_name"))
         hashes_by_size: dict[int, list[BlockHash]] = {}
         engines_by_size: dict[int, list[bytes]] = {}
         cached: dict[bytes, int] = dict.fromkeys(routable, 0)
