@@ -10,7 +10,9 @@ Objects for an InferenceDeployment ``<name>`` in ``<namespace>``:
 - Service ``<name>-coordinator`` (ports ``zmq`` and ``http``, publishNotReadyAddresses: the
   coordinator only turns ready once an engine registered, and engines register through it);
 - StatefulSet ``<name>-engine`` (Parallel) running ``dpserve engine --rank auto``, the rank
-  being the pod ordinal, plus its headless Service ``<name>-engine``;
+  being the pod ordinal (with ``--backend vllm --tensor-parallel-size N`` and the checked vLLM
+  flags after ``--`` for the vLLM backend, from ``spec.engine.image`` when set), plus its
+  headless Service ``<name>-engine``;
 - PodDisruptionBudget ``<name>-engine`` (at most one engine evicted at a time);
 - NetworkPolicies ``<name>-coordinator`` (engines → ZMQ; ``allowedClients`` → ZMQ and HTTP)
   and ``<name>-engine`` (engines listen on nothing: deny all ingress);
@@ -26,7 +28,7 @@ from typing import Any
 
 from . import credentials
 from .limits import engine_limit_args, limit_args
-from .spec import CACHE_DIR, SCRATCH_DIR, DeploymentSpec, thaw
+from .spec import CACHE_DIR, SCRATCH_DIR, VLLM_BACKEND, DeploymentSpec, thaw
 
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
@@ -119,6 +121,10 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
 
 
 def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]:
+    engine = spec.engine
+    # The vLLM backend: its tensor-parallel group is one engine (one rank, one registration);
+    # spec.engine.vllm.args, already checked, go to vLLM after `--`.
+    vllm = engine.backend == VLLM_BACKEND
     return [
         "dpserve", "engine",
         "--coordinator", coordinator_address(name, namespace, spec.coordinator.zmq_port),
@@ -131,6 +137,9 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         "--ready-file", ENGINE_READY_FILE,
         *([] if spec.engine.prefix_caching else ["--no-prefix-caching"]),
         *engine_limit_args(spec.coordinator.limits),
+        *(["--backend", VLLM_BACKEND, "--tensor-parallel-size", str(engine.tensor_parallel_size)]
+          if vllm else []),
+        *(["--", *engine.vllm_args] if vllm and engine.vllm_args else []),
     ]  # fmt: skip
 
 
@@ -226,6 +235,14 @@ def cpu_threads_env(container: str) -> dict[str, Any]:
     spec.engine.env may set OMP_NUM_THREADS itself."""
     limit = {"containerName": container, "resource": "limits.cpu", "divisor": "1"}
     return {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": limit}}
+
+
+def vllm_cpu_binding_env() -> dict[str, str]:
+    """vLLM's CPU build pins its compute threads to cores it picks from the whole node (the
+    last cores, one left to its front): engine pods sharing a node would all pin to the same
+    ones. Unpinned, they run OMP_NUM_THREADS threads each (``cpu_threads_env``) wherever the
+    kernel puts them. GPU builds do not read it; spec.engine.env may set it."""
+    return {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"}
 
 
 def _merge_env(
@@ -382,10 +399,13 @@ def engine_statefulset(
 ) -> dict[str, Any]:
     # `--rank auto` reads the pod ordinal from POD_NAME (`<name>-engine-<ordinal>`).
     pod_name = {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    env = _merge_env([pod_name, cpu_threads_env(ENGINE), *_cache_env()], thaw(spec.engine.env))
+    operator_env = [pod_name, cpu_threads_env(ENGINE), *_cache_env()]
+    if spec.engine.backend == VLLM_BACKEND:
+        operator_env.append(vllm_cpu_binding_env())
+    env = _merge_env(operator_env, thaw(spec.engine.env))
     container: dict[str, Any] = {
         "name": ENGINE,
-        "image": spec.image,
+        "image": spec.engine.image or spec.image,
         "command": engine_command(name, namespace, spec),
         "env": env,
         "resources": spec.engine.resources.to_manifest(),

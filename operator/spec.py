@@ -26,6 +26,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from .crd import SPEC_SCHEMA
 from .limits import parse_limits
+from .vllm_args import VllmArgsError, parse_vllm_args
 
 # Writable scratch directories (emptyDirs, the root filesystem is read-only): the model must
 # not be mounted over them.
@@ -49,6 +50,9 @@ QUEUED_REQUESTS_PER_ENGINE, KV_CACHE_USAGE, TTFT_P90 = (
 DEFAULT_TARGETS = {QUEUED_REQUESTS_PER_ENGINE: 0.0, KV_CACHE_USAGE: 0.8}
 
 GPU_RESOURCE = "nvidia.com/gpu"
+
+# spec.engine.backend: dpserve's own engine, or vLLM's behind dpserve's protocol.
+DPSERVE_BACKEND, VLLM_BACKEND = "dpserve", "vllm"
 
 # `<name>-engine` must leave room for the StatefulSet's `controller-revision-hash` label value
 # (`<sts name>-<10 char hash>`, at most 63 characters): 63 - 11 - len("-engine") = 45.
@@ -119,6 +123,13 @@ class EngineSpec:
     termination_grace_period_seconds: int
     env: tuple[Mapping[str, Any], ...]
     prefix_caching: bool = True  # share KV blocks of equal prompt prefixes (--no-prefix-caching)
+    backend: str = DPSERVE_BACKEND
+    # GPUs one engine shards the model over (vLLM's tensor parallelism); 1 on CPU.
+    tensor_parallel_size: int = 1
+    # The engines' image when it is not DeploymentSpec.image.
+    image: str | None = None
+    # spec.engine.vllm.args, checked and in one form (vllm_args.parse_vllm_args).
+    vllm_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -366,6 +377,31 @@ class _Reader:
                 result.append(item)
         return result
 
+    def string_list(self, key: str) -> list[str]:
+        """The list of strings at ``key``, within the CRD's maxItems and items' maxLength."""
+        field = self.field(key)
+        value = self.get(key)
+        if value is _MISSING:
+            return []
+        if not isinstance(value, list):
+            self.fail(self.at(key), f"must be a list of strings, got {_describe(value)}")
+            return []
+        if len(value) > field["maxItems"]:
+            self.fail(
+                self.at(key), f"must have at most {field['maxItems']} items, got {len(value)}"
+            )
+            return []
+        result: list[str] = []
+        for index, item in enumerate(value):
+            max_length = field["items"]["maxLength"]
+            if not isinstance(item, str) or not item:
+                self.fail(f"{self.at(key)}[{index}]", f"must be a string, got {_describe(item)}")
+            elif len(item) > max_length:
+                self.fail(f"{self.at(key)}[{index}]", f"is longer than {max_length} characters")
+            else:
+                result.append(item)
+        return result
+
     def resources(self, key: str) -> Resources:
         reader = self.child(key)
         requests = _quantities(reader, "requests")
@@ -462,12 +498,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
         spec.fail("spec.model", f"{model!r} has surrounding whitespace or control characters")
 
     image = spec.string("image") or ""
-    if image and not _IMAGE_REFERENCE.match(image):
-        spec.fail(
-            "spec.image",
-            f"{image!r} is not a valid image reference "
-            "(expected e.g. ghcr.io/dpserve/runtime-cpu:0.1.0)",
-        )
+    _check_image(spec, "image", image)
 
     engine = _parse_engine(spec.child("engine"))
     coordinator = _parse_coordinator(spec.child("coordinator"))
@@ -509,8 +540,6 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
     node_selector = spec.string_map("nodeSelector")
     tolerations = spec.object_list("tolerations")
 
-    if engine.device == "cuda" and GPU_RESOURCE not in engine.resources.limits:
-        spec.fail("spec.engine.device", f"is cuda but spec.engine.resources has no {GPU_RESOURCE}")
     if model_volume is not None and model_volume.mount_path in (SCRATCH_DIR, CACHE_DIR):
         spec.fail(
             "spec.modelVolume.mountPath",
@@ -538,7 +567,30 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
     )
 
 
+def _check_image(reader: _Reader, key: str, image: str) -> None:
+    if image and not _IMAGE_REFERENCE.match(image):
+        reader.fail(
+            reader.at(key),
+            f"{image!r} is not a valid image reference "
+            "(expected e.g. ghcr.io/dpserve/runtime-cpu:0.1.0)",
+        )
+
+
 def _parse_engine(engine: _Reader) -> EngineSpec:
+    backend = engine.choice("backend")
+    image = engine.string("image")
+    if image is not None:
+        _check_image(engine, "image", image)
+    device = engine.choice("device")
+    tensor_parallel_size = engine.integer("tensorParallelSize")
+    resources = _engine_gpus(engine, engine.resources("resources"), device, tensor_parallel_size)
+    if tensor_parallel_size > 1 and backend != VLLM_BACKEND:
+        engine.fail(
+            engine.at("tensorParallelSize"),
+            f"{tensor_parallel_size} needs backend {VLLM_BACKEND} (spec.engine.backend is "
+            f"{backend}: its engines run on one GPU each)",
+        )
+    vllm_args = _parse_vllm(engine.child("vllm"), backend)
     env = engine.object_list("env")
     seen: set[str] = set()
     for index, variable in enumerate(env):
@@ -555,14 +607,65 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
         if "value" in variable and not isinstance(variable["value"], str):
             engine.fail(f"{path}.value", f"must be a string, got {_describe(variable['value'])}")
     return EngineSpec(
-        resources=engine.resources("resources"),
+        resources=resources,
         max_batch_size=engine.integer("maxBatchSize"),
         dtype=engine.choice("dtype"),
-        device=engine.choice("device"),
+        device=device,
         termination_grace_period_seconds=engine.integer("terminationGracePeriodSeconds"),
         env=freeze(env),
         prefix_caching=engine.boolean("prefixCaching"),
+        backend=backend,
+        tensor_parallel_size=tensor_parallel_size,
+        image=image,
+        vllm_args=vllm_args,
     )
+
+
+def _engine_gpus(
+    engine: _Reader, resources: Resources, device: str, tensor_parallel_size: int
+) -> Resources:
+    """The engine's resources with ``nvidia.com/gpu`` following ``tensorParallelSize``.
+
+    GPUs are asked for by device cuda or by naming the resource; an engine then gets one GPU
+    per tensor-parallel rank, filled in where left out. A count that says otherwise is refused
+    rather than overridden: one of the two fields does not say what its writer meant. Without
+    GPUs, tensor parallelism is refused: it would only split a CPU's cores between ranks that
+    then talk through shared memory (vLLM's CPU build runs it for tests, not for serving).
+    """
+    gpus = resources.limits.get(GPU_RESOURCE)
+    if gpus is None and device != "cuda":
+        if tensor_parallel_size > 1:
+            engine.fail(
+                engine.at("tensorParallelSize"),
+                f"{tensor_parallel_size} needs GPUs (spec.engine.device cuda or an "
+                f"{GPU_RESOURCE} resource); tensor parallelism on CPU is not offered",
+            )
+        return resources
+    if gpus is not None and parse_quantity(gpus) != tensor_parallel_size:
+        engine.fail(
+            f"{engine.at('resources')}.limits.{GPU_RESOURCE}",
+            f"{gpus} differs from spec.engine.tensorParallelSize ({tensor_parallel_size}): an "
+            f"engine gets one GPU per tensor-parallel rank (leave {GPU_RESOURCE} out, or set "
+            f"it to {tensor_parallel_size})",
+        )
+        return resources
+    count = str(tensor_parallel_size)
+    return Resources(
+        MappingProxyType({**resources.requests, GPU_RESOURCE: count}),
+        MappingProxyType({**resources.limits, GPU_RESOURCE: count}),
+    )
+
+
+def _parse_vllm(vllm: _Reader, backend: str) -> tuple[str, ...]:
+    items = vllm.string_list("args")
+    if vllm.data and backend != VLLM_BACKEND:
+        vllm.fail(vllm.path, f"is for backend {VLLM_BACKEND}; spec.engine.backend is {backend}")
+        return ()
+    try:
+        return parse_vllm_args(items, vllm.at("args"))
+    except VllmArgsError as exc:
+        vllm.problems.extend(exc.problems)
+        return ()
 
 
 def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:

@@ -29,6 +29,7 @@ PACKAGE_CRD_PATH = ROOT / "operator" / crd_module.CRD_FILE
 CRD_PATH = ROOT / "crds" / "inferencedeployment.yaml"
 CHART_CRD_PATH = ROOT / "charts" / "dpserve-operator" / "crds" / "inferencedeployment.yaml"
 EXAMPLE_PATH = ROOT / "examples" / "inference.yaml"
+VLLM_EXAMPLE_PATH = ROOT / "examples" / "inference-vllm.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,8 @@ def set_in_context(path: str, value: int) -> dict[str, Any]:
     spec = changed(path, value)
     if path.startswith("autoscaling.") and path != "autoscaling.maxReplicas":
         spec["autoscaling"]["maxReplicas"] = 4
+    if path == "engine.tensorParallelSize":  # tensor parallelism is vLLM's, on GPUs
+        spec["engine"].update(backend="vllm", device="cuda")
     return spec
 
 
@@ -277,6 +280,25 @@ VALID_SPECS = {
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
         "nodeSelector": {"accelerator": "a100"},
     },
+    "vllm-on-cpu": {
+        **MINIMAL,
+        "image": "ghcr.io/dpserve/runtime-vllm-cpu:0.1.0",
+        "engine": {"backend": "vllm", "device": "cpu", "vllm": {"args": ["--enforce-eager"]}},
+    },
+    "vllm-70b-at-tp-4": {
+        **MINIMAL,
+        "model": "/models/Llama-3.3-70B-Instruct",
+        "modelVolume": {"claimName": "llama-70b"},
+        "engine": {
+            "backend": "vllm",
+            "image": "ghcr.io/dpserve/runtime-vllm-cuda:0.1.0",
+            "tensorParallelSize": 4,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "resources": {"limits": {"nvidia.com/gpu": 4, "memory": "160Gi"}},
+            "vllm": {"args": ["--max-model-len", "32768", "--gpu-memory-utilization=0.92"]},
+        },
+    },
     "model-on-a-volume": {
         **MINIMAL,
         "model": "/models/llama",
@@ -300,6 +322,16 @@ def test_the_example_is_valid(schema: dict[str, Any]) -> None:
     assert example["spec"]["image"] == "ghcr.io/dpserve/runtime-cpu:0.1.0"
     assert schema_errors(schema, example) == []
     parse_spec(example["spec"], name=example["metadata"]["name"])
+
+
+def test_the_vllm_example_is_valid(schema: dict[str, Any]) -> None:
+    example = yaml.safe_load(VLLM_EXAMPLE_PATH.read_text())
+    assert schema_errors(schema, example) == []
+    spec = parse_spec(example["spec"], name=example["metadata"]["name"])
+    assert (spec.engine.backend, spec.engine.device) == ("vllm", "cpu")
+    assert spec.image == "ghcr.io/dpserve/runtime-vllm-cpu:0.1.0"
+    # vLLM's CPU start compiles for minutes unless told to run eager.
+    assert "--enforce-eager" in spec.engine.vllm_args
 
 
 @pytest.mark.parametrize("spec", VALID_SPECS.values(), ids=VALID_SPECS.keys())
@@ -337,6 +369,15 @@ INVALID = [
     pytest.param(changed("image", "ghcr.io/x y"), "image", id="image-with-space"),
     pytest.param(changed("engine.dtype", "fp8"), "dtype", id="bad-dtype"),
     pytest.param(changed("engine.device", "tpu"), "device", id="bad-device"),
+    pytest.param(changed("engine.backend", "sglang"), "backend", id="bad-backend"),
+    pytest.param(changed("engine.tensorParallelSize", 0), "tensorParallelSize", id="tp-zero"),
+    pytest.param(changed("engine.tensorParallelSize", 17), "tensorParallelSize", id="tp-17"),
+    pytest.param(changed("engine.image", "x y"), "image", id="engine-image-with-space"),
+    pytest.param(changed("engine.vllm", {"args": "--enforce-eager"}), "args",
+                 id="vllm-args-string"),
+    pytest.param(changed("engine.vllm", {"args": [8192]}), "args", id="vllm-args-number"),
+    pytest.param(changed("engine.vllm", {"args": ["--enforce-eager"] * 65}), "args",
+                 id="vllm-args-too-many"),
     pytest.param(changed("engine.maxBatchSize", 0), "maxBatchSize", id="zero-batch"),
     pytest.param(changed("engine.terminationGracePeriodSeconds", 0),
                  "terminationGracePeriodSeconds", id="zero-grace"),

@@ -234,9 +234,89 @@ def test_gpu_quantities_in_requests_and_limits() -> None:
 
 
 def test_a_gpu_limit_alone_is_mirrored_into_requests() -> None:
-    raw = {**MINIMAL_SPEC, "engine": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}
+    raw = {**MINIMAL_SPEC, "engine": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}
     resources = container(children(raw)[("StatefulSet", "demo-engine")])["resources"]
-    assert resources == {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}}
+    assert resources == {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}
+
+
+def test_device_cuda_alone_asks_for_one_gpu_per_engine() -> None:
+    raw = {**MINIMAL_SPEC, "engine": {"device": "cuda", "resources": {"limits": {"cpu": 2}}}}
+    resources = container(children(raw)[("StatefulSet", "demo-engine")])["resources"]
+    assert resources == {
+        "requests": {"nvidia.com/gpu": "1"},
+        "limits": {"cpu": "2", "nvidia.com/gpu": "1"},
+    }
+
+
+# --------------------------------------------------------------------------- the vLLM backend
+
+VLLM_IMAGE = "ghcr.io/dpserve/runtime-vllm-cuda:0.1.0"
+VLLM_TP4: dict[str, Any] = {
+    **MINIMAL_SPEC,
+    "model": "meta-llama/Llama-3.3-70B-Instruct",
+    "engine": {
+        "backend": "vllm",
+        "image": VLLM_IMAGE,
+        "tensorParallelSize": 4,
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "resources": {"limits": {"cpu": 16, "memory": "200Gi"}},
+        "vllm": {"args": ["--max-model-len=16384", "--gpu-memory-utilization", "0.9"]},
+    },
+}
+
+
+def test_vllm_engines_run_the_vllm_backend_at_its_tensor_parallel_size() -> None:
+    objects = children(VLLM_TP4)
+    engine = container(objects[("StatefulSet", "demo-engine")])
+    assert engine["image"] == VLLM_IMAGE
+    # The coordinator stays on spec.image: it tokenizes, it runs no model.
+    assert container(objects[("Deployment", "demo-coordinator")])["image"] == IMAGE
+    command = engine["command"]
+    assert command[:2] == ["dpserve", "engine"]
+    separator = command.index("--")
+    dpserve_flags, vllm_flags = command[:separator], command[separator + 1 :]
+    assert dpserve_flags[-4:] == ["--backend", "vllm", "--tensor-parallel-size", "4"]
+    model = dpserve_flags[dpserve_flags.index("--model") + 1]
+    assert model == "meta-llama/Llama-3.3-70B-Instruct"
+    # vLLM's flags in one form, in the order given.
+    assert vllm_flags == ["--max-model-len", "16384", "--gpu-memory-utilization", "0.9"]
+    # One GPU per tensor-parallel rank, filled in on both sides.
+    assert engine["resources"] == {
+        "requests": {"nvidia.com/gpu": "4"},
+        "limits": {"cpu": "16", "memory": "200Gi", "nvidia.com/gpu": "4"},
+    }
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_vllm_children_validate_strictly(version: str) -> None:
+    for obj in children(VLLM_TP4).values():
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_vllm_on_cpu_runs_at_tensor_parallel_size_1_without_gpus() -> None:
+    raw = {**MINIMAL_SPEC, "engine": {"backend": "vllm", "device": "cpu"}}
+    engine = container(children(raw)[("StatefulSet", "demo-engine")])
+    assert engine["image"] == IMAGE  # spec.image when spec.engine.image is left out
+    assert engine["command"][-4:] == ["--backend", "vllm", "--tensor-parallel-size", "1"]
+    assert "--" not in engine["command"]
+    assert "nvidia.com/gpu" not in str(engine["resources"])
+    # Engines sharing a node must not pin their threads to the cores vLLM picks for each.
+    assert {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"} in engine["env"]
+    pinned = {**raw, "engine": {**raw["engine"], "env": [
+        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}]}}  # fmt: skip
+    env = container(children(pinned)[("StatefulSet", "demo-engine")])["env"]
+    assert [v for v in env if v["name"] == "VLLM_CPU_OMP_THREADS_BIND"] == [
+        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3"}
+    ]
+
+
+def test_the_dpserve_backend_command_names_no_backend() -> None:
+    # The default backend keeps the command line it always had (no --backend flag).
+    engine = container(children(MINIMAL_SPEC)[("StatefulSet", "demo-engine")])
+    assert "--backend" not in engine["command"]
+    assert "--tensor-parallel-size" not in engine["command"]
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in str(engine["env"])
 
 
 def test_engine_headless_service_and_budget() -> None:
@@ -483,7 +563,47 @@ INVALID_SPECS = [
          "spec.engine.resources.requests.cpu: 4 exceeds limits.cpu"),
     case("gpu-request-not-limit", with_(engine={"resources": ENGINE_GPU_MISMATCH}),
          "GPUs cannot be overcommitted"),
-    case("cuda-without-gpu", with_(engine={"device": "cuda"}), "spec.engine.device: is cuda but"),
+    case("tp-on-dpserve",
+         with_(engine={"tensorParallelSize": 2, "device": "cuda"}),
+         "spec.engine.tensorParallelSize: 2 needs backend vllm (spec.engine.backend is dpserve"),
+    case("tp-on-cpu", with_(engine={"backend": "vllm", "tensorParallelSize": 2, "device": "cpu"}),
+         "spec.engine.tensorParallelSize: 2 needs GPUs (spec.engine.device cuda or an "
+         "nvidia.com/gpu resource); tensor parallelism on CPU is not offered"),
+    case("tp-on-auto-without-gpus",
+         with_(engine={"backend": "vllm", "tensorParallelSize": 4}),
+         "spec.engine.tensorParallelSize: 4 needs GPUs"),
+    case("tp-above-bound", with_(engine={"backend": "vllm", "tensorParallelSize": 17}),
+         "spec.engine.tensorParallelSize: must be <= 16, got 17"),
+    case("tp-zero", with_(engine={"backend": "vllm", "tensorParallelSize": 0}),
+         "spec.engine.tensorParallelSize: must be >= 1, got 0"),
+    case("gpus-not-tp",
+         with_(engine={"backend": "vllm", "tensorParallelSize": 4,
+                       "resources": {"limits": {"nvidia.com/gpu": 2}}}),
+         "spec.engine.resources.limits.nvidia.com/gpu: 2 differs from "
+         "spec.engine.tensorParallelSize (4)"),
+    case("two-gpus-for-a-dpserve-engine",
+         with_(engine={"resources": {"requests": {"nvidia.com/gpu": 2}}}),
+         "nvidia.com/gpu: 2 differs from spec.engine.tensorParallelSize (1)"),
+    case("bad-backend", with_(engine={"backend": "sglang"}),
+         "spec.engine.backend: must be one of dpserve, vllm; got 'sglang'"),
+    case("vllm-args-on-dpserve", with_(engine={"vllm": {"args": ["--enforce-eager"]}}),
+         "spec.engine.vllm: is for backend vllm; spec.engine.backend is dpserve"),
+    case("vllm-args-port", with_(engine={"backend": "vllm", "vllm": {"args": ["--port", "80"]}}),
+         "spec.engine.vllm.args[0]: --port is set by dpserve"),
+    case("vllm-args-tp",
+         with_(engine={"backend": "vllm", "vllm": {"args": ["--tensor-parallel-size=2"]}}),
+         "spec.engine.vllm.args[0]: --tensor-parallel-size is set by dpserve: set "
+         "spec.engine.tensorParallelSize"),
+    case("vllm-args-not-a-list", with_(engine={"backend": "vllm", "vllm": {"args": "--seed 1"}}),
+         "spec.engine.vllm.args: must be a list of strings, got string"),
+    case("vllm-args-too-many",
+         with_(engine={"backend": "vllm", "vllm": {"args": ["--enforce-eager"] * 65}}),
+         "spec.engine.vllm.args: must have at most 64 items, got 65"),
+    case("vllm-arg-too-long",
+         with_(engine={"backend": "vllm", "vllm": {"args": ["--revision=" + "a" * 4090]}}),
+         "spec.engine.vllm.args[0]: is longer than 4096 characters"),
+    case("engine-image-bad", with_(engine={"image": "Runtime VLLM"}),
+         "spec.engine.image: 'Runtime VLLM' is not a valid image reference"),
     case("reserved-env", with_(engine={"env": [{"name": "POD_NAME", "value": "x"}]}),
          "is set by the operator"),
     case("duplicate-env",
@@ -555,6 +675,8 @@ def test_defaults() -> None:
     assert (spec.coordinator.zmq_port, spec.coordinator.http_port) == (5555, 8000)
     assert spec.coordinator.routing == "prefix-aware"
     assert spec.engine.prefix_caching is True
+    assert (spec.engine.backend, spec.engine.tensor_parallel_size) == ("dpserve", 1)
+    assert (spec.engine.image, spec.engine.vllm_args) == (None, ())
     assert spec.model_volume is None and spec.image_pull_policy is None
 
 
