@@ -241,3 +241,136 @@ def test_an_image_without_a_compiler_loads_the_portable_build(tmp_path: Path) ->
     )
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-3000:]
     assert not (tmp_path / "cache" / "cpu-kernels").exists()  # nothing was built there
+
+
+# ------------------------------------------------------------------------- the decode matmul
+
+X86_PATHS = [
+    pytest.param(cpu_kernels.ISA_AVX2, id="avx2"),
+    pytest.param(cpu_kernels.ISA_AVX512, id="avx512"),
+    pytest.param(cpu_kernels.ISA_PORTABLE, id="portable"),
+]
+
+
+def _skip_unless_the_cpu_runs(isa: int) -> None:
+    if not cpu_kernels.decode_matmul_supports(isa):
+        flag = {cpu_kernels.ISA_AVX2: "AVX2 and FMA", cpu_kernels.ISA_AVX512: "AVX-512F"}
+        pytest.skip(f"this CPU lacks {flag.get(isa, 'it')}: the path cannot run here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", X86_PATHS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+@pytest.mark.parametrize(
+    # Output rows that are not a multiple of any path's block of rows or of a thread's tile;
+    # K below one vector, not a multiple of 8 or 16, one vector plus a tail, SmolLM2's.
+    ("out_features", "in_features"),
+    [(37, 5), (19, 13), (67, 577), (16, 24), (130, 576)],
+)
+def test_decode_matmul_equals_torch(
+    isa: int, rows: int, out_features: int, in_features: int
+) -> None:
+    _skip_unless_the_cpu_runs(isa)
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    # Rows wider than they are: the engine passes views of wider activations and residuals.
+    x = torch.randn(rows, in_features + 3, generator=generator)[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    other = torch.randn(rows, out_features + 1, generator=generator)[:, :out_features]
+    plain = x @ weight.T
+    expected = {
+        cpu_kernels.EPILOGUE_NONE: (None, None, plain),
+        cpu_kernels.EPILOGUE_SILU: (bias, None, functional.silu(plain + bias)),
+        cpu_kernels.EPILOGUE_MUL: (None, other, plain * other),
+        cpu_kernels.EPILOGUE_ADD: (bias, other, plain + bias + other),
+    }
+    for epilogue, (with_bias, with_other, wanted) in expected.items():
+        out = cpu_kernels.decode_matmul(x, weight, with_bias, with_other, epilogue, isa)
+        assert out.shape == (rows, out_features)
+        # Summed in vector-width order, not torch's: ~1e-6 relative on sums of K products.
+        torch.testing.assert_close(out, wanted, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+@needs_kernels
+def test_decode_matmul_silu_stays_finite_at_extremes() -> None:
+    """SiLU of large negative and positive products: 0 and the product itself, no NaN from an
+    exp that overflows."""
+    weight = torch.tensor([[1.0], [1.0], [1.0], [1.0]])
+    x = torch.tensor([[-200.0], [-1.0], [0.0], [300.0]])
+    for row in range(4):
+        out = cpu_kernels.decode_matmul(
+            x[row : row + 1], weight, epilogue=cpu_kernels.EPILOGUE_SILU
+        )
+        torch.testing.assert_close(out, functional.silu(x[row : row + 1] @ weight.T))
+
+
+@needs_kernels
+def test_decode_matmul_of_no_rows_or_no_outputs_is_empty() -> None:
+    assert cpu_kernels.decode_matmul(torch.ones(0, 8), torch.ones(4, 8)).shape == (0, 4)
+    assert cpu_kernels.decode_matmul(torch.ones(2, 8), torch.ones(0, 8)).shape == (2, 0)
+
+
+@needs_kernels
+def test_decode_matmul_refuses_what_it_cannot_read() -> None:
+    x, weight = torch.ones(2, 8), torch.ones(4, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.decode_matmul(x.double(), weight.double())
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_kernels.decode_matmul(x, torch.ones(4, 9))
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        cpu_kernels.decode_matmul(x, torch.ones(8, 4).T)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        cpu_kernels.decode_matmul(torch.ones(8, 2).T, weight)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.decode_matmul(x, weight, torch.ones(3))
+    with pytest.raises(RuntimeError, match="needs the other operand"):
+        cpu_kernels.decode_matmul(x, weight, epilogue=cpu_kernels.EPILOGUE_ADD)
+    with pytest.raises(RuntimeError, match="other must be"):
+        cpu_kernels.decode_matmul(x, weight, None, torch.ones(2, 3), cpu_kernels.EPILOGUE_MUL)
+    with pytest.raises(RuntimeError, match="unknown epilogue"):
+        cpu_kernels.decode_matmul(x, weight, epilogue=9)
+    with pytest.raises(RuntimeError, match="unknown instruction path"):
+        cpu_kernels.decode_matmul(x, weight, isa=7)
+    assert not cpu_kernels.decode_matmul_supports(7)
+
+
+@needs_kernels
+def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy requests of different lengths, so that decode steps of 1 to 6 sequences run: the
+    same tokens and log-probs (within 1e-4) with the small batches on the decode kernel as with
+    every step on oneDNN."""
+    from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, uses_onednn
+    from dpserve.engine.model_runner import ModelRunner
+    from dpserve.engine.runner import RunnerRequest
+    from dpserve.sampling import SamplingParams
+
+    if not uses_onednn(torch.ones(2, 2)):
+        pytest.skip("this torch build has no oneDNN linears: the small batches have no other path")
+
+    def generate(small_batch_rows: int) -> dict[int, tuple[list[int], list[float]]]:
+        monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(small_batch_rows))
+        runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8)
+        assert runner.backend.model.lm_head.decode_kernel == bool(small_batch_rows)
+        runner.eos_token_ids = frozenset()
+        for request in range(6):
+            params = SamplingParams(
+                temperature=0.0, num_tokens_to_generate=4 + 5 * request, return_log_probs=True
+            )
+            runner.add(RunnerRequest(request, [3 + request, 17, 40 + 2 * request], params))
+        results: dict[int, tuple[list[int], list[float]]] = {}
+        while runner.has_work():
+            for update in runner.step():
+                tokens, logprobs = results.setdefault(update.request_id, ([], []))
+                tokens.extend(update.tokens)
+                logprobs.extend(update.logprobs or [])
+        return results
+
+    ours, onednn = generate(cpu_kernels.DECODE_MATMUL_MAX_ROWS), generate(0)
+    assert ours.keys() == onednn.keys() == set(range(6))
+    for request, (tokens, logprobs) in ours.items():
+        assert tokens == onednn[request][0] and len(tokens) == 4 + 5 * request
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(onednn[request][1]), rtol=0, atol=1e-4
+        )

@@ -1,5 +1,6 @@
 """The model's linear layers: every fused variant equals the plain torch computation, on the
-prepacked oneDNN path (fp32 on x86 CPUs) and on the torch fallback (fp64: oneDNN refuses it)."""
+prepacked oneDNN path (fp32 on x86 CPUs), on the small-batch path (the C++ decode kernel where it
+is built, else the dense ``F.linear``) and on the torch fallback (fp64: oneDNN refuses it)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ import pytest
 import torch
 from torch.nn import functional
 
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers import linear as linear_module
-from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, Linear, small_batch_rows, uses_onednn
+from dpserve.engine.layers.linear import (
+    SMALL_BATCH_MAX_ROWS,
+    SMALL_BATCH_ROWS_ENV,
+    Linear,
+    small_batch_rows,
+    uses_onednn,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -48,27 +56,39 @@ needs_onednn = pytest.mark.skipif(
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize(
+    ("setting", "rows"), [(3, 1), (3, 3), (3, 4), (8, 2), (8, 5), (8, 8), (8, 9)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batches_take_the_dense_weight_and_equal_torch(
-    rows: int, monkeypatch: pytest.MonkeyPatch
+    setting: int, rows: int, with_bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "3")
+    """Up to ``setting`` rows run the small-batch path (the decode kernel where the C++ kernels
+    are built), more the packed oneDNN one; every variant equals torch either way, with
+    activations and residuals whose rows are wider than they are (views of wider tensors)."""
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(setting))
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(24, 40, generator=generator)
-    x = torch.randn(rows, 40, generator=generator)
-    other = torch.randn(rows, 24, generator=generator)
-    linear = Linear(weight.clone())
-    assert linear.small_rows == 3 and linear.dense is not None and linear.weight.is_mkldnn
-    packed: list[str] = []
-    onednn = linear._onednn
-    monkeypatch.setattr(linear, "_onednn", lambda *args: packed.append("") or onednn(*args))
-    plain = functional.linear(x, weight)
+    weight = torch.randn(37, 45, generator=generator)
+    bias = torch.randn(37, generator=generator) if with_bias else None
+    x = torch.randn(rows, 50, generator=generator)[:, :45]
+    other = torch.randn(rows, 40, generator=generator)[:, :37]
+    linear = Linear(weight.clone(), bias)
+    assert linear.small_rows == setting and linear.dense is not None and linear.weight.is_mkldnn
+    assert linear.decode_kernel == cpu_kernels.available()
+    calls: list[str] = []
+    onednn, decode = linear._onednn, cpu_kernels.decode_matmul
+    monkeypatch.setattr(linear, "_onednn", lambda *args: calls.append("onednn") or onednn(*args))
+    monkeypatch.setattr(
+        cpu_kernels, "decode_matmul", lambda *args: calls.append("kernel") or decode(*args)
+    )
+    plain = functional.linear(x, weight, bias)
     tolerance = {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(linear(x), plain, **tolerance)
     torch.testing.assert_close(linear.silu(x), functional.silu(plain), **tolerance)
     torch.testing.assert_close(linear.times(x, other), plain * other, **tolerance)
     torch.testing.assert_close(linear.plus(x, other), plain + other, **tolerance)
-    assert bool(packed) == (rows > 3)
+    assert ("onednn" in calls) == (rows > setting)
+    assert ("kernel" in calls) == (rows <= setting and cpu_kernels.available())
 
 
 @needs_onednn
@@ -92,7 +112,7 @@ def test_no_rows_give_no_rows(setting: str, monkeypatch: pytest.MonkeyPatch) -> 
     assert linear.plus(empty, residual).shape == (0, 8)
 
 
-@pytest.mark.parametrize("value", ["4", "-1", "two", "", "1.5"])
+@pytest.mark.parametrize("value", [str(SMALL_BATCH_MAX_ROWS + 1), "-1", "two", "", "1.5"])
 def test_a_bad_small_batch_setting_is_refused_by_name(
     value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,12 +130,12 @@ def test_small_batches_are_measured_only_for_fp32_on_onednn(
 
 
 @needs_onednn
-def test_the_measurement_picks_a_row_count_below_onednns(
+def test_the_measurement_picks_a_row_count_the_small_path_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
     measured = linear_module._measured_small_batch_rows.__wrapped__(torch.get_num_threads())
-    assert 0 <= measured < linear_module.ONEDNN_MIN_ROWS
+    assert 0 <= measured <= SMALL_BATCH_MAX_ROWS
 
 
 @pytest.mark.parametrize(
@@ -145,7 +165,10 @@ def test_an_engine_refuses_a_bad_small_batch_setting_before_loading(
 ) -> None:
     from dpserve.cli import main
 
-    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "9")
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(SMALL_BATCH_MAX_ROWS + 1))
     code = main(["engine", "--model", "/no/such/model", "--coordinator", "tcp://127.0.0.1:1"])
     assert code == 2
-    assert f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to 3" in capsys.readouterr().err
+    assert (
+        f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {SMALL_BATCH_MAX_ROWS}"
+        in capsys.readouterr().err
+    )

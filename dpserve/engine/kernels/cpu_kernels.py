@@ -47,11 +47,21 @@ from dpserve.model_loading import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+# The glue kernels, compiled for this CPU (``-march=native``), and the decode matmul, compiled
+# for a baseline target, its AVX2 and AVX-512 paths by function attributes and chosen at run
+# time (a baseline below them, so that the AVX2 path holds no AVX-512 instruction and is the
+# code an AVX2-only CPU runs, whichever CPU built it): one library.
+GLUE_SOURCE = CSRC / "cpu_kernels.cpp"
+MATMUL_SOURCE = CSRC / "decode_matmul.cpp"
+SOURCES = (GLUE_SOURCE, MATMUL_SOURCE)
 DISABLE_VARIABLE = "DPSERVE_CPU_KERNELS"
 PREBUILT_VARIABLE = "DPSERVE_CPU_KERNELS_PREBUILT"
 # A portable build's target, and the /proc/cpuinfo flags a CPU needs to run it.
 PORTABLE_ARCH = "-march=x86-64-v3"
+# The decode matmul's target outside its attributed paths (x86): what every x86-64 CPU since
+# ~2009 runs.
+MATMUL_BASELINE_ARCH = "-march=x86-64-v2"
 PORTABLE_CPU_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"})
 # Reassociation lets the compiler sum dot products as a tree of vector adds (in source order
 # it adds 16 lanes one after another); no flag here assumes values are finite.
@@ -95,36 +105,65 @@ def _torch_dir() -> Path:
     return Path(torch.__file__).parent
 
 
-def compile_command(compiler: str, output: Path, arch: tuple[str, ...] | None = None) -> list[str]:
-    """The compiler's command line; ``arch`` (default: this CPU's) is the target."""
+def _compile_flags() -> list[str]:
     torch_dir = _torch_dir()
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     return [
-        compiler,
         *_OPTIMIZE,
-        *(_arch_flags() if arch is None else arch),
         "-std=c++20",
         "-fPIC",
-        "-shared",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}",
         f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        str(SOURCE),
-        "-o",
-        str(output),
-        f"-L{torch_dir / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
-        # torch's own libgomp (same soname), so that one OpenMP runtime runs both.
-        f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]
+
+
+def _matmul_arch_flags() -> tuple[str, ...]:
+    machine = platform.machine().lower()
+    return (MATMUL_BASELINE_ARCH,) if machine in ("x86_64", "amd64") else _arch_flags()
+
+
+def compile_commands(
+    compiler: str, output: Path, arch: tuple[str, ...] | None = None
+) -> list[list[str]]:
+    """The compiler's command lines, in order: the decode matmul's object (``output`` with the
+    suffix ``.matmul.o``), then the library linked with it; ``arch`` (default: this CPU's) is
+    the glue's target."""
+    torch_dir = _torch_dir()
+    matmul_object = output.with_suffix(".matmul.o")
+    return [
+        [
+            compiler,
+            *_compile_flags(),
+            *_matmul_arch_flags(),
+            "-c",
+            str(MATMUL_SOURCE),
+            "-o",
+            str(matmul_object),
+        ],
+        [
+            compiler,
+            *_compile_flags(),
+            *(_arch_flags() if arch is None else arch),
+            "-shared",
+            str(GLUE_SOURCE),
+            str(matmul_object),
+            "-o",
+            str(output),
+            f"-L{torch_dir / 'lib'}",
+            "-lc10",
+            "-ltorch_cpu",
+            # torch's own libgomp (same soname), so that one OpenMP runtime runs both.
+            f"-Wl,-rpath,{torch_dir / 'lib'}",
+        ],
     ]
 
 
 def build_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
-        " ".join(compile_command(compiler, Path("out.so"))).encode(),
+        *(source.read_bytes() for source in SOURCES),
+        *(" ".join(command).encode() for command in compile_commands(compiler, Path("out.so"))),
         torch.__version__.encode(),
         _cpu_identity().encode(),
     ):
@@ -148,24 +187,17 @@ def _required_compiler() -> str:
 def _compile(compiler: str, library: Path, arch: tuple[str, ...] | None = None) -> None:
     """Compiles into ``library`` through a temporary file beside it, so that a reader never
     sees half a library."""
-    descriptor, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
-    os.close(descriptor)
-    try:
-        result = subprocess.run(
-            compile_command(compiler, Path(partial), arch),
-            capture_output=True,
-            text=True,
-            timeout=_BUILD_SECONDS,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        # mkstemp made it 0600: readable by its builder alone, not by the image's own user.
+    with tempfile.TemporaryDirectory(dir=library.parent, prefix=".partial-") as scratch:
+        partial = Path(scratch) / library.name
+        for command in compile_commands(compiler, partial, arch):
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=_BUILD_SECONDS, check=False
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        # Written 0644 under a 022 umask; made readable by the image's own user whatever it is.
         os.chmod(partial, 0o755)
         os.replace(partial, library)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
 
 
 def build() -> Path:
@@ -297,6 +329,37 @@ def decode_attention(
         query, kv_pair, block_tables, seq_lens, scale
     )
     return out
+
+
+# What ``decode_matmul`` does after the product (csrc/decode_matmul.cpp's Epilogue).
+EPILOGUE_NONE, EPILOGUE_SILU, EPILOGUE_MUL, EPILOGUE_ADD = range(4)
+# Which instruction path computes it (csrc/decode_matmul.cpp's Isa): the fastest this CPU
+# runs, or one named (for the tests and the bench; refused where the CPU lacks it).
+ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(4)
+ISA_NAMES = {ISA_AUTO: "auto", ISA_PORTABLE: "portable", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
+# The most activation rows ``decode_matmul`` takes in one pass over the weight (more are
+# computed this many at a time, each group reading the weight again).
+DECODE_MATMUL_MAX_ROWS = 8
+
+
+def decode_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    other: torch.Tensor | None = None,
+    epilogue: int = EPILOGUE_NONE,
+    isa: int = ISA_AUTO,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a few rows of ``x`` ``[rows, k]``, ``weight`` ``[n, k]``
+    contiguous, each weight row read once for all rows; then ``silu`` of it, or it times or
+    plus ``other`` ``[rows, n]`` (``epilogue``). A new ``[rows, n]`` tensor."""
+    out: torch.Tensor = torch.ops.dpserve_cpu.decode_matmul(x, weight, bias, other, epilogue, isa)
+    return out
+
+
+def decode_matmul_supports(isa: int) -> bool:
+    """Whether this CPU runs ``decode_matmul``'s instruction path ``isa``."""
+    return bool(torch.ops.dpserve_cpu.decode_matmul_supports(isa))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@ model, and read by the layers through ``KernelChoice`` (no layer asks the device
 
 | op                | CUDA                         | CPU, fp32, C++ built | otherwise         |
 |-------------------|------------------------------|----------------------|-------------------|
-| linear            | cuBLAS                       | oneDNN (``linear``)  | oneDNN or torch   |
+| linear, <= N rows | cuBLAS                       | ``decode_matmul``    | oneDNN or torch   |
+| linear, more rows | cuBLAS                       | oneDNN (``linear``)  | oneDNN or torch   |
 | RMSNorm           | torch                        | ``cpu_kernels``      | torch             |
 | q/k RMSNorm       | torch, per head              | torch, per head      | torch, per head   |
 | RoPE + KV write   | ``triton_layer_ops``         | ``cpu_kernels``      | complex product   |
@@ -12,6 +13,12 @@ model, and read by the layers through ``KernelChoice`` (no layer asks the device
 | decode attention  | ``triton_decode``            | ``cpu_kernels``      | gathered torch    |
 | prefill attention | ``triton_prefill``           | SDPA, gathered       | SDPA, gathered    |
 | greedy argmax     | ``triton_greedy`` (sampler)  | torch                | torch             |
+
+N, the row count up to which a decode step's linears run the C++ ``decode_matmul`` (a weight
+row read once for all rows) rather than oneDNN, is measured at start against oneDNN at each row
+count (``linear.small_batch_rows``, up to ``linear.SMALL_BATCH_MAX_ROWS``) and logged; each
+``Linear`` takes it when built. Without the C++ kernels the same rows may run torch's dense
+``F.linear`` instead, where that measures faster than oneDNN.
 
 "CUDA" means Triton imports and its kernels compile there (``triton_layer_ops.available``,
 ``attention.decode_attention_backend``); otherwise the CUDA column falls back to torch op by op.

@@ -12,18 +12,24 @@ intermediate tensor written and read back.
 Elsewhere (CUDA, CPU builds without oneDNN, dtypes it refuses) the same calls run as plain
 torch operations; the residual add still rides in the matmul (``addmm``'s beta).
 
-Decode steps of one to three sequences are a matrix-vector product in all but name, and which
-library streams the weights faster then depends on the CPU: on an AMD EPYC (Zen 4) oneDNN's
-kernel padded to ``ONEDNN_MIN_ROWS`` rows was the fastest; on an Intel Xeon with AVX-512 torch's
-dense ``F.linear`` (MKL) reads a row's weights at ~24 GB/s on two threads against oneDNN's ~17,
-and a SmolLM2-135M decode step of one sequence took 27 ms against 37 (issue 16). So
-``small_batch_rows`` measures both once per process, and where the dense product wins, each
-linear keeps the dense weight beside the packed one and runs steps of that many rows or fewer
-through it. What that costs depends on where the dense weights live: SmolLM2's stay
-memory-mapped from its fp32 file anyway (RSS +48 MB, for the fused QKV matrices), while weights
-converted at load (a bf16 checkpoint served in fp32) are kept twice. So not under a memory
-limit (a container's cgroup), which was sized for one copy: there nothing is measured and
-nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never).
+Decode steps of a few sequences are a matrix-vector product in all but name: their time is the
+time to stream the weights from memory once. oneDNN's and MKL's kernels for 1-3 rows read the
+weights at well below the memory's bandwidth (on AMD EPYC Zen 4, two threads: ~6 GB/s for 1 row
+padded to 4, ~4 GB/s for MKL's ``F.linear``, against ~14 GB/s that a plain sum reads; issue 33),
+so where the C++ kernels are built (fp32 on CPU) such steps run ``cpu_kernels.decode_matmul``:
+each weight row read once for every row of the step, threads splitting the output rows, its
+epilogue (SiLU, the product by the gate, the residual add) fused as oneDNN's is. Without the
+C++ kernels the same steps can run torch's dense ``F.linear`` instead (on an Intel Xeon with
+AVX-512 it read a row's weights at ~24 GB/s on two threads against oneDNN's ~17; issue 16).
+``small_batch_rows`` measures that small-batch path against oneDNN once per process, for 1 to
+``SMALL_BATCH_MAX_ROWS`` rows (oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine
+pads), and each linear keeps the dense weight beside the packed one and runs steps of that many
+rows or fewer through it. What that costs depends on where the dense weights live: SmolLM2's
+stay memory-mapped from its fp32 file anyway (RSS +48 MB, for the fused QKV matrices), while
+weights converted at load (a bf16 checkpoint served in fp32) are kept twice. So not under a
+memory limit (a container's cgroup), which was sized for one copy: there nothing is measured
+and nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
+never).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from dpserve.engine.kernels import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
@@ -50,9 +58,12 @@ _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 ONEDNN_MIN_ROWS = 4
 
 SMALL_BATCH_ROWS_ENV = "DPSERVE_CPU_SMALL_BATCH_ROWS"
+# The most rows the small-batch path is measured for and may take: the decode kernel's one
+# pass over the weight (beyond it oneDNN's kernels stream the weight as fast; issue 33).
+SMALL_BATCH_MAX_ROWS = cpu_kernels.DECODE_MATMUL_MAX_ROWS
 # The probe: copies of one weight, together far larger than a server's last-level cache, so that
-# they come from memory as a decode step's weights do; the dense product is used for a row count
-# only where it takes at most _DENSE_MARGIN of oneDNN's padded time (noise is not a reason to
+# they come from memory as a decode step's weights do; the small-batch path is used for a row
+# count only where it takes at most _DENSE_MARGIN of oneDNN's time (noise is not a reason to
 # hold the weights twice).
 _PROBE_SHAPE = (2048, 1024)
 _PROBE_BYTES = 192 << 20
@@ -83,9 +94,9 @@ def uses_onednn(weight: torch.Tensor) -> bool:
 
 
 def small_batch_rows(dtype: torch.dtype) -> int:
-    """Up to how many rows a prepacked fp32 ``Linear`` runs through the dense ``F.linear``
-    rather than oneDNN padded to ``ONEDNN_MIN_ROWS`` rows (0: never): ``SMALL_BATCH_ROWS_ENV``,
-    else measured once per process and thread count."""
+    """Up to how many rows a prepacked fp32 ``Linear`` runs through its small-batch path (the
+    decode kernel, else the dense ``F.linear``) rather than oneDNN (0: never):
+    ``SMALL_BATCH_ROWS_ENV``, else measured once per process and thread count."""
     override = small_batch_rows_setting()
     if override is not None:
         return override
@@ -96,16 +107,23 @@ def small_batch_rows(dtype: torch.dtype) -> int:
 
 def small_batch_rows_setting() -> int | None:
     """``SMALL_BATCH_ROWS_ENV`` as a row count, None where it is not set; ValueError, naming it,
-    for anything but 0 to ``ONEDNN_MIN_ROWS - 1`` (an engine checks it before loading a model)."""
+    for anything but 0 to ``SMALL_BATCH_MAX_ROWS`` (an engine checks it before loading a
+    model)."""
     value = os.environ.get(SMALL_BATCH_ROWS_ENV)
     if value is None:
         return None
-    if not value.strip().isdigit() or int(value) >= ONEDNN_MIN_ROWS:
+    if not value.strip().isdigit() or int(value) > SMALL_BATCH_MAX_ROWS:
         raise ValueError(
-            f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {ONEDNN_MIN_ROWS - 1} "
+            f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {SMALL_BATCH_MAX_ROWS} "
             f"(got {value!r})"
         )
     return int(value)
+
+
+def small_batch_kernel() -> str:
+    """What runs the small batches of fp32 CPU linears: ``"decode_matmul"`` (the C++ kernel,
+    where it is built) or ``"dense"`` (torch's ``F.linear``)."""
+    return "decode_matmul" if cpu_kernels.available() else "dense"
 
 
 # cgroup v2, then v1: a container's memory limit as it sees it.
@@ -137,53 +155,68 @@ def _under_memory_limit() -> bool:
     return False
 
 
+def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if small_batch_kernel() == "decode_matmul":
+        return cpu_kernels.decode_matmul(x, weight)
+    return functional.linear(x, weight)
+
+
 @functools.cache
 def _measured_small_batch_rows(threads: int) -> int:
     rows_out, rows_in = _PROBE_SHAPE
     copies = _PROBE_BYTES // (rows_out * rows_in * 4)
     dense = [torch.full(_PROBE_SHAPE, 1.0 + i / copies) for i in range(copies)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in dense]
-    inputs = {rows: torch.full((rows, rows_in), 0.5) for rows in range(1, ONEDNN_MIN_ROWS + 1)}
+    inputs = {rows: torch.full((rows, rows_in), 0.5) for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)}
 
-    def one_pass(rows: int) -> float:
-        """Seconds for every copy: oneDNN at ``ONEDNN_MIN_ROWS`` rows, else the dense matmul."""
-        x = inputs[rows]
+    def one_pass(rows: int, small: bool) -> float:
+        """Seconds for every copy: the small-batch path, or oneDNN at the rows the engine would
+        run it with (padded to ``ONEDNN_MIN_ROWS``)."""
         start = time.perf_counter()
-        if rows == ONEDNN_MIN_ROWS:
+        if small:
+            x = inputs[rows]
+            for weight in dense:
+                _small_batch_product(x, weight)
+        else:
+            x = inputs[max(rows, ONEDNN_MIN_ROWS)]
             for weight in packed:
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        else:
-            for weight in dense:
-                functional.linear(x, weight)
         return time.perf_counter() - start
 
     # Round after round, every candidate once, the fastest pass of each kept: engines start
     # beside other processes, and a load that comes or goes mid-probe then weighs on all alike.
-    best = dict.fromkeys(inputs, float("inf"))
+    # oneDNN below ONEDNN_MIN_ROWS rows is the padded pass, measured once.
+    onednn_rows = range(ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1)
+    small = dict.fromkeys(inputs, float("inf"))
+    onednn = dict.fromkeys(onednn_rows, float("inf"))
     for _ in range(_PROBE_ROUNDS):
         for rows in inputs:
-            best[rows] = min(best[rows], one_pass(rows))
-    padded = best.pop(ONEDNN_MIN_ROWS)
+            small[rows] = min(small[rows], one_pass(rows, small=True))
+        for rows in onednn_rows:
+            onednn[rows] = min(onednn[rows], one_pass(rows, small=False))
     chosen = 0
-    for rows, seconds in best.items():
-        if seconds > _DENSE_MARGIN * padded:
+    for rows, seconds in small.items():
+        if seconds > _DENSE_MARGIN * onednn[max(rows, ONEDNN_MIN_ROWS)]:
             break
         chosen = rows
-    gigabytes = _PROBE_BYTES / 1e9
+    kernel = small_batch_kernel()
     choice = (
-        f"CPU decode steps of at most {chosen} sequence(s) run through the dense matmul, with a "
-        f"copy of the weights kept for it ({SMALL_BATCH_ROWS_ENV}=0: never)"
+        f"CPU decode steps of at most {chosen} sequence(s) run through {kernel}, with a copy of "
+        f"the weights kept for it ({SMALL_BATCH_ROWS_ENV}=0: never)"
         if chosen
         else f"CPU decode steps of every size run through oneDNN, one copy of the weights "
-        f"({SMALL_BATCH_ROWS_ENV}=N: the dense matmul up to N sequences)"
+        f"({SMALL_BATCH_ROWS_ENV}=N: {kernel} up to N sequences)"
     )
+    gigabytes = _PROBE_BYTES / 1e9
     log.info(
-        "%s; oneDNN padded to %d rows read %.1f GB/s, the dense matmul of 1 / 2 / 3 rows %s "
-        "GB/s (%d threads)",
+        "%s; GB/s of weights read by rows 1-%d: %s %s, oneDNN %s (padded to %d below it; %d "
+        "threads)",
         choice,
+        SMALL_BATCH_MAX_ROWS,
+        kernel,
+        " / ".join(f"{gigabytes / seconds:.1f}" for seconds in small.values()),
+        " / ".join(f"{gigabytes / onednn[max(rows, ONEDNN_MIN_ROWS)]:.1f}" for rows in small),
         ONEDNN_MIN_ROWS,
-        gigabytes / padded,
-        " / ".join(f"{gigabytes / seconds:.1f}" for seconds in best.values()),
         threads,
     )
     return chosen
@@ -197,6 +230,8 @@ class Linear:
         self.onednn = uses_onednn(weight)
         # Activations of at most this many rows go through ``dense`` (see the module docstring).
         self.small_rows = small_batch_rows(weight.dtype) if self.onednn else 0
+        # Whether those run the C++ decode kernel (else torch's F.linear on ``dense``).
+        self.decode_kernel = bool(self.small_rows) and cpu_kernels.usable(weight)
         # The weight as torch's own matmul reads it: the weight itself without oneDNN, a second
         # copy beside the packed one where small batches use it, else None.
         self.dense: torch.Tensor | None = (
@@ -213,6 +248,22 @@ class Linear:
         ``small_rows``, an empty ``x`` (a step whose prompt chunks need no logits yet)
         included, since no dense copy may be kept."""
         return self.onednn and not 0 < x.shape[0] <= self.small_rows
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` goes through the C++ decode kernel (a small batch of 2-D rows)."""
+        return self.decode_kernel and x.dim() == 2 and 0 < x.shape[0] <= self.small_rows
+
+    def _decode(
+        self, x: torch.Tensor, epilogue: int, other: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        assert self.dense is not None
+        return cpu_kernels.decode_matmul(
+            _unit_stride_rows(x),
+            self.dense,
+            self.bias,
+            None if other is None else _unit_stride_rows(other),
+            epilogue,
+        )
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:
         out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -233,28 +284,42 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed(x):
             return self._onednn(x, "none")
+        if self._kernel(x):
+            return self._decode(x, cpu_kernels.EPILOGUE_NONE)
         return self._dense(x)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(self(x))``."""
         if self._packed(x):
             return self._onednn(x, "swish")
+        if self._kernel(x):
+            return self._decode(x, cpu_kernels.EPILOGUE_SILU)
         return functional.silu(self._dense(x), inplace=True)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other``."""
         if self._packed(x):
             return self._onednn_binary(x, other, "mul")
+        if self._kernel(x):
+            return self._decode(x, cpu_kernels.EPILOGUE_MUL, other)
         return self._dense(x).mul_(other)
 
     def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``self(x) + residual`` (a new tensor; ``residual`` is not modified)."""
         if self._packed(x):
             return self._onednn_binary(x, residual, "add")
+        if self._kernel(x):
+            return self._decode(x, cpu_kernels.EPILOGUE_ADD, residual)
         if self.bias is None and x.dim() == 2:
             assert self.dense is not None
             return torch.addmm(residual, x, self.dense.t())
         return self._dense(x).add_(residual)
+
+
+def _unit_stride_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as the decode kernel reads them: 2-D, each row contiguous (a copy only where a
+    row is not)."""
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def detached_weights(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
