@@ -187,9 +187,12 @@ class Sequence:
     # of the context, not of ``tokens``.
     pending: int = 0
     stop_text: StopText | None = None  # with stop strings: the text they are looked for in
+    # The slot of its LoRA adapter (``lora.slots``) while it holds one; -1: the base model.
+    lora_slot: int = -1
     # Prefix caching (see ``scheduler``): hashes of the context's full blocks, the request's
-    # extra keys they mix in (``block_hash.extra_keys`` of its cache_salt), and the context
-    # tokens found cached at its first admission (reported as usage's cached tokens).
+    # extra keys they mix in (``block_hash.extra_keys`` of its cache_salt and adapter), and
+    # the context tokens found cached at its first admission (reported as usage's cached
+    # tokens).
     block_hashes: list[int] = field(default_factory=list)
     cache_extra: bytes = b""
     cached_prompt_tokens: int | None = None
