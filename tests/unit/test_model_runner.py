@@ -18,6 +18,7 @@ from dpserve.engine.paged import backend as paged_backend
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams
+from tests.tiny_model import VARIANT_KINDS, build_variant_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -740,90 +741,9 @@ def test_transformers_path_still_serves_llama_exactly(
 # ---------------------------------------------------------------- Llama-family variants
 
 
-def _variant_config(kind: str, tokenizer: Any) -> Any:
-    from transformers import (
-        LlamaConfig,
-        MistralConfig,
-        MixtralConfig,
-        Qwen2Config,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
-
-    common = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 256,
-        "initializer_range": 0.3,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-    if kind == "qwen2":  # biases on q/k/v, not on o
-        return Qwen2Config(**common, tie_word_embeddings=True)
-    if kind == "mistral":
-        return MistralConfig(**common, sliding_window=None, head_dim=32)
-    if kind == "qwen3":
-        # Per-head q/k RMSNorm before RoPE; random norm weights (transformers starts them at
-        # ones), so a weight left in transformers' dimension order, not RoPE pair order, shows.
-        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
-    if kind == "qwen3-moe":
-        # Eight experts, two per token, renormalised; the second layer dense (mlp_only_layers).
-        return Qwen3MoeConfig(
-            **common,
-            head_dim=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-        )
-    if kind == "mixtral":
-        # Every layer sparse: six experts, two per token, always renormalised.
-        return MixtralConfig(
-            **common, sliding_window=None, num_local_experts=6, num_experts_per_tok=2
-        )
-    # Llama 3's RoPE scaling, tied embeddings, biases everywhere in attention and the MLP.
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    return LlamaConfig(
-        **common,
-        rope_parameters=rope,
-        tie_word_embeddings=True,
-        attention_bias=True,
-        mlp_bias=True,
-    )
-
-
-VARIANTS = ["qwen2", "mistral", "llama3-rope-tied-biases", "qwen3", "qwen3-moe", "mixtral"]
+VARIANTS = list(VARIANT_KINDS)
 # The class of models/ that each variant's model_type is registered to (models.registry).
 MODEL_CLASS = {"qwen3": "PagedQwen3", "qwen3-moe": "PagedQwen3Moe", "mixtral": "PagedMixtral"}
-
-
-def _variant_model(kind: str, tiny_model_path: Path, directory: Path) -> Any:
-    """A tiny random model of ``kind`` saved in ``directory`` (with the tiny tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    torch.manual_seed(6)
-    model = AutoModelForCausalLM.from_config(_variant_config(kind, tokenizer)).eval()
-    with torch.no_grad():  # norm weights away from their initial ones (every norm alike)
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):  # a MoE router: no ties between experts
-                parameter.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return model
 
 
 @pytest.mark.parametrize("kind", VARIANTS)
@@ -832,7 +752,7 @@ def test_llama_family_variants_match_generate(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    _variant_model(kind, tiny_model_path, tmp_path)
+    build_variant_model(kind, tiny_model_path, tmp_path)
     runner = ModelRunner(str(tmp_path), max_num_batched_tokens=40, block_size=8)
     assert runner.stats()["backend"] == "paged"
     assert runner.stats()["model_class"] == MODEL_CLASS.get(kind, "PagedLlama")
@@ -854,7 +774,7 @@ def test_llama_family_variants_match_generate_through_preemption_and_prefix_hits
     (prefix-cache hits): greedy tokens equal generate's, log-probs the model's within 1e-4."""
     from transformers import AutoModelForCausalLM
 
-    _variant_model(kind, tiny_model_path, tmp_path)
+    build_variant_model(kind, tiny_model_path, tmp_path)
     probe = ModelRunner(str(tmp_path), max_num_seqs=1, block_size=8, kv_cache_bytes=1 << 20)
     block_bytes = probe.stats()["kv_bytes"] // probe.stats()["kv_blocks"]
     runner = ModelRunner(

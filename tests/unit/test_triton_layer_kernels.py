@@ -17,7 +17,9 @@ from torch.nn import functional
 
 from dpserve.engine.kernels import triton_layer_ops, triton_prefill
 from dpserve.engine.layers.attention import prefill_attention
+from dpserve.engine.layers.norm import head_norm_
 from dpserve.engine.layers.rotary import rotate_in_place
+from tests.tiny_model import build_variant_model
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
 pytest.importorskip("triton", reason=TRITON_MISSING)
@@ -93,6 +95,62 @@ def test_rotate_and_write_equals_the_torch_rotation_and_index_put(
     torch.testing.assert_close(qkv[:, :q_size], expected_qkv[:, :q_size], **exact)
     # Everything else in the pool is untouched; the written slots hold the rotated keys.
     torch.testing.assert_close(kv_pair, expected_kv, **exact)
+
+
+@interpreter_case
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "dtype"),
+    [(4, 2, 16, torch.float32), (8, 2, 32, torch.bfloat16), (6, 1, 16, torch.float32)],
+)
+def test_rotate_and_write_with_the_head_norm_equals_the_norm_then_the_rotation(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Qwen3's q/k RMSNorm fused into the RoPE kernel: the same queries and cache as
+    ``head_norm_`` on the query and key heads, then the torch rotation and write."""
+    torch.manual_seed(heads * head_dim)
+    tokens, block_size, blocks = 5, 4, 4
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = (torch.randn(tokens, q_size + 2 * kv_size) * 3).to(dtype)
+    query_norm = torch.rand(head_dim).add(0.5).to(dtype)
+    key_norm = torch.rand(head_dim).add(0.5).to(dtype)
+    rotation = _rotation(16, head_dim // 2, seed=head_dim)
+    positions = torch.randint(0, 16, (tokens,))
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    kv_pair = torch.randn(2, blocks, block_size, kv_heads, head_dim).to(dtype)
+
+    normed = qkv.clone()
+    head_norm_(normed[:, :q_size].view(tokens, heads, head_dim), query_norm, 1e-6)
+    head_norm_(
+        normed[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim), key_norm, 1e-6
+    )
+    expected_qkv, expected_kv = rotated_by_torch(
+        normed, rotation, positions, slots, kv_pair, heads, kv_heads
+    )
+    triton_layer_ops.rotate_and_write_kv(
+        qkv,
+        rotation,
+        positions,
+        slots,
+        kv_pair,
+        heads,
+        kv_heads,
+        head_dim,
+        (query_norm, key_norm, 1e-6),
+    )
+    # bf16 rounds three times (the norm, its weight, the rotation) and Triton's interpreter
+    # truncates where the GPU rounds to nearest: within two units of the last place of values
+    # up to ~4 (a weight read from the wrong heads is off by far more).
+    exact = (
+        {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-6, "atol": 2**-4}
+    )
+    torch.testing.assert_close(qkv[:, :q_size], expected_qkv[:, :q_size], **exact)
+    torch.testing.assert_close(kv_pair, expected_kv, **exact)
+
+
+def test_the_head_norm_is_fused_for_power_of_two_head_sizes_only() -> None:
+    assert triton_layer_ops.fuses_head_norm(128) and triton_layer_ops.fuses_head_norm(64)
+    assert not triton_layer_ops.fuses_head_norm(96)
+    assert not triton_layer_ops.fuses_head_norm(0)
 
 
 @interpreter_case
@@ -185,15 +243,22 @@ def small_steps_runner(tiny_model_path: Path) -> Any:
 
 
 @interpreter_case
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-moe", "mixtral"])
 def test_the_model_gives_the_same_tokens_with_the_triton_layers(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole engine on CPU with the CUDA path's kernels (interpreted) against torch's:
-    prefill chunks after cached prefixes, mixed steps, decodes; same tokens and log-probs."""
+    prefill chunks after cached prefixes, mixed steps, decodes; same tokens and log-probs.
+    Qwen3's q/k norm runs fused into the RoPE kernel there, and the experts of Qwen3-MoE and
+    Mixtral in the fused MoE kernel."""
     from dpserve.engine.layers import kernel_choice
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
 
+    model_path = tiny_model_path
+    if kind != "llama":
+        build_variant_model(kind, tiny_model_path, tmp_path)
+        model_path = tmp_path
     rng = random.Random(5)
     shared = [rng.randrange(5, 380) for _ in range(9)]  # a cached prefix for the later ones
     prompts = [
@@ -204,7 +269,7 @@ def test_the_model_gives_the_same_tokens_with_the_triton_layers(
         monkeypatch.setattr(
             kernel_choice, "uses_triton_layers", lambda _device, on=triton_layers: on
         )
-        runner = small_steps_runner(tiny_model_path)
+        runner = small_steps_runner(model_path)
         assert runner.backend.model.triton_layers is triton_layers
         params = SamplingParams(temperature=0.0, num_tokens_to_generate=6, return_log_probs=True)
         for request_id, prompt in enumerate(prompts):

@@ -8,7 +8,9 @@ activation. Here:
 
 * ``rotate_and_write_kv``: one program per token rotates the query and key heads of its row of
   the fused QKV projection by RoPE (in fp32, rounded once), writes the queries back in place and
-  the rotated keys and the values straight into the paged cache at the token's slot;
+  the rotated keys and the values straight into the paged cache at the token's slot; with
+  Qwen3's per-head q/k RMSNorm first, in the same pass (the torch path runs it as two more
+  reads and writes of the queries and keys per layer);
 * ``silu_times_up``: ``silu(gate) * up`` from the fused gate/up projection in one pass.
 
 They round like the torch code they replace (the rotation in fp32, then to the model's dtype;
@@ -47,13 +49,17 @@ def _rotate_and_write_kernel(  # type: ignore[no-untyped-def]
     slots_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     qkv_stride,
     cache_stride_slot,
+    eps,
     Q_SIZE: tl.constexpr,
     KV_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_ROTATED: tl.constexpr,
     BLOCK_KV: tl.constexpr,
+    HEAD_NORM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + row).to(tl.int64)
@@ -66,6 +72,20 @@ def _rotate_and_write_kernel(  # type: ignore[no-untyped-def]
     columns = tl.arange(0, BLOCK_ROTATED)
     rotated = columns < Q_SIZE + KV_SIZE
     heads = tl.load(row_ptr + columns, mask=rotated, other=0.0).to(tl.float32)
+    if HEAD_NORM:
+        # RMSNorm of each head (rows of HEAD_DIM = 2 * HALF; the padding heads stay zero),
+        # rounded as torch's rms_norm: normalised in fp32 and rounded, then times the weight
+        # (the query heads' or the key heads', in RoPE pair order) and rounded again.
+        per_head = tl.reshape(heads, [BLOCK_ROTATED // (2 * HALF), 2 * HALF])
+        mean_square = tl.sum(per_head * per_head, axis=1) / (2 * HALF)
+        per_head = (per_head * tl.rsqrt(mean_square + eps)[:, None]).to(qkv_ptr.dtype.element_ty)
+        dims = tl.arange(0, 2 * HALF)
+        is_query = (tl.arange(0, BLOCK_ROTATED // (2 * HALF)) < Q_SIZE // (2 * HALF))[:, None]
+        weight = tl.where(
+            is_query, tl.load(q_norm_ptr + dims)[None, :], tl.load(k_norm_ptr + dims)[None, :]
+        )
+        per_head = (per_head.to(tl.float32) * weight.to(tl.float32)).to(qkv_ptr.dtype.element_ty)
+        heads = tl.reshape(per_head.to(tl.float32), [BLOCK_ROTATED])
     first, second = tl.split(tl.reshape(heads, [BLOCK_ROTATED // 2, 2]))
     # rotation: [positions, half] complex64 read as (cos, sin) float pairs.
     table = rotation_ptr + position * (2 * HALF) + 2 * (tl.arange(0, BLOCK_ROTATED // 2) % HALF)
@@ -146,13 +166,18 @@ def rotate_and_write_kv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """RoPE on the query and key heads of ``qkv`` ``[tokens, (heads + 2 * kv_heads) * dim]``
     (each head's dimensions in RoPE-pair order) at ``positions``; the queries are rotated in
     place, the rotated keys and the values are written to ``kv_pair`` (``[2, blocks,
     block_size, kv_heads, dim]``) at ``slot_mapping``. ``rotation`` is ``[positions, 1, dim /
-    2]`` complex64 (cos + i sin). The keys in ``qkv`` are left unrotated."""
+    2]`` complex64 (cos + i sin). The keys in ``qkv`` are left unrotated. ``head_norms``
+    (query weight, key weight, eps; ``[dim]`` in RoPE pair order): each query and key head is
+    RMS-normalised first (``fuses_head_norm`` says where)."""
     _check(qkv.device)
+    if head_norms is not None and not fuses_head_norm(head_dim):
+        raise ValueError(f"the head norm is fused for power-of-two head sizes, not {head_dim}")
     tokens = qkv.shape[0]
     if not tokens:
         return
@@ -170,15 +195,25 @@ def rotate_and_write_kv(
         slot_mapping,
         kv_pair[0],
         kv_pair[1],
+        head_norms[0] if head_norms is not None else qkv,  # unread without the norm
+        head_norms[1] if head_norms is not None else qkv,
         qkv.stride(0),
         cache_slot_stride,
+        head_norms[2] if head_norms is not None else 0.0,
         Q_SIZE=num_heads * head_dim,
         KV_SIZE=num_kv_heads * head_dim,
         HALF=half,
         BLOCK_ROTATED=triton.next_power_of_2((num_heads + num_kv_heads) * head_dim),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads * head_dim),
+        HEAD_NORM=head_norms is not None,
         **({} if qkv.device.type == "cpu" else {"num_warps": 8}),
     )
+
+
+def fuses_head_norm(head_dim: int) -> bool:
+    """Whether ``rotate_and_write_kv`` can RMS-normalise heads of ``head_dim`` in its pass: it
+    splits its power-of-two run of the row into whole heads."""
+    return head_dim > 0 and head_dim & (head_dim - 1) == 0
 
 
 def silu_times_up(gate_up: torch.Tensor) -> torch.Tensor:

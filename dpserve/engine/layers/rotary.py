@@ -21,6 +21,7 @@ import torch
 
 from dpserve.engine.kernels import cpu_kernels, triton_layer_ops
 from dpserve.engine.layers.kernel_choice import KernelChoice
+from dpserve.engine.layers.norm import head_norm_
 
 # RoPE variants whose tables depend on the sequence length seen so far: not precomputable.
 LENGTH_DEPENDENT_ROPE: Final = frozenset({"dynamic", "longrope"})
@@ -81,6 +82,16 @@ def rotate_in_place(pairs: torch.Tensor, rotation: torch.Tensor) -> None:
         pairs.copy_(torch.view_as_real(rotated))
 
 
+@dataclass(frozen=True, slots=True)
+class HeadNorms:
+    """Qwen3's RMSNorm of every query and key head before RoPE: its weights ``[head_dim]``, in
+    RoPE pair order (``in_pair_order``)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    eps: float
+
+
 @dataclass(slots=True)
 class TokenInputs:
     """Each row's position and cache slot, and what the torch path derives from them once per
@@ -127,7 +138,21 @@ class RotaryKVWrite:
             ),
         )
 
-    def __call__(self, qkv: torch.Tensor, tokens: TokenInputs, kv_pair: torch.Tensor) -> None:
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        tokens: TokenInputs,
+        kv_pair: torch.Tensor,
+        head_norms: HeadNorms | None = None,
+    ) -> None:
+        """RoPE and the KV write, after ``head_norms`` where given (fused into the Triton
+        kernel where it can be, else in place first)."""
+        fused_norms = None
+        if head_norms is not None:
+            if self.glue == "triton" and triton_layer_ops.fuses_head_norm(self.head_dim):
+                fused_norms = (head_norms.query, head_norms.key, head_norms.eps)
+            else:
+                self._norm_heads(qkv, head_norms)
         if self.glue == "cpu":
             cpu_kernels.rotate_and_write_kv(
                 qkv,
@@ -148,6 +173,7 @@ class RotaryKVWrite:
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
+                fused_norms,
             )
         else:
             rows = qkv.shape[0]
@@ -160,3 +186,12 @@ class RotaryKVWrite:
             kv_pair.view(2, -1, self.num_kv_heads, self.head_dim).index_put_(
                 tokens.write_index, key_value.transpose(0, 1)
             )
+
+    def _norm_heads(self, qkv: torch.Tensor, head_norms: HeadNorms) -> None:
+        rows = qkv.shape[0]
+        queries = qkv[:, : self.q_size].view(rows, self.num_heads, self.head_dim)
+        keys = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            rows, self.num_kv_heads, self.head_dim
+        )
+        head_norm_(queries, head_norms.query, head_norms.eps)
+        head_norm_(keys, head_norms.key, head_norms.eps)

@@ -29,12 +29,15 @@ from dpserve.engine.layers.mlp import FeedForward, GatedMLP
 from dpserve.engine.layers.norm import row_norm
 from dpserve.engine.layers.rotary import (
     LENGTH_DEPENDENT_ROPE,
+    HeadNorms,
     RotaryKVWrite,
     TokenInputs,
     pair_rotary_dims,
     rope_rotation,
 )
 from dpserve.engine.layers.step_attention import AttentionLayout, StepAttention
+from dpserve.engine.lora.adapter import AdapterLayout, ModuleShape
+from dpserve.engine.lora.delta import StepAdapters
 from dpserve.engine.models.base import ForwardBatch, warm_up_batch
 
 
@@ -128,6 +131,9 @@ class PagedLlama:
             self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kernels
         )
         self._norm = row_norm(self.kernels)
+        # The LoRA rows of the step being computed (``forward`` sets and clears it); None: no
+        # row of it has an adapter, and no layer does any LoRA work.
+        self._adapters: StepAdapters | None = None
         self.layers: list[Any] = []
         for index in range(len(decoder.layers)):
             self.layers.append(self.convert_layer(decoder.layers[index]))
@@ -165,6 +171,26 @@ class PagedLlama:
     def convert_mlp(self, mlp: Any) -> FeedForward:
         """A layer's feed-forward block: the gated MLP in Llama."""
         return GatedMLP(mlp, self.kernels)
+
+    def adapter_layout(self) -> AdapterLayout:
+        """Which projections of each layer a LoRA adapter may adapt, as PEFT names and sees
+        them (``lora.adapter``): attention everywhere, the MLP where it is a ``GatedMLP``."""
+        hidden = int(self.embedding.shape[1])
+        attention = {
+            "q_proj": ModuleShape(hidden, self.q_size, self.num_heads, self.head_dim),
+            "k_proj": ModuleShape(hidden, self.kv_size, self.num_kv_heads, self.head_dim),
+            "v_proj": ModuleShape(hidden, self.kv_size),
+            "o_proj": ModuleShape(self.q_size, hidden),
+        }
+        layout: AdapterLayout = []
+        for layer in self.layers:
+            modules = dict(attention)
+            if isinstance(layer.mlp, GatedMLP):
+                inner = layer.mlp.down.in_features
+                modules["gate_proj"] = modules["up_proj"] = ModuleShape(hidden, inner)
+                modules["down_proj"] = ModuleShape(inner, hidden)
+            layout.append(modules)
+        return layout
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape:
         return KVCacheShape(
@@ -208,9 +234,14 @@ class PagedLlama:
         tokens = self.token_inputs(batch.positions, batch.slot_mapping)
         layout = self.attention_layout(batch, cache.block_size)
         hidden = self.embed(batch.input_ids)
-        for index in range(len(self.layers)):
-            qkv = self.attention_input(index, hidden, tokens, cache)
-            hidden = self.layer_output(index, hidden, self.attention(index, qkv, cache, layout))
+        self._adapters = batch.adapters
+        try:
+            for index in range(len(self.layers)):
+                qkv = self.attention_input(index, hidden, tokens, cache)
+                attended = self.attention(index, qkv, cache, layout)
+                hidden = self.layer_output(index, hidden, attended)
+        finally:  # the stages run alone (piecewise graphs) only for steps without adapters
+            self._adapters = None
         if batch.logits_indices is not None:
             hidden = hidden.index_select(0, batch.logits_indices)
         return self.lm_head(self.final_norm(hidden))
@@ -241,12 +272,12 @@ class PagedLlama:
         queries rotated in place, the rotated keys and the values written to the pool."""
         layer = self.layers[index]
         qkv: torch.Tensor = layer.qkv(self._norm(hidden, layer.input_norm, self.eps))
-        self.before_rotary(layer, qkv)
-        self.rotary(qkv, tokens, cache.kv[index])
+        self.rotary(qkv, tokens, cache.kv[index], self.head_norms(layer))
         return qkv
 
-    def before_rotary(self, layer: Any, qkv: torch.Tensor) -> None:
-        """What a layer does to its queries and keys before RoPE: nothing in Llama."""
+    def head_norms(self, layer: Any) -> HeadNorms | None:
+        """The norm a layer applies to each query and key head before RoPE: none in Llama."""
+        return None
 
     def layer_output(
         self, index: int, hidden: torch.Tensor, attended: torch.Tensor
@@ -254,8 +285,14 @@ class PagedLlama:
         """Layer ``index``'s output: its input ``hidden`` plus the output projection of
         ``attended`` ``[tokens, num_heads * head_dim]``, then plus its MLP."""
         layer = self.layers[index]
+        adapters = self._adapters
         hidden = layer.o_proj.plus(attended, hidden)
-        out: torch.Tensor = layer.mlp.plus(self._norm(hidden, layer.post_norm, self.eps), hidden)
+        if adapters is not None:
+            adapters.add(index, "o_proj", attended, hidden)
+        normed = self._norm(hidden, layer.post_norm, self.eps)
+        if adapters is not None and isinstance(layer.mlp, GatedMLP):
+            return layer.mlp.plus(normed, hidden, adapters.for_layer(index))
+        out: torch.Tensor = layer.mlp.plus(normed, hidden)  # a MoE block takes no adapter
         return out
 
     def attention(

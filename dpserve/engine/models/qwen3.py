@@ -11,21 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from dpserve.engine.layers.norm import head_norm_
-from dpserve.engine.layers.rotary import in_pair_order
+from dpserve.engine.layers.rotary import HeadNorms, in_pair_order
 from dpserve.engine.models.llama import LlamaLayer, PagedLlama
 
 
 @dataclass(slots=True)
 class Qwen3Layer(LlamaLayer):
-    q_norm: torch.Tensor  # [head_dim], in RoPE pair order
-    k_norm: torch.Tensor
+    norms: HeadNorms  # weights in RoPE pair order
 
 
 class PagedQwen3(PagedLlama):
-    """Qwen3's weights and forward: ``PagedLlama`` plus the per-head q/k norm."""
+    """Qwen3's weights and forward: ``PagedLlama`` plus the per-head q/k norm (fused into the
+    RoPE kernel where the glue is Triton, ``layers.rotary``)."""
 
     def convert_layer(self, layer: Any) -> Qwen3Layer:
         base = super().convert_layer(layer)
@@ -36,15 +33,12 @@ class PagedQwen3(PagedLlama):
             o_proj=base.o_proj,
             post_norm=base.post_norm,
             mlp=base.mlp,
-            q_norm=in_pair_order(attention.q_norm.weight.detach()),
-            k_norm=in_pair_order(attention.k_norm.weight.detach()),
+            norms=HeadNorms(
+                query=in_pair_order(attention.q_norm.weight.detach()),
+                key=in_pair_order(attention.k_norm.weight.detach()),
+                eps=self.eps,
+            ),
         )
 
-    def before_rotary(self, layer: Any, qkv: torch.Tensor) -> None:
-        rows = qkv.shape[0]
-        queries = qkv[:, : self.q_size].view(rows, self.num_heads, self.head_dim)
-        keys = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            rows, self.num_kv_heads, self.head_dim
-        )
-        head_norm_(queries, layer.q_norm, self.eps)
-        head_norm_(keys, layer.k_norm, self.eps)
+    def head_norms(self, layer: Any) -> HeadNorms:
+        return layer.norms  # type: ignore[no-any-return]
