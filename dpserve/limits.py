@@ -107,8 +107,27 @@ class PrefixCacheLimits:
     max_cache_salt_chars: int = 256  # a request's cache_salt (its prefix-cache isolation key)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraLimits:
+    """LoRA adapters (``dpserve.engine.lora``): how many an engine holds at once, how large
+    one may be, and what a request may call one."""
+
+    # Adapters an engine holds loaded at once (--max-loras): each is a set of weights in
+    # memory, least recently used ones evicted when no running request uses them.
+    max_loras: int = 4
+    # The largest rank r an engine loads (--max-lora-rank): the delta's two matmuls grow
+    # with it, and vLLM's kernels stop at 64 by default too (--max-lora-rank for more).
+    max_lora_rank: int = 64
+    # An adapter's name: a request's ``model`` field, a metric label and a prefix-cache key.
+    max_lora_name_chars: int = 128
+    max_lora_path_chars: int = 4096  # the directory it is loaded from
+    # Adapters known to an engine (loaded or only registered to be loaded on demand).
+    max_registered_loras: int = 1024
+
+
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
 DEFAULT_PREFIX_CACHE_LIMITS: Final = PrefixCacheLimits()
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()
 DEFAULT_ENGINE_STATS_LIMITS: Final = EngineStatsLimits()
+DEFAULT_LORA_LIMITS: Final = LoraLimits()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_PREFIX_CACHE_LIMITS, DEFAULT_REQUEST_LIMITS
 
 # Temperatures below this sample greedily (as vLLM does below 1e-5).
 GREEDY_TEMPERATURE: Final = 1e-5
@@ -19,6 +20,22 @@ GREEDY_TEMPERATURE: Final = 1e-5
 
 class InvalidSamplingParams(ValueError):
     """Sampling parameters that cannot be honoured; the message names the field."""
+
+
+# A LoRA adapter's name: it is a request's ``model``, a metric label (where names are joined
+# by commas) and a prefix-cache key, so no spaces, commas or quotes; "org/name" is allowed.
+LORA_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+
+
+def check_lora_name(name: object) -> str:
+    """``name`` if it is a valid adapter name, else ``InvalidSamplingParams`` saying why."""
+    most = DEFAULT_LORA_LIMITS.max_lora_name_chars
+    if not isinstance(name, str) or not LORA_NAME_PATTERN.fullmatch(name) or len(name) > most:
+        raise InvalidSamplingParams(
+            f"a LoRA adapter name must be 1 to {most} letters, digits or ._:/@+- (starting with "
+            f"a letter or digit), got {name!r:.200}"
+        )
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +71,9 @@ class SamplingParams:
     guided_json_object: bool = False
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] = field(default_factory=tuple)
+    # The LoRA adapter the request runs with (``dpserve.engine.lora``), None: the base model.
+    # Requests of different adapters never share prefix-cache blocks.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
@@ -115,6 +135,8 @@ class SamplingParams:
             most = DEFAULT_PREFIX_CACHE_LIMITS.max_cache_salt_chars
             if len(self.cache_salt) > most:
                 raise InvalidSamplingParams(f"cache_salt may have at most {most} characters")
+        if self.lora_name is not None:
+            check_lora_name(self.lora_name)
         self._validate_logprobs()
         self._validate_penalties()
         self._validate_guided()

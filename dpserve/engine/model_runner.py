@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ from dpserve.engine.defaults import (
 )
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.lora.adapter import AdapterError
+from dpserve.engine.lora.serving import AdapterReport
+from dpserve.engine.lora.slots import LoraSlots
 from dpserve.engine.models.registry import unsupported_reason
 from dpserve.engine.paged.backend import PagedBackend, PagedConfig
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
@@ -49,7 +53,7 @@ from dpserve.engine.sample.grammar import (
     failure,
 )
 from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
-from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
+from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.model_loading import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
@@ -95,6 +99,10 @@ class ModelRunner:
         backend: str = "auto",
         prefix_caching: bool = True,
         limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+        enable_lora: bool = False,
+        max_loras: int = DEFAULT_LORA_LIMITS.max_loras,
+        max_lora_rank: int = DEFAULT_LORA_LIMITS.max_lora_rank,
+        lora_modules: Mapping[str, str] | None = None,
     ) -> None:
         if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
             raise ValueError(
@@ -158,6 +166,21 @@ class ModelRunner:
         self._released = False
         self._tokens_generated = 0
         self._steps = 0
+        # LoRA adapters (None: not enabled), and the sequences waiting for a slot of theirs.
+        self.adapters: LoraSlots | None = None
+        self._awaiting_slot: deque[Sequence] = deque()
+        if enable_lora or lora_modules:
+            self._enable_lora(max_loras, max_lora_rank, lora_modules or {})
+
+    def _enable_lora(self, max_loras: int, max_rank: int, modules: Mapping[str, str]) -> None:
+        if not isinstance(self.backend, PagedBackend):
+            raise ValueError(
+                f"LoRA adapters need the paged backend; {self.model_path} runs on the "
+                "transformers fallback"
+            )
+        self.adapters = self.backend.enable_lora(max_loras, max_rank)
+        for name, path in modules.items():
+            self.adapters.register(name, path)
 
     # ----------------------------------------------------------------------------- loading
 
@@ -226,6 +249,66 @@ class ModelRunner:
         self.model = self.backend.model
         self._released = False
 
+    # ------------------------------------------------------------------------ LoRA adapters
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register LoRA adapter ``name`` from ``path`` (``AdapterError`` if it cannot run
+        here); one registered under that name already is replaced."""
+        if self.adapters is None:
+            raise AdapterError(self._no_adapters())
+        replaced = name in self.adapters.paths
+        self.adapters.register(name, path)
+        if replaced:
+            self._forget_cached_prefixes()
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (``KeyError`` if unknown, ``AdapterError`` while in use)."""
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.unregister(name)
+        self._forget_cached_prefixes()
+
+    def _forget_cached_prefixes(self) -> None:
+        # Blocks cached under an adapter's name hold what its old weights computed: a new
+        # adapter under that name must never find them.
+        if isinstance(self.backend, PagedBackend):
+            self.backend.forget_cached_prefixes()
+
+    def adapter_report(self) -> AdapterReport | None:
+        if self.adapters is None:
+            return None
+        loaded = set(self.adapters.loaded())
+        counts = {name: [name in loaded, 0, 0] for name in self.adapters.names()}
+        running = set()
+        if isinstance(self.backend, PagedBackend) and self.backend.scheduler is not None:
+            running = {id(sequence) for sequence in self.backend.scheduler.running}
+        for sequence in [*self._live.values(), *self._awaiting_slot]:
+            entry = counts.get(sequence.params.lora_name or "")
+            if entry is not None:
+                entry[1 if id(sequence) in running else 2] += 1
+        return AdapterReport(
+            self.adapters.max_loras,
+            {name: (bool(a), int(b), int(c)) for name, (a, b, c) in counts.items()},
+        )
+
+    def _no_adapters(self) -> str:
+        if not isinstance(self.backend, PagedBackend):
+            return (
+                "LoRA adapters need the paged backend; this model runs on the transformers "
+                "fallback"
+            )
+        return "this engine serves no LoRA adapters (start it with --enable-lora)"
+
+    def _check_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, self._no_adapters())
+        if name not in self.adapters.paths:
+            known = ", ".join(self.adapters.names()) or "none"
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"unknown LoRA adapter {name!r} on this engine (loaded: {known})",
+            )
+
     # ---------------------------------------------------------------------------- requests
 
     def add(self, request: RunnerRequest) -> None:
@@ -245,7 +328,7 @@ class ModelRunner:
             stop_ids=stop_ids,
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
-            cache_extra=extra_keys(params.cache_salt),
+            cache_extra=extra_keys(params.cache_salt, params.lora_name),
         )
         if params.stop_strings:
             sequence.stop_text = StopText.start(
@@ -261,10 +344,59 @@ class ModelRunner:
             self._admit(sequence)
 
     def _admit(self, sequence: Sequence) -> None:
+        """Hand the sequence to the backend, once its adapter (if any) has a slot; until then
+        it waits here (``_admit_awaiting``)."""
+        name = sequence.params.lora_name
+        if name is not None:
+            assert self.adapters is not None  # checked by _validate
+            slot = self._acquire(name)
+            if slot is None:
+                self._awaiting_slot.append(sequence)
+                return
+            sequence.lora_slot = slot
         self.backend.add(sequence)
         self._live[sequence.request_id] = sequence
         if sequence.stop_text is not None:
             self._with_stop_text.add(sequence.request_id)
+
+    def _acquire(self, name: str) -> int | None:
+        assert self.adapters is not None
+        try:
+            return self.adapters.acquire(name)
+        except KeyError:
+            raise AdapterError(f"LoRA adapter {name!r} was unloaded") from None
+
+    def _admit_awaiting(self) -> list[TokenUpdate]:
+        """Admit the sequences waiting for an adapter slot, oldest first, whose adapter is
+        loaded or finds a slot now; one whose adapter was unloaded or no longer loads fails."""
+        failed: list[TokenUpdate] = []
+        still: deque[Sequence] = deque()
+        for sequence in self._awaiting_slot:
+            name = sequence.params.lora_name
+            assert name is not None
+            try:
+                slot = self._acquire(name)
+            except AdapterError as exc:
+                update = TokenUpdate(
+                    sequence.request_id, [], finish_reason=ErrorCode.BAD_REQUEST, error=str(exc)
+                )
+                failed.append(update)
+                continue
+            if slot is None:
+                still.append(sequence)
+                continue
+            sequence.lora_slot = slot
+            self.backend.add(sequence)
+            self._live[sequence.request_id] = sequence
+            if sequence.stop_text is not None:
+                self._with_stop_text.add(sequence.request_id)
+        self._awaiting_slot = still
+        return failed
+
+    def _release_slot(self, sequence: Sequence) -> None:
+        if sequence.lora_slot >= 0 and self.adapters is not None:
+            self.adapters.release(sequence.lora_slot)
+            sequence.lora_slot = -1
 
     def _grammars_for_requests(self) -> Grammars:
         """The matcher factory, built once; a tokenizer llguidance cannot take refuses every
@@ -325,6 +457,8 @@ class ModelRunner:
                 ErrorCode.BAD_REQUEST,
                 f"token ids must be in [0, {self.vocab_size}) for this model",
             )
+        if request.params.lora_name is not None:
+            self._check_adapter(request.params.lora_name)
         if request.params.prompt_logprobs and not self.backend.computes_prompt_logprobs:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST,
@@ -335,11 +469,14 @@ class ModelRunner:
     def cancel(self, request_id: int) -> None:
         if self._compiler.cancel(request_id):
             return
-        for sequence in self._arrived_done:
-            if sequence.request_id == request_id:
-                self._arrived_done.remove(sequence)
-                return
-        self._live.pop(request_id, None)
+        for queue in (self._arrived_done, self._awaiting_slot):
+            for sequence in queue:
+                if sequence.request_id == request_id:
+                    queue.remove(sequence)
+                    return
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self._release_slot(live)
         self._with_stop_text.discard(request_id)
         with torch.inference_mode():  # the HF batch's tensors are inference tensors
             self.backend.cancel(request_id)
@@ -348,7 +485,11 @@ class ModelRunner:
         return [update for sequence in self._live.values() if (update := sequence.unreported())]
 
     def has_work(self) -> bool:
-        return bool(self._arrived_done) or self._compiler.pending() or self.backend.has_work()
+        return (
+            bool(self._arrived_done or self._awaiting_slot)
+            or self._compiler.pending()
+            or self.backend.has_work()
+        )
 
     # -------------------------------------------------------------------- prefix cache
 
@@ -366,9 +507,20 @@ class ModelRunner:
         return self.backend.kv_snapshot() if isinstance(self.backend, PagedBackend) else []
 
     def stats(self) -> dict[str, Any]:
+        lora = {}
+        if self.adapters is not None:
+            lora = {
+                "lora_max_loras": self.adapters.max_loras,
+                "lora_loaded": len(self.adapters.loaded()),
+                "lora_registered": len(self.adapters.paths),
+                "lora_loads": self.adapters.loads,
+                "lora_evictions": self.adapters.evictions,
+                "lora_awaiting_slot": len(self._awaiting_slot),
+            }
         return {
             **self.backend.describe(),
             **self.backend.stats(),
+            **lora,
             "tokens_generated": self._tokens_generated,
             "steps": self._steps,
             "released": self._released,
@@ -384,6 +536,8 @@ class ModelRunner:
         self._steps += 1
         updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
         self._arrived_done = []
+        if self._awaiting_slot:
+            updates += self._admit_awaiting()
         if self._compiler.pending():
             if not self.backend.has_work() and not updates:
                 self._compiler.wait(0.01)  # nothing else to run: no spinning meanwhile
@@ -428,6 +582,7 @@ class ModelRunner:
                     for sequence in finished:
                         del self._live[sequence.request_id]
                         self._with_stop_text.discard(sequence.request_id)
+                        self._release_slot(sequence)
                     self.backend.finish(finished)
         return updates
 

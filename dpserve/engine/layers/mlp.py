@@ -12,6 +12,13 @@ from dpserve.engine.layers.kernel_choice import KernelChoice
 from dpserve.engine.layers.linear import Linear, detached_weights, fused_weights, uses_onednn
 
 
+class ProjectionDelta(Protocol):
+    """What a LoRA adapter adds to one projection of this layer (``lora.delta.LayerAdapters``):
+    ``out += delta of module(x)``, for the rows of the step that have an adapter."""
+
+    def __call__(self, module: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
 class FeedForward(Protocol):
     """A layer's feed-forward block (``GatedMLP``, ``moe.SparseMoE``)."""
 
@@ -38,8 +45,14 @@ class GatedMLP:
             self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj))
         self.down = Linear(*detached_weights(mlp.down_proj))
 
-    def plus(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + mlp(normed)``."""
+    def plus(
+        self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta | None = None
+    ) -> torch.Tensor:
+        """``residual + mlp(normed)``; with ``delta`` (a step with LoRA rows) each projection's
+        adapter delta is added to its output, the gate's and up's before SiLU and the product,
+        so those run outside oneDNN's epilogues."""
+        if delta is not None:
+            return self._plus_adapted(normed, residual, delta)
         if self.gate is not None and self.up is not None:
             activated = self.up.times(normed, self.gate.silu(normed))
         else:
@@ -50,3 +63,18 @@ class GatedMLP:
                 gate, up = self.gate_up(normed).chunk(2, dim=-1)
                 activated = functional.silu(gate).mul_(up)
         return self.down.plus(activated, residual)
+
+    def _plus_adapted(
+        self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta
+    ) -> torch.Tensor:
+        if self.gate is not None and self.up is not None:
+            gate, up = self.gate(normed), self.up(normed)
+        else:
+            assert self.gate_up is not None
+            gate, up = self.gate_up(normed).chunk(2, dim=-1)
+        delta("gate_proj", normed, gate)
+        delta("up_proj", normed, up)
+        activated = functional.silu(gate).mul_(up)
+        out = self.down.plus(activated, residual)
+        delta("down_proj", activated, out)
+        return out

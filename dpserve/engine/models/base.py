@@ -14,6 +14,8 @@ from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.layers.linear import Linear
 from dpserve.engine.layers.rotary import TokenInputs
 from dpserve.engine.layers.step_attention import AttentionLayout
+from dpserve.engine.lora.adapter import AdapterLayout
+from dpserve.engine.lora.delta import StepAdapters
 
 
 @dataclass(slots=True)
@@ -38,6 +40,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None  # [num_decodes] int32, the fed token included
     prefills: list[PrefillSlice]
     logits_indices: torch.Tensor | None  # rows to compute logits for; None: every row
+    # The rows of LoRA adapters, grouped by adapter; None: every row runs the base model.
+    adapters: StepAdapters | None = None
 
 
 class PagedModel(Protocol):
@@ -65,6 +69,7 @@ class PagedModel(Protocol):
     def glue(self) -> str: ...
 
     def kv_cache_shape(self, block_size: int) -> KVCacheShape: ...
+    def adapter_layout(self) -> AdapterLayout: ...
     def activation_bytes(self, max_tokens: int, max_logit_rows: int) -> int: ...
     def warm_up(
         self, cache: PagedKVCache, max_batch: int, max_blocks: int, max_tokens: int

@@ -58,6 +58,7 @@ from dpserve.engine.layers.kv_cache import (
     num_blocks_for_budget,
 )
 from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
+from dpserve.engine.lora.slots import LoraSlots
 from dpserve.engine.models import registry
 from dpserve.engine.models.base import ForwardBatch, PagedModel
 from dpserve.engine.paged.batch import BatchBuilder, PendingTokens, apply_pending, pad_decodes
@@ -124,6 +125,8 @@ class PagedBackend:
         self._last_sampled: tuple[list[Sequence], list[int]] | None = None
         # KV events of pools already released (their hashes are gone), not yet taken.
         self._released_events: list[KVEvent] = []
+        # The engine's LoRA adapters (``enable_lora``); None: every row runs the base model.
+        self.adapters: LoraSlots | None = None
         self._build(model)
 
     # ------------------------------------------------------------------------ construction
@@ -281,6 +284,25 @@ class PagedBackend:
             "prefix_cache_evictions": pool.evictions,
         }
 
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """LoRA slots for this model (``lora.slots``); a sequence's ``lora_slot`` then picks
+        its adapter in every step."""
+        assert self.model is not None
+        self.adapters = LoraSlots(
+            self.model.adapter_layout(),
+            max_loras=max_loras,
+            max_rank=max_rank,
+            dtype=self.model.dtype,
+            device=self.device,
+        )
+        return self.adapters
+
+    def forget_cached_prefixes(self) -> None:
+        """Stop sharing every cached block (an adapter was replaced or unloaded: blocks
+        computed with its old weights must not be found under its name again)."""
+        if self.pool is not None:
+            self.pool.clear_cache()
+
     # ------------------------------------------------------------------------ prefix cache
 
     @property
@@ -359,7 +381,8 @@ class PagedBackend:
             pending = None
             if previous is not None:
                 pending = {s: row for row, s in enumerate(previous.sequences) if s.pending}
-            built, late = self.inputs.build(plan, pending, self._last_sampled)
+            adapter_weights = None if self.adapters is None else self.adapters.weights_of()
+            built, late = self.inputs.build(plan, pending, self._last_sampled, adapter_weights)
             sampled = built.sampled
             assert self.model is not None
             # Penalty counts and grammar states are read from the host; such sequences have no

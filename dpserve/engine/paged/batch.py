@@ -28,11 +28,14 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
+from dpserve.engine.lora.delta import AdapterWeights, StepAdapters, group_rows
 from dpserve.engine.models.base import ForwardBatch, PrefillSlice
 from dpserve.engine.paged.scheduler import PagedSequence, StepPlan
 
 
 class TokenSequence(PagedSequence, Protocol):
+    lora_slot: int  # the slot of its LoRA adapter (``lora.slots``); -1: the base model
+
     def token_at(self, position: int) -> int: ...
 
     def last_token(self) -> int: ...
@@ -171,12 +174,14 @@ class BatchBuilder(Generic[T]):
         plan: StepPlan[T],
         pending: dict[T, int] | None = None,
         last_sampled: tuple[list[T], list[int]] | None = None,
+        adapter_weights: dict[int, AdapterWeights] | None = None,
     ) -> tuple[BuiltBatch[T], PendingTokens | None]:
         """The forward's tensors for ``plan``. ``pending``: decoding sequences whose fed token
         is not on the host yet, and its row in the previous step's sampled tokens.
         ``last_sampled``: the sequences of the last step whose tokens the host took in (all of
         them accepted since), and those tokens: when they are the decodes, in order, those
-        are the tokens fed."""
+        are the tokens fed. ``adapter_weights``: slot -> LoRA weights, when the engine has
+        adapters (each row then runs with its sequence's)."""
         self._sync_rows(plan)
         block_size = self.block_size
         row_of = self._row
@@ -287,8 +292,24 @@ class BatchBuilder(Generic[T]):
             seq_lens=seq_lens,
             prefills=prefills,
             logits_indices=logits_indices,
+            adapters=None if adapter_weights is None else _step_adapters(
+                plan, adapter_weights, self.device
+            ),
         )
         return BuiltBatch(batch, sampled, prompt_rows), (late if late.rows else None)
+
+
+def _step_adapters(
+    plan: StepPlan[T], weights: dict[int, AdapterWeights], device: torch.device
+) -> StepAdapters | None:
+    """The step's rows grouped by LoRA adapter (decode rows first, then each chunk's, as
+    ``build`` lays them out); None when none of its sequences has one."""
+    row_slots = [sequence.lora_slot for sequence in plan.decodes]
+    for chunk in plan.prefills:
+        row_slots += [chunk.sequence.lora_slot] * chunk.length
+    if max(row_slots, default=-1) < 0:
+        return None
+    return group_rows(row_slots, weights, device)
 
 
 def apply_pending(batch: ForwardBatch, late: PendingTokens, tokens: torch.Tensor) -> None:
@@ -319,4 +340,5 @@ def pad_decodes(batch: ForwardBatch, rows: int) -> ForwardBatch:
         seq_lens=torch.cat([batch.seq_lens, batch.seq_lens.new_ones(extra)]),
         prefills=[],
         logits_indices=None,
+        adapters=batch.adapters,  # the padding rows are in no adapter's group
     )

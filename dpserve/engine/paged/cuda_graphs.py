@@ -135,7 +135,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return not batch.prefills and 0 < batch.num_decodes <= self.sizes[-1]
+        # A step with LoRA rows runs eagerly: the graphs hold the base model's kernels only.
+        return (
+            not batch.prefills
+            and batch.adapters is None
+            and 0 < batch.num_decodes <= self.sizes[-1]
+        )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[num_decodes, vocab]`` of a decode-only batch; valid until the next run."""

@@ -120,7 +120,12 @@ class PiecewiseGraphs:
                 self._piece(size, index)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return bool(batch.prefills) and batch.input_ids.shape[0] <= self.sizes[-1]
+        # A step with LoRA rows runs eagerly (the pieces hold the base model's layers only).
+        return (
+            bool(batch.prefills)
+            and batch.adapters is None
+            and batch.input_ids.shape[0] <= self.sizes[-1]
+        )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """The logits of ``batch``, as ``PagedModel.forward`` computes them."""
