@@ -1,11 +1,16 @@
-"""GPU engine throughput on random-weight Llamas of real shapes (issue 10, "What it must show" 1).
+"""GPU engine throughput on random-weight models of real shapes (issue 10, "What it must show" 1;
+the Qwen3 shapes for issue 31).
 
-    python bench/engine_gpu.py --shape both              # 1B and 8B shapes on one GPU
+    python bench/engine_gpu.py --shape both              # 1B and 8B Llama shapes on one GPU
+    python bench/engine_gpu.py --shape qwen3-8b,qwen3-30b-a3b   # Qwen3 dense and MoE shapes
     python bench/engine_gpu.py --shape 1b --quick        # fewer requests, shorter outputs
-    python bench/engine_gpu.py --device cpu --shape tiny --quick   # smoke test without a GPU
+    python bench/engine_gpu.py --device cpu --shape tiny,tiny-moe --quick   # smoke test, no GPU
 
-For each shape it writes a random-weight ``LlamaForCausalLM`` (tied embeddings) to a temporary
-directory in the benchmark dtype, runs the workload (by default 256 requests, prompts of 32-512
+For each shape it writes a random-weight model (Llama: tied embeddings; Qwen3, Qwen3-MoE) to a
+temporary directory in the benchmark dtype (a MoE shape too large for the machine's disk —
+Qwen3-30B-A3B is 61 GB in bf16 — is built in memory on the device instead, its directory holding
+only the config and tokenizer; then the full-stack row, which starts an engine process that
+loads from disk, is skipped), runs the workload (by default 256 requests, prompts of 32-512
 tokens, outputs of 32-256 tokens, greedy, EOS ignored, all submitted at once) and prints, in
 one run:
 
@@ -60,20 +65,45 @@ class LlamaShape:
     kv_heads: int
     intermediate: int
     vocab: int
+    model_type: str = "llama"  # "llama", "qwen3" or "qwen3_moe"
+    head_dim: int = 0  # 0: hidden / heads
+    experts: int = 0  # qwen3_moe: experts per layer, each of expert_intermediate
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def kv_bytes_per_token(self) -> int:  # keys and values of every layer, 2-byte dtype
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * 2
+        return 2 * self.layers * self.kv_heads * self.head_size * 2
+
+    @property
+    def built_in_memory(self) -> bool:
+        """Too large for the GPU machine's disk (64 GiB) in bf16: built on the device."""
+        return self.experts > 0
 
 
 SHAPES = {
     "tiny": LlamaShape(128, 2, 4, 2, 256, 1024),  # CPU smoke test
     "1b": LlamaShape(2048, 16, 32, 8, 8192, 128256),  # Llama-3.2-1B's shape
     "8b": LlamaShape(4096, 32, 32, 8, 14336, 128256),  # Llama-3.1-8B's shape
+    "qwen3-8b": LlamaShape(4096, 36, 32, 8, 12288, 151936, "qwen3", head_dim=128),
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (~3.3B active parameters).
+    "qwen3-30b-a3b": LlamaShape(2048, 48, 32, 4, 6144, 151936, "qwen3_moe", 128, 128, 8, 768),
+    "tiny-moe": LlamaShape(128, 2, 4, 2, 256, 1024, "qwen3_moe", 32, 8, 2, 64),  # CPU smoke
 }
 # The issue's static batch for the 8B shape was 64: HF's padded cache at 256 rows of 768
 # columns and its attention temporaries do not leave room.
-STATIC_BATCH = {"tiny": 256, "1b": 256, "8b": 64}
+STATIC_BATCH = {
+    "tiny": 256,
+    "1b": 256,
+    "8b": 64,
+    "qwen3-8b": 64,
+    "qwen3-30b-a3b": 64,
+    "tiny-moe": 64,
+}
 CONTEXT = 2048
 
 
@@ -87,37 +117,96 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def model_config(shape: LlamaShape, tokenizer: Any) -> Any:
+    """The transformers config of ``shape``."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = {
+        "vocab_size": shape.vocab,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "max_position_embeddings": CONTEXT,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if shape.model_type == "llama":
+        return LlamaConfig(**common, rope_theta=500_000.0, tie_word_embeddings=True)
+    if shape.model_type == "qwen3":
+        return Qwen3Config(**common, head_dim=shape.head_size, tie_word_embeddings=False)
+    return Qwen3MoeConfig(
+        **common,
+        head_dim=shape.head_size,
+        num_experts=shape.experts,
+        num_experts_per_tok=shape.experts_per_token,
+        moe_intermediate_size=shape.expert_intermediate,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
+def random_model(config: Any, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    # Initialised on the device, in the target dtype: an 8B fp32 init on the CPU takes minutes.
+    with torch.device(device), default_dtype(dtype):
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
 def build_model(shape: LlamaShape, directory: Path, device: str, dtype: torch.dtype) -> Path:
-    """A random-weight Llama of ``shape`` and a small BPE tokenizer (its ids are a prefix of
-    the model's vocabulary: the workload is token ids, and unknown ids decode to nothing)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A random-weight model of ``shape`` and a small BPE tokenizer (its ids are a prefix of
+    the model's vocabulary: the workload is token ids, and unknown ids decode to nothing). A
+    ``built_in_memory`` shape's directory holds the config and tokenizer only (see
+    ``in_memory_weights``)."""
+    from transformers import AutoTokenizer
 
     from tests.tiny_model import build_tiny_model
 
     build_tiny_model(directory)  # the tokenizer; its model files are replaced below
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=CONTEXT,
-        rope_theta=500_000.0,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    # Initialised on the device, in the target dtype: an 8B fp32 init on the CPU takes minutes.
-    with torch.device(device), default_dtype(dtype):
-        model = LlamaForCausalLM(config).eval()
+    config = model_config(shape, tokenizer)
+    for weights in directory.glob("*.safetensors"):
+        weights.unlink()
+    if shape.built_in_memory:
+        config.save_pretrained(directory)
+        return directory
+    model = random_model(config, device, dtype)
     model.save_pretrained(directory)
     del model
     release_memory()
     return directory
+
+
+@contextlib.contextmanager
+def in_memory_weights(shape: LlamaShape, device: str, dtype: torch.dtype) -> Iterator[None]:
+    """While open, ``ModelRunner`` (and this bench) load a ``built_in_memory`` shape's
+    directory as a random model built on the device (nothing else changes)."""
+    if not shape.built_in_memory:
+        yield
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    import dpserve.engine.model_runner as model_runner_module
+
+    real = model_runner_module.load_model_and_tokenizer
+
+    def load(path: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return random_model(AutoConfig.from_pretrained(path), device, dtype), (
+            AutoTokenizer.from_pretrained(path)
+        )
+
+    model_runner_module.load_model_and_tokenizer = load  # type: ignore[assignment]
+    global load_model_and_tokenizer
+    bench_loader, load_model_and_tokenizer = load_model_and_tokenizer, load
+    try:
+        yield
+    finally:
+        model_runner_module.load_model_and_tokenizer = real  # type: ignore[assignment]
+        load_model_and_tokenizer = bench_loader
 
 
 def release_memory() -> None:
@@ -251,6 +340,11 @@ def kv_pool(stats: dict[str, Any]) -> str:
 def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]:
     """Runs every method on one shape; returns its printed result lines."""
     shape = SHAPES[name]
+    with in_memory_weights(shape, args.device, getattr(torch, args.dtype)):
+        return run_shape(name, shape, args, scratch)
+
+
+def run_shape(name: str, shape: LlamaShape, args: argparse.Namespace, scratch: Path) -> list[str]:
     path = build_model(shape, scratch / name, args.device, getattr(torch, args.dtype))
     workload = make_workload(args.requests, shape.vocab, args.quick)
     wanted = sum(n for _, n in workload)
@@ -265,6 +359,12 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
         f"== {name} shape: {params / 1e6:,.1f}M params, {args.dtype} on {device_name(args.device)}",
         f"   {len(workload)} requests, prompts 32-512 tokens, outputs {min(outputs)}-"
         f"{max(outputs)} ({wanted} tokens), greedy, EOS ignored, all at once",
+        f"   model class: {shape.model_type}"
+        + (
+            f", {shape.experts} experts, {shape.experts_per_token} per token (built in memory)"
+            if shape.experts
+            else ""
+        ),
         f"   memory bandwidth (copy) {bandwidth / 1e9:,.0f} GB/s -> decode roofline "
         f"{roofline:,.0f} tok/s",
     ]
@@ -281,7 +381,8 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     facts = runner.stats()
     start_line = (
         f"   ModelRunner start (load, warm-up, graph capture): "
-        f"{time.perf_counter() - started:.1f} s; decode graphs "
+        f"{time.perf_counter() - started:.1f} s; {facts.get('backend')} backend, "
+        f"{facts.get('model_class')}; decode graphs "
         f"{len(facts.get('cuda_graphs', []))}, piecewise graph buckets "
         f"{len(facts.get('piecewise_graphs', []))} (x {shape.layers + 1} pieces)"
     )
@@ -302,7 +403,7 @@ def bench_shape(name: str, args: argparse.Namespace, scratch: Path) -> list[str]
     del runner
     release_memory()
 
-    if "stack" not in args.skip:
+    if "stack" not in args.skip and not shape.built_in_memory:
         results["dpserve full stack (1 engine)"] = run_stack(path, workload, args)
     report = [
         *format_table(results, roofline, wanted),
@@ -492,7 +593,11 @@ def device_name(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    parser.add_argument(
+        "--shape",
+        default="both",
+        help=f"comma-separated, of {', '.join(SHAPES)}; both: 1b,8b",
+    )
     parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --quick)")
     parser.add_argument("--quick", action="store_true", help="32 requests, outputs of 32-64 tokens")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -511,8 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: use --device cpu --shape tiny for a smoke test")
-    shapes = ["1b", "8b"] if args.shape == "both" else [args.shape]
+        parser.error("no CUDA device: use --device cpu --shape tiny,tiny-moe for a smoke test")
+    shapes = ["1b", "8b"] if args.shape == "both" else args.shape.split(",")
+    unknown = [shape for shape in shapes if shape not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}: choose from {', '.join(SHAPES)}")
     print(environment(), flush=True)
     report = [environment()]
     with tempfile.TemporaryDirectory() as scratch:
