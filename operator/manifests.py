@@ -11,8 +11,8 @@ Objects for an InferenceDeployment ``<name>`` in ``<namespace>``:
   coordinator only turns ready once an engine registered, and engines register through it);
 - StatefulSet ``<name>-engine`` (Parallel) running ``dpserve engine --rank auto``, the rank
   being the pod ordinal (with ``--backend vllm --tensor-parallel-size N`` and the checked vLLM
-  flags after ``--`` for the vLLM backend, from ``spec.engine.image`` when set), plus its
-  headless Service ``<name>-engine``;
+  flags, each token as ``--vllm-arg=TOKEN``, for the vLLM backend; from ``spec.engine.image``
+  when set), plus its headless Service ``<name>-engine``;
 - PodDisruptionBudget ``<name>-engine`` (at most one engine evicted at a time);
 - NetworkPolicies ``<name>-coordinator`` (engines → ZMQ; ``allowedClients`` → ZMQ and HTTP)
   and ``<name>-engine`` (engines listen on nothing: deny all ingress);
@@ -123,7 +123,8 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
 def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]:
     engine = spec.engine
     # The vLLM backend: its tensor-parallel group is one engine (one rank, one registration);
-    # spec.engine.vllm.args, already checked, go to vLLM after `--`.
+    # spec.engine.vllm.args, already checked, go to vLLM one token per --vllm-arg (the `=`
+    # form: a token may itself start with --).
     vllm = engine.backend == VLLM_BACKEND
     return [
         "dpserve", "engine",
@@ -139,7 +140,7 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         *engine_limit_args(spec.coordinator.limits),
         *(["--backend", VLLM_BACKEND, "--tensor-parallel-size", str(engine.tensor_parallel_size)]
           if vllm else []),
-        *(["--", *engine.vllm_args] if vllm and engine.vllm_args else []),
+        *(f"--vllm-arg={token}" for token in (engine.vllm_args if vllm else ())),
     ]  # fmt: skip
 
 

