@@ -3,7 +3,8 @@
 ``--max-<name>`` for each ``RequestLimits`` field (``--max-body-bytes``, ...), and for each
 ``HttpLimits`` field ``--request-timeout`` / ``--http-<name>`` (``--http-header-timeout``,
 ...). docs/security.md lists them; ``tests/unit/test_flags.py`` checks that every field has
-its flag and help.
+its flag and help. Also the engine backend's flags (``--backend``, ``--tensor-parallel-size``,
+``--vllm-arg``), which ``dpserve engine`` takes and ``dpserve serve`` passes on.
 """
 
 from __future__ import annotations
@@ -99,6 +100,55 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:
     return HttpLimits(**_values(args, HttpLimits, "http_"))
+
+
+# Which engine computes: dpserve's own, or vLLM's engine core (dpserve.engine.vllm).
+ENGINE_BACKENDS: Final = ("dpserve", "vllm")
+
+
+def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+    """Which engine computes (``engine`` and ``serve``: it passes them on to each engine)."""
+    parser.add_argument(
+        "--backend",
+        choices=ENGINE_BACKENDS,
+        default="dpserve",
+        help="dpserve's own engine, or vLLM's v1 engine core in the engine process (needs "
+        "vLLM installed: `make vllm`; docs/architecture.md) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs (or CPU ranks) one engine spans, vLLM's tensor parallelism (--backend vllm "
+        "only; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        dest="vllm_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one command-line token for vLLM's engine arguments, passed through after "
+        "dpserve's own (--backend vllm only; repeat it: --vllm-arg=--max-model-len=4096 "
+        "--vllm-arg=--enforce-eager)",
+    )
+
+
+def backend_flags_error(args: argparse.Namespace) -> str | None:
+    """Why the backend flags cannot hold together; None when they can."""
+    if args.tensor_parallel_size < 1:
+        return "--tensor-parallel-size must be at least 1"
+    if args.backend != "vllm":
+        if args.tensor_parallel_size != 1:
+            return (
+                f"--tensor-parallel-size {args.tensor_parallel_size} needs --backend vllm: "
+                "dpserve's own engine runs one device per engine"
+            )
+        if args.vllm_args:
+            return "--vllm-arg needs --backend vllm"
+    elif args.fake:
+        return "--fake and --backend vllm contradict each other (the fake engine has no model)"
+    return None
 
 
 def _add(

@@ -75,6 +75,7 @@ class Child:
     args: tuple[str, ...]  # its command line after ``python -m dpserve.cli``: the same each start
     cores: frozenset[int] | None
     deaths: Deaths
+    python: str = sys.executable  # the interpreter it runs in (vLLM's own install for its engines)
     process: subprocess.Popen[bytes] | None = None  # the latest start's
     started_at: float = 0.0  # time.monotonic() of the latest start
     restart_at: float | None = None  # while it waits out its backoff
@@ -103,6 +104,13 @@ class LocalDeployment:
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     step_delay: float = 0.0  # seconds per fake engine step (``fake`` only)
+    # The engines' compute: "dpserve" or "vllm" (dpserve.engine.vllm), with vLLM's tensor
+    # parallelism and its own engine flags passed through; ``engine_python`` runs them (vLLM
+    # has an install of its own).
+    backend: str = "dpserve"
+    tensor_parallel_size: int = 1
+    vllm_args: tuple[str, ...] = ()
+    engine_python: str = sys.executable
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
@@ -112,8 +120,14 @@ class LocalDeployment:
     def address(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def _spawn(self, name: str, *args: str, cores: frozenset[int] | None = None) -> None:
-        child = Child(name, args, cores, Deaths(self.restart_policy))
+    def _spawn(
+        self,
+        name: str,
+        *args: str,
+        cores: frozenset[int] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        child = Child(name, args, cores, Deaths(self.restart_policy), python)
         self.children.append(child)
         self._start(child)
 
@@ -121,7 +135,7 @@ class LocalDeployment:
         """Start ``child``'s process. Only ever from the thread that runs the event loop: the
         kernel sends PR_SET_PDEATHSIG when the thread that forked the child ends, so a child
         started from a short-lived worker thread would be killed with it."""
-        command = [sys.executable, "-m", "dpserve.cli", *child.args]
+        command = [child.python, "-m", "dpserve.cli", *child.args]
         cores = child.cores
 
         def before_exec() -> None:
@@ -175,7 +189,9 @@ class LocalDeployment:
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
             if self.fake and self.step_delay:
                 engine += ["--step-delay", str(self.step_delay)]
-            if not self.fake:
+            if not self.fake and self.backend == "vllm":
+                engine += self._vllm_engine_flags()
+            elif not self.fake:
                 threads = self.threads_per_engine()
                 if cores and self.torch_threads is None:
                     threads = min(threads, len(cores))
@@ -194,7 +210,17 @@ class LocalDeployment:
                 *engine,
                 *keys,
                 cores=cores,
+                python=self.engine_python if self.backend == "vllm" else sys.executable,
             )
+
+    def _vllm_engine_flags(self) -> list[str]:
+        """A vLLM engine's flags: its backend's, and its compute threads only when asked for
+        (vLLM binds its workers' threads itself, leaving a core to the engine process)."""
+        engine = ["--backend", "vllm", "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        engine += [f"--vllm-arg={arg}" for arg in self.vllm_args]
+        if self.torch_threads is not None:
+            engine += ["--torch-threads", str(self.torch_threads)]
+        return [*engine, *self.kv_cache_args, *_engine_limit_flags(self.limits)]
 
     def threads_per_engine(self) -> int:
         """Engines that share this machine's cores must not each use all of them."""

@@ -51,6 +51,7 @@ def add_parser(subparsers: Subcommands) -> None:
     engine.add_argument("--rank", default="0", help="integer, or 'auto' (pod ordinal)")
     engine.add_argument("--model", default=None, help="model dir or hub id (default: SmolLM2)")
     engine.add_argument("--fake", action="store_true", help="deterministic tokens, no model")
+    flags.add_backend_flags(engine)
     engine.add_argument("--step-delay", type=float, default=0.0, help="seconds per fake step")
     engine.add_argument(
         "--fake-prefill-cost",
@@ -114,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
-    if not args.fake:  # before the model loads: a bad setting should not cost a load to find
+    why = flags.backend_flags_error(args)
+    if why is not None:
+        print(f"dpserve engine: {why}", file=sys.stderr)
+        return 2
+    if not args.fake and args.backend == "dpserve":
+        # Before the model loads: a bad setting should not cost a load to find.
         from dpserve.engine.layers.linear import small_batch_rows_setting
 
         try:
@@ -168,6 +174,8 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
             prefix_cache=cache,
             prefill_cost=args.fake_prefill_cost,
         )
+    if args.backend == "vllm":
+        return _vllm_runner(args)
     import torch
     from transformers.utils import logging as transformers_logging
 
@@ -194,3 +202,29 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         prefix_caching=not args.no_prefix_caching,
         limits=flags.constraint_limits(args),
     )
+
+
+def _vllm_runner(args: argparse.Namespace) -> Runner:
+    """vLLM's engine core over the model (vLLM imported only here, from its own install)."""
+    from dpserve.engine.defaults import DEFAULT_BLOCK_SIZE
+    from dpserve.engine.vllm.engine_args import VllmOptions
+    from dpserve.engine.vllm.runner import VllmRunner
+    from dpserve.model_loading import resolve_model
+
+    options = VllmOptions(
+        model=resolve_model(args.model),
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        # dpserve's default block size (16) is not one vLLM's CPU attention takes: vLLM then
+        # picks its own; a size given on purpose is passed on.
+        block_size=None if args.block_size == DEFAULT_BLOCK_SIZE else args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=not args.no_prefix_caching,
+        eager=args.no_cuda_graphs,
+        threads=args.torch_threads,
+        extra=tuple(args.vllm_args),
+    )
+    return VllmRunner(options, flags.constraint_limits(args))

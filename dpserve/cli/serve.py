@@ -18,6 +18,9 @@ from dpserve.cli.common import (
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.security import key_files
 
+# Where `make vllm` put the Python of vLLM's own install (the Makefile sets it for the tests).
+VLLM_PYTHON_ENV = "DPSERVE_VLLM_PYTHON"
+
 
 def add_parser(subparsers: Subcommands) -> None:
     serve = subparsers.add_parser(
@@ -51,6 +54,15 @@ def add_parser(subparsers: Subcommands) -> None:
         help="torch threads per engine (default: this process's cores divided among the engines)",
     )
     serve.add_argument("--fake", action="store_true", help="fake engines, no model")
+    flags.add_backend_flags(serve)
+    serve.add_argument(
+        "--engine-python",
+        default=None,
+        metavar="PATH",
+        help="the Python that runs the engines (default for --backend vllm: $"
+        f"{VLLM_PYTHON_ENV} if set, else this one; vLLM has an install of its own: `make "
+        "vllm`; for --backend dpserve: this one)",
+    )
     serve.add_argument(
         "--step-delay",
         type=float,
@@ -91,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     if args.step_delay < 0:
         print("dpserve serve: --step-delay must not be negative", file=sys.stderr)
         return 2
+    why = flags.backend_flags_error(args)
+    if why is not None:
+        print(f"dpserve serve: {why}", file=sys.stderr)
+        return 2
     try:
         if args.credentials and args.insecure:
             raise key_files.CredentialsError("--insecure and --credentials contradict each other")
@@ -119,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_args=_kv_cache_args(args),
         fake=args.fake,
         step_delay=args.step_delay,
+        backend=args.backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        vllm_args=tuple(args.vllm_args),
+        engine_python=_engine_python(args),
         routing=args.routing,
         credentials=args.credentials or None,
         api_keys=http_api_keys,
@@ -126,6 +146,15 @@ def run(args: argparse.Namespace) -> int:
         http_limits=flags.http_limits(args),
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
+
+
+def _engine_python(args: argparse.Namespace) -> str:
+    """The interpreter of the engine processes: vLLM's install for --backend vllm."""
+    if args.engine_python:
+        return str(args.engine_python)
+    if args.backend == "vllm":
+        return os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+    return sys.executable
 
 
 def _kv_cache_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -1,0 +1,387 @@
+"""``VllmRunner``: vLLM's v1 engine core as an engine's compute side (``runner.Runner``).
+
+vLLM's ``EngineCore`` runs in this process through its in-process client (``InprocClient``):
+each ``step`` is one vLLM scheduler step (schedule, forward on vLLM's workers, sample), so the
+engine server interleaves its socket, heartbeats and stream flushes between steps exactly as
+with dpserve's own runner. Requests go in as token ids (the coordinator tokenized them); what
+vLLM samples comes back per token and goes through dpserve's finishing rules
+(``sequences.Sequence``: EOS / ``termination_id``, ``min_tokens``, stop strings, length), so a
+request's tokens, text and finish reason are what dpserve's engine gives for the same tokens.
+A request that finishes by those rules is aborted in vLLM before its next step.
+
+A re-dispatched request (``resume_tokens``: another engine generated them and died) continues
+after them: vLLM gets prompt + resume tokens as its prompt and the tokens left to generate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from dpserve.block_hash import BlockHash, extra_keys
+from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
+from dpserve.engine.sequences import Sequence, StopText
+from dpserve.engine.vllm.distribution import answer_vllm_version, installed_vllm_version
+from dpserve.engine.vllm.engine_args import VllmOptions, engine_args
+from dpserve.engine.vllm.kv_events import CollectedEvents, KVEventTranslator
+from dpserve.engine.vllm.sampling import vllm_sampling_params
+from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
+from dpserve.protocol import ErrorCode
+from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
+
+log = logging.getLogger(__name__)
+
+TopEntry = tuple[int, float]
+
+
+class VllmRunner:
+    """Continuous batching by vLLM over one model (``options``: ``engine_args.VllmOptions``)."""
+
+    def __init__(
+        self, options: VllmOptions, limits: RequestLimits = DEFAULT_REQUEST_LIMITS
+    ) -> None:
+        answer_vllm_version()
+        from transformers import AutoTokenizer, GenerationConfig
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.core_client import InprocClient
+        from vllm.v1.engine.input_processor import InputProcessor
+        from vllm.v1.executor import Executor
+
+        self.options = options
+        self._limits = limits
+        config = engine_args(options).create_engine_config()
+        self._config = config
+        # Builds vLLM's engine core here and its model workers (their own processes on CPU,
+        # and one per tensor-parallel rank).
+        self._client = InprocClient(config, Executor.get_class(config), log_stats=True)
+        self._core = self._client.engine_core
+        self._inputs = InputProcessor(config, renderer_from_config(config))
+        self._tasks = self._client.get_supported_tasks()
+        model_config = config.model_config
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        self._text_tokenizer = as_batch_tokenizer(self.tokenizer)
+        prepare_detokenizing(self._text_tokenizer)
+        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
+        self.context_size: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, GenerationConfig, model_config.model)
+        self._block_size: int = config.cache_config.block_size
+        self._translator: KVEventTranslator | None = None
+        self._collected: CollectedEvents | None = None
+        if config.cache_config.enable_prefix_caching:
+            self._translator = KVEventTranslator(self._block_size)
+            self._collected = CollectedEvents()
+            # vLLM's scheduler publishes its cache's events once per step to this publisher
+            # (configured "null": nothing leaves the process).
+            self._core.scheduler.kv_event_publisher = self._collected
+        self._sleep_mode = bool(model_config.enable_sleep_mode)
+        self._live: dict[int, Sequence] = {}  # running in vLLM, by dpserve request id
+        self._vllm_ids: dict[int, str] = {}  # dpserve request id -> vLLM's
+        self._by_vllm_id: dict[str, int] = {}
+        self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
+        self._next_id = itertools.count()
+        self._released = False
+        self._tokens_generated = 0
+        self._steps = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._last_stats: Any = None
+        log.info(
+            "vLLM %s serving %s: tensor parallel %d, context %d, block size %d, max_num_seqs %d, "
+            "prefix caching %s",
+            installed_vllm_version(),
+            model_config.model,
+            config.parallel_config.tensor_parallel_size,
+            self.context_size,
+            self._block_size,
+            self.max_num_seqs,
+            "on" if self._translator is not None else "off",
+        )
+
+    # ---------------------------------------------------------------------------- requests
+
+    def add(self, request: RunnerRequest) -> None:
+        self._validate(request)
+        params = request.params
+        prompt_length = len(request.prompt_tokens)
+        if params.ignore_eos:
+            stop_ids: frozenset[int] = frozenset()
+        elif params.termination_id is not None:
+            stop_ids = frozenset({params.termination_id})
+        else:
+            stop_ids = self.eos_token_ids
+        sequence = Sequence(
+            request=request,
+            params=params,
+            max_generated=min(params.num_tokens_to_generate, self.context_size - prompt_length),
+            stop_ids=stop_ids,
+            tokens=list(request.resume_tokens),
+            emitted=len(request.resume_tokens),
+            cache_extra=extra_keys(params.cache_salt),
+        )
+        if params.stop_strings:
+            sequence.stop_text = StopText.start(
+                self._text_tokenizer, request.resume_tokens, params.stop_strings
+            )
+        left = sequence.max_generated - len(sequence.tokens)
+        if left <= 0:
+            self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
+            return
+        vllm_id = f"{request.request_id}.{next(self._next_id)}"
+        prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens + request.resume_tokens}
+        if params.cache_salt:
+            prompt["cache_salt"] = params.cache_salt
+        try:
+            core_request = self._inputs.process_inputs(
+                vllm_id, prompt, vllm_sampling_params(params, left), self._tasks
+            )
+        except ValueError as exc:  # vLLM's own validation (VLLMValidationError is one)
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST, f"vLLM refused the request: {exc}"
+            ) from None
+        self._client.add_request(core_request)
+        self._live[request.request_id] = sequence
+        self._vllm_ids[request.request_id] = vllm_id
+        self._by_vllm_id[vllm_id] = request.request_id
+
+    def _validate(self, request: RunnerRequest) -> None:
+        prompt_length = len(request.prompt_tokens)
+        if prompt_length == 0:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
+        context_length = prompt_length + len(request.resume_tokens)
+        if context_length >= self.context_size:
+            resumed = (
+                f" + {len(request.resume_tokens)} resumed tokens" if request.resume_tokens else ""
+            )
+            raise RequestRejected(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt of {prompt_length} tokens{resumed} leaves no room for a new token in "
+                f"this engine's context of {self.context_size} tokens (at most "
+                f"{self.context_size - 1} prompt tokens)",
+            )
+        all_tokens = request.prompt_tokens + request.resume_tokens
+        if min(all_tokens) < 0 or max(all_tokens) >= self.vocab_size:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.vocab_size}) for this model"
+            )
+        params = request.params
+        constraint = params.guided_json or params.guided_regex or "".join(params.guided_choice)
+        if len(constraint.encode()) > self._limits.max_constraint_bytes:
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"the structured-output constraint has more than "
+                f"{self._limits.max_constraint_bytes} bytes",
+            )
+
+    def cancel(self, request_id: int) -> None:
+        for sequence in self._arrived_done:
+            if sequence.request_id == request_id:
+                self._arrived_done.remove(sequence)
+                return
+        if self._live.pop(request_id, None) is not None:
+            self._client.abort_requests([self._forget_vllm_id(request_id)])
+
+    def _forget_vllm_id(self, request_id: int) -> str:
+        vllm_id = self._vllm_ids.pop(request_id)
+        del self._by_vllm_id[vllm_id]
+        return vllm_id
+
+    def has_work(self) -> bool:
+        return bool(self._arrived_done) or bool(self._live)
+
+    def unreported(self) -> list[TokenUpdate]:
+        return [update for sequence in self._live.values() if (update := sequence.unreported())]
+
+    # ---------------------------------------------------------------------------- stepping
+
+    def step(self) -> list[TokenUpdate]:
+        """One vLLM step; its tokens through the finishing rules. Nothing while released."""
+        if self._released:
+            return []
+        self._steps += 1
+        updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
+        self._arrived_done = []
+        if not self._live:
+            return updates
+        outputs = self._client.get_output()
+        if outputs.scheduler_stats is not None:
+            self._note_stats(outputs.scheduler_stats)
+        finished: list[int] = []
+        for output in outputs.outputs:
+            request_id = self._by_vllm_id.get(output.request_id)
+            sequence = None if request_id is None else self._live.get(request_id)
+            if request_id is None or sequence is None:
+                continue  # cancelled or finished here while vLLM still had it in a batch
+            ended = self._take_output(sequence, output, updates)
+            if ended:
+                finished.append(request_id)
+        if finished:
+            still_in_vllm = []
+            for request_id in finished:
+                del self._live[request_id]
+                still_in_vllm.append(self._forget_vllm_id(request_id))
+            # Finished by dpserve's rules (a stop token or string): vLLM would go on to
+            # max_tokens. Aborting one that vLLM finished too is a no-op there.
+            self._client.abort_requests(still_in_vllm)
+        return updates
+
+    def _take_output(self, sequence: Sequence, output: Any, updates: list[TokenUpdate]) -> bool:
+        """Apply one request's step output; True when the request ended."""
+        if output.prefill_stats is not None and sequence.cached_prompt_tokens is None:
+            sequence.cached_prompt_tokens = int(output.prefill_stats.num_cached_tokens)
+        if output.new_prompt_logprobs_tensors is not None:
+            self._record_prompt_logprobs(sequence, output.new_prompt_logprobs_tensors)
+        rows = _logprob_rows(output.new_logprobs, len(output.new_token_ids))
+        for index, token in enumerate(output.new_token_ids):
+            logprob, top = rows[index] if rows is not None else (None, None)
+            update = sequence.accept(token, logprob, top)
+            if update is None:
+                self._tokens_generated += 1
+                continue
+            updates.append(update)
+            if update.finish_reason is None:
+                self._tokens_generated += 1
+                continue
+            # A stop token or the token a stop string begins in is not returned.
+            self._tokens_generated += update.finish_reason != "stop"
+            return True
+        reason = output.finish_reason
+        if reason is None:
+            return False
+        # vLLM ended it where dpserve's rules did not: its own length limits (the model's
+        # context), an abort of its own, or an error (a constraint it could not compile).
+        if str(reason) == "length":  # vLLM's FinishReason prints as its OpenAI name
+            updates.append(sequence.emit(len(sequence.tokens), "length"))
+        else:
+            updates.append(
+                TokenUpdate(
+                    sequence.request_id,
+                    [],
+                    finish_reason=ErrorCode.ENGINE_ERROR,
+                    error=f"vLLM ended the request ({reason}, stop reason {output.stop_reason})",
+                )
+            )
+        return True
+
+    def _record_prompt_logprobs(self, sequence: Sequence, tensors: Any) -> None:
+        """vLLM's prompt log-probs (a chunk of prompt positions per prefill chunk): rows of
+        the prompt's token and its alternatives. A resumed request's prompt includes its
+        resume tokens, whose rows are not the prompt's and are dropped."""
+        token_ids = tensors.logprob_token_ids.tolist()
+        logprobs = tensors.logprobs.tolist()
+        wanted = sequence.prompt_len - 1 - len(sequence.prompt_logprobs)
+        for ids, values in list(zip(token_ids, logprobs, strict=True))[: max(wanted, 0)]:
+            sequence.prompt_logprobs.append(float(values[0]))
+            if sequence.params.top_logprobs:
+                sequence.prompt_top_logprobs.append(
+                    list(zip(ids[1:], map(float, values[1:]), strict=True))
+                )
+
+    # ------------------------------------------------------------------------------ stats
+
+    def _note_stats(self, stats: Any) -> None:
+        self._last_stats = stats
+        prefix = stats.prefix_cache_stats
+        if prefix is not None:
+            self._prefix_queries += int(prefix.queries)
+            self._prefix_hits += int(prefix.hits)
+
+    def stats(self) -> Mapping[str, object]:
+        scheduler = self._core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        numbers: dict[str, object] = {
+            "backend_vllm": 1,
+            "tensor_parallel_size": self._config.parallel_config.tensor_parallel_size,
+            "waiting": len(scheduler.waiting),
+            "running": len(scheduler.running),
+            "kv_blocks": pool.num_gpu_blocks,
+            "kv_free_blocks": pool.get_num_free_blocks(),
+            "kv_cache_usage": float(scheduler.kv_cache_manager.usage),
+            "block_size": self._block_size,
+            "prefix_caching": int(self._translator is not None),
+            "prefix_cache_queries": self._prefix_queries,
+            "prefix_cache_hits": self._prefix_hits,
+            "tokens_generated": self._tokens_generated,
+            "steps": self._steps,
+            "released": self._released,
+        }
+        if self._translator is not None:
+            numbers["kv_cached_blocks"] = len(self._translator.snapshot())
+        return numbers
+
+    # ------------------------------------------------------------------------ prefix cache
+
+    @property
+    def kv_block_size(self) -> int | None:
+        return self._block_size if self._translator is not None else None
+
+    def kv_events(self) -> list[KVEvent]:
+        if self._translator is None or self._collected is None:
+            return []
+        return self._translator.translate(self._collected.take())
+
+    def kv_snapshot(self) -> list[BlockHash]:
+        if self._translator is None or self._collected is None:
+            return []
+        self._translator.translate(self._collected.take())  # what the snapshot supersedes
+        return self._translator.snapshot()
+
+    # ------------------------------------------------------------------- suspend / resume
+
+    def release(self) -> None:
+        """Suspend: with vLLM's sleep mode (CUDA builds, ``--vllm-arg=--enable-sleep-mode``)
+        the weights are offloaded and the KV cache discarded, the requests kept and recomputed
+        after ``reload``; without it (vLLM's CPU build has none) the engine only stops
+        stepping and keeps its memory."""
+        if self._released:
+            return
+        self._released = True
+        if self._sleep_mode:
+            self._core.sleep(level=1, mode="keep")
+        else:
+            log.warning(
+                "suspend: vLLM's sleep mode is off (the CPU build has none; on CUDA start the "
+                "engine with --vllm-arg=--enable-sleep-mode): the engine pauses but keeps its "
+                "memory"
+            )
+
+    def reload(self) -> None:
+        if not self._released:
+            return
+        if self._sleep_mode:
+            self._core.wake_up()
+        self._released = False
+
+
+def _logprob_rows(logprobs: Any, count: int) -> list[tuple[float, list[TopEntry]]] | None:
+    """Per new token its log-prob and alternatives, from vLLM's ``LogprobsLists`` (a row per
+    token: the sampled token first, then the top alternatives)."""
+    if logprobs is None or count == 0:
+        return None
+    token_ids = logprobs.logprob_token_ids.tolist()
+    values = logprobs.logprobs.tolist()
+    rows: list[tuple[float, list[TopEntry]]] = []
+    for ids, row in zip(token_ids[:count], values[:count], strict=True):
+        top = [(int(token), float(value)) for token, value in zip(ids[1:], row[1:], strict=True)]
+        rows.append((float(row[0]), top))
+    return rows
+
+
+def _eos_token_ids(tokenizer: Any, generation_config: Any, model: str) -> frozenset[int]:
+    """The tokens that end a request by default: the model's generation config's EOS ids and
+    the tokenizer's (as dpserve's engine takes them)."""
+    ids: set[int] = set()
+    try:
+        configured = generation_config.from_pretrained(model).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
