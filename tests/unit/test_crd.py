@@ -216,6 +216,14 @@ def bounded_integers(node: dict[str, Any], path: str = "") -> Iterator[tuple[str
 SPEC_BOUNDS = list(bounded_integers(crd_module.SPEC_SCHEMA))
 
 
+def test_the_crd_offers_exactly_the_engine_backends_the_cli_has(schema: dict[str, Any]) -> None:
+    from dpserve.flags import ENGINE_BACKENDS
+
+    backend = schema["properties"]["spec"]["properties"]["engine"]["properties"]["backend"]
+    assert backend["enum"] == list(ENGINE_BACKENDS)
+    assert backend["default"] == spec_module.DPSERVE_BACKEND == ENGINE_BACKENDS[0]
+
+
 def test_the_bounds_cover_the_spec() -> None:
     paths = {path for path, _, _ in SPEC_BOUNDS}
     assert {"dataParallelSize", "engine.maxBatchSize", "coordinator.zmqPort"} <= paths

@@ -521,6 +521,18 @@ def test_pod_commands_parse_with_the_dpserve_cli() -> None:
     assert engine.credentials == "/etc/dpserve/credentials"
 
 
+def test_the_vllm_engine_command_parses_with_the_dpserve_cli() -> None:
+    from dpserve.cli import build_parser
+    from dpserve.flags import backend_flags_error
+
+    command = container(children(VLLM_TP4)[("StatefulSet", "demo-engine")])["command"]
+    engine = build_parser().parse_args(command[1:])
+    assert (engine.backend, engine.tensor_parallel_size) == ("vllm", 4)
+    assert engine.vllm_args == ["--max-model-len", "16384", "--gpu-memory-utilization", "0.9"]
+    assert (engine.max_num_seqs, engine.dtype, engine.device) == (8, "bfloat16", "cuda")
+    assert backend_flags_error(engine) is None
+
+
 # --------------------------------------------------------------------------- invalid specs
 
 
