@@ -224,3 +224,22 @@ def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
     (crd,) = chart.crds
     assert crd["filename"].endswith("crds/inferencedeployment.yaml")
     assert crd["data"] == CRD_TEXT
+
+
+def test_the_notes_point_at_both_examples_and_each_is_a_valid_resource(
+    chart: helm_python.Chart,
+) -> None:
+    from dpserve_operator.spec import parse_spec
+
+    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE)
+    (text,) = [body for path, body in notes.items() if path.endswith("NOTES.txt")]
+    backends = {}
+    for example in ("examples/inference.yaml", "examples/inference-vllm.yaml"):
+        assert example in text, example
+        resource = yaml.safe_load((ROOT / example).read_text())
+        spec = parse_spec(resource["spec"], name=resource["metadata"]["name"])
+        backends[example] = spec.engine.backend
+    assert backends == {
+        "examples/inference.yaml": "dpserve",
+        "examples/inference-vllm.yaml": "vllm",
+    }
