@@ -4,8 +4,9 @@ The CRD's OpenAPI schema already rejects wrong types, bad enums and out-of-range
 the API server; this module repeats those checks (objects written before the CRD was
 installed, or a server that does not apply the schema, must not crash the operator) and adds
 what a structural schema on Kubernetes 1.20 cannot express: names too long for the children,
-port collisions, malformed image references, GPU requests that differ from limits, requests
-above limits, reserved labels and environment variables.
+port collisions, malformed image references, GPU requests that differ from limits or from the
+tensor-parallel size, tensor parallelism where it cannot run, vLLM flags outside the allow-list
+(``vllm_args``), requests above limits, reserved labels and environment variables.
 
 The repeated checks take their defaults, enums, bounds and required fields from the CRD
 itself (``crd.SPEC_SCHEMA``): each ``_Reader`` walks the schema alongside the data, so a
