@@ -4,8 +4,9 @@ against the model it is to run on and converted to ``delta.AdapterWeights``.
 What runs: LoRA (``r``, ``lora_alpha``, ``use_rslora``) on the attention projections
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the gated MLP's (``gate_proj``,
 ``up_proj``, ``down_proj``) of any layer, rank up to the engine's ``--max-lora-rank``.
-Anything else is refused with an error that names it (``AdapterError``): DoRA, biases,
-per-module ranks or alphas, ``modules_to_save``, embedding or ``lm_head`` adapters, other
+Per-module ranks and alphas (``rank_pattern``, ``alpha_pattern``) are PEFT's: a pattern
+applies to the modules whose dotted name ends with it. Anything else is refused with an error
+that names it (``AdapterError``): DoRA, biases, ``modules_to_save``, embedding or ``lm_head`` adapters, other
 modules (a mixture of experts' experts), a pickled ``adapter_model.bin``, and weights whose
 shapes do not fit this model (an adapter made for another base model).
 
@@ -44,8 +45,6 @@ _UNSUPPORTED_SETTINGS: Final = {
     "lora_bias": "a bias on lora_B (lora_bias)",
     "fan_in_fan_out": "fan_in_fan_out weights (Conv1D models)",
     "modules_to_save": "fully trained modules (modules_to_save)",
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "alpha_pattern": "per-module alphas (alpha_pattern)",
     "layer_replication": "layer_replication",
     "target_parameters": "adapters on parameters (target_parameters, e.g. MoE experts)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
@@ -86,18 +85,17 @@ def read_adapter(
     """Load and check the PEFT LoRA directory ``path`` for a model of ``layout``."""
     directory = Path(path)
     config = _read_config(name, directory)
-    rank = config.get("r")
-    alpha = config.get("lora_alpha", rank)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {rank!r}")
-    if rank > max_rank:
-        raise AdapterError(
-            f"adapter {name!r} has rank {rank}, more than this engine's --max-lora-rank "
-            f"{max_rank} (start the engine with a larger --max-lora-rank to load it)"
-        )
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
-        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    _check_rank(name, "r", rank, max_rank)
+    _check_alpha(name, "lora_alpha", alpha)
+    rank_pattern, alpha_pattern = _pattern(name, config, "rank_pattern"), _pattern(
+        name, config, "alpha_pattern"
+    )
+    for key, value in rank_pattern.items():
+        _check_rank(name, f"rank_pattern[{key!r}]", value, max_rank)
+    for key, value in alpha_pattern.items():
+        _check_alpha(name, f"alpha_pattern[{key!r}]", value)
+    rslora = bool(config.get("use_rslora"))
     tensors = _read_weights(name, directory)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -114,10 +112,48 @@ def read_adapter(
         raise AdapterError(f"adapter {name!r} has no LoRA weights in {directory / WEIGHTS_FILE}")
     weights = AdapterWeights(name, str(directory), rank, [{} for _ in layout])
     for (layer, module), found in sorted(pairs.items()):
-        weights.layers[_layer_index(name, layer, layout)][module] = _module_delta(
-            name, layer, module, found, layout, rank, scale, dtype, device
+        part = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        dotted = f"model.layers.{layer}.{part}.{module}"
+        own_rank = _pattern_value(rank_pattern, dotted, rank)
+        own_alpha = _pattern_value(alpha_pattern, dotted, alpha)
+        scale = own_alpha / math.sqrt(own_rank) if rslora else own_alpha / own_rank
+        weights.rank = max(weights.rank, own_rank)
+        index = _layer_index(name, layer, layout)
+        weights.layers[index][module] = _module_delta(
+            name, layer, module, found, layout, own_rank, scale, dtype, device
         )
     return weights
+
+
+def _check_rank(name: str, what: str, rank: object, max_rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"adapter {name!r}: {what} must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise AdapterError(
+            f"adapter {name!r} has rank {rank} ({what}), more than this engine's "
+            f"--max-lora-rank {max_rank} (start the engine with a larger --max-lora-rank)"
+        )
+
+
+def _check_alpha(name: str, what: str, alpha: object) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise AdapterError(f"adapter {name!r}: {what} must be a number, got {alpha!r}")
+
+
+def _pattern(name: str, config: dict[str, Any], key: str) -> dict[str, Any]:
+    pattern = config.get(key) or {}
+    if not isinstance(pattern, dict):
+        raise AdapterError(f"adapter {name!r}: {key} must be a JSON object")
+    return pattern
+
+
+def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rule: the first pattern that the module's dotted name ends with (as a regex
+    over whole name parts) gives its value."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
 
 
 def _read_config(name: str, directory: Path) -> dict[str, Any]:

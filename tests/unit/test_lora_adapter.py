@@ -1,0 +1,179 @@
+"""Reading PEFT LoRA directories (``engine.lora.adapter``): what runs, and a clear error
+naming the problem for everything that does not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dpserve.engine.layers.rotary import pair_rotary_dims
+from dpserve.engine.lora.adapter import AdapterError, AdapterLayout, ModuleShape, read_adapter
+from tests.lora_adapters import make_adapter
+
+HIDDEN, Q, KV, INNER, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 32, 128, 4, 2, 16
+
+
+def tiny_layout(layers: int = 2) -> AdapterLayout:
+    """The tiny Llama's (tests.tiny_model) adaptable projections."""
+    modules = {
+        "q_proj": ModuleShape(HIDDEN, Q, HEADS, HEAD_DIM),
+        "k_proj": ModuleShape(HIDDEN, KV, KV_HEADS, HEAD_DIM),
+        "v_proj": ModuleShape(HIDDEN, KV),
+        "o_proj": ModuleShape(Q, HIDDEN),
+        "gate_proj": ModuleShape(HIDDEN, INNER),
+        "up_proj": ModuleShape(HIDDEN, INNER),
+        "down_proj": ModuleShape(INNER, HIDDEN),
+    }
+    return [dict(modules) for _ in range(layers)]
+
+
+@pytest.fixture(scope="module")
+def good(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(tiny_model_path, tmp_path_factory.mktemp("lora") / "good", seed=7)
+
+
+def read(path: Path, layout: AdapterLayout | None = None, max_rank: int = 64) -> Any:
+    return read_adapter(
+        "x",
+        str(path),
+        layout or tiny_layout(),
+        max_rank=max_rank,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+def edited(
+    good: Path,
+    tmp_path: Path,
+    config: dict[str, Any] | None = None,
+    weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> Path:
+    """A copy of ``good`` with ``config`` entries set and ``weights`` applied to its tensors."""
+    copy = tmp_path / "edited"
+    shutil.copytree(good, copy)
+    if config:
+        path = copy / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if weights is not None:
+        tensors = load_file(copy / "adapter_model.safetensors")
+        weights(tensors)
+        save_file(tensors, copy / "adapter_model.safetensors")
+    return copy
+
+
+def test_a_peft_adapter_is_read_scaled_and_in_rope_pair_order(good: Path) -> None:
+    adapter = read(good)
+    tensors = load_file(good / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.1.self_attn"
+    scale = 16 / 8  # lora_alpha / r
+    q = adapter.layers[1]["q_proj"]
+    assert torch.equal(q.a, tensors[f"{prefix}.q_proj.lora_A.weight"])
+    expected_b, _ = pair_rotary_dims(
+        tensors[f"{prefix}.q_proj.lora_B.weight"] * scale, None, HEADS, HEAD_DIM
+    )
+    assert torch.allclose(q.b, expected_b)
+    v_b = tensors[f"{prefix}.v_proj.lora_B.weight"] * scale  # values keep their order
+    assert torch.allclose(adapter.layers[1]["v_proj"].b, v_b)
+    assert adapter.rank == 8 and set(adapter.layers[0]) == set(tiny_layout()[0])
+
+
+def test_rslora_and_per_module_alpha(good: Path, tmp_path: Path) -> None:
+    path = edited(good, tmp_path, {"use_rslora": True, "alpha_pattern": {"down_proj": 4}})
+    adapter = read(path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0"
+    v_b = tensors[f"{prefix}.self_attn.v_proj.lora_B.weight"]
+    down_b = tensors[f"{prefix}.mlp.down_proj.lora_B.weight"]
+    assert torch.allclose(adapter.layers[0]["v_proj"].b, v_b * 16 / 8**0.5)
+    assert torch.allclose(adapter.layers[0]["down_proj"].b, down_b * 4 / 8**0.5)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "all"}, "trains biases"),
+        ({"lora_bias": True}, "lora_bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "is a IA3 adapter"),
+        ({"r": 0}, "r must be a positive integer"),
+        ({"lora_alpha": "big"}, "lora_alpha must be a number"),
+        ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
+        ({"rank_pattern": {"q_proj": 100}}, r"rank 100 \(rank_pattern\['q_proj'\]\)"),
+    ],
+)
+def test_unsupported_settings_are_refused(
+    good: Path, tmp_path: Path, config: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(AdapterError, match=message):
+        read(edited(good, tmp_path, config))
+
+
+def test_a_rank_over_the_engine_limit_is_refused(good: Path) -> None:
+    with pytest.raises(AdapterError, match="rank 8 .*--max-lora-rank 4"):
+        read(good, max_rank=4)
+
+
+@pytest.mark.parametrize(
+    ("key", "shape", "message"),
+    [
+        ("base_model.model.lm_head.lora_A.weight", (8, 64), "lm_head"),
+        ("base_model.model.model.embed_tokens.lora_embedding_A", (8, 384), "embed_tokens"),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", (64,), "biases"),
+        ("base_model.model.model.layers.5.self_attn.q_proj.lora_A.weight", (8, 64), "layer 5"),
+    ],
+)
+def test_weights_of_other_modules_are_refused(
+    good: Path, tmp_path: Path, key: str, shape: tuple[int, ...], message: str
+) -> None:
+    def add(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[key] = torch.zeros(shape)
+        if "layers.5" in key:
+            tensors[key.replace("lora_A", "lora_B")] = torch.zeros(64, 8)
+
+    with pytest.raises(AdapterError, match=message):
+        read(edited(good, tmp_path, weights=add))
+
+
+def test_an_adapter_of_another_base_model_is_refused(good: Path) -> None:
+    wider = [{name: ModuleShape(s.in_features * 2, s.out_features) for name, s in layer.items()}
+             for layer in tiny_layout()]  # fmt: skip
+    with pytest.raises(AdapterError, match="another base model"):
+        read(good, wider)
+    with pytest.raises(AdapterError, match="layer 1, but the model has 1 layers"):
+        read(good, tiny_layout(layers=1))
+
+
+def test_a_lone_half_of_a_pair_is_refused(good: Path, tmp_path: Path) -> None:
+    def drop(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+
+    with pytest.raises(AdapterError, match=r"layers\.0\.q_proj has lora_A without its pair"):
+        read(edited(good, tmp_path, weights=drop))
+
+
+def test_missing_and_damaged_files(good: Path, tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="is not a directory"):
+        read(tmp_path / "absent")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(AdapterError, match="adapter_config.json not found"):
+        read(empty)
+    pickled = edited(good, tmp_path)
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(AdapterError, match="pickled: save it with safe_serialization"):
+        read(pickled)
+    (pickled / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(AdapterError, match="cannot read"):
+        read(pickled)
+    (pickled / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(AdapterError, match="not a JSON object"):
+        read(pickled)
