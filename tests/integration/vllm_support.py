@@ -1,0 +1,90 @@
+"""What the vLLM backend's tests share: tiny models vLLM's CPU build runs, transformers'
+greedy reference, and dpserve processes whose engines run in vLLM's own install."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tests.integration.runtime import Processes
+
+# vLLM's CPU attention takes head sizes of 32 and up (the project's tiny Llama has 16: "Unsupported
+# CPU attention configuration: head_dim=16"), so its tests use a tiny Llama of head size 64.
+VLLM_LLAMA = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1}
+# vLLM's CPU block default is 128 tokens; the tiny model's context is 256, so blocks of 32 let
+# prompts of a few blocks share prefixes. vLLM's CPU attention takes multiples of 32.
+VLLM_BLOCK_SIZE = 32
+# Every vLLM engine in the tests: no torch.compile (minutes on CPU), a small KV cache.
+VLLM_ENGINE_FLAGS = (
+    "--vllm-arg=--enforce-eager",
+    "--block-size",
+    str(VLLM_BLOCK_SIZE),
+    "--kv-cache-bytes",
+    str(64 * 1024**2),
+)
+
+
+def build_vllm_llama(directory: Path) -> Path:
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(directory, **VLLM_LLAMA)
+
+
+def greedy_reference(
+    model: Path, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' ``generate`` (greedy, fp32, never stopping early) for each prompt: the
+    tokens and each one's log-prob."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(torch.tensor([prompt]), generation_config=config)
+            new = out.sequences[0, len(prompt) :].tolist()
+            steps = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+            tokens.append(new)
+            logprobs.append([float(step[token]) for step, token in zip(steps, new, strict=True)])
+    return tokens, logprobs
+
+
+def spawn_vllm_engine(
+    processes: Processes, vllm_python: str, port: int, rank: int, model: Path, *extra: str
+) -> subprocess.Popen[bytes]:
+    """``dpserve engine --backend vllm`` in vLLM's install, logged like ``Processes.spawn``."""
+    log = open(processes.log_dir / f"engine-{rank}.log", "ab")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [
+            vllm_python, "-m", "dpserve.cli", "engine", "--coordinator",
+            f"tcp://127.0.0.1:{port}", "--rank", str(rank), "--model", str(model),
+            "--backend", "vllm", *VLLM_ENGINE_FLAGS, *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
+        cwd=processes.log_dir,  # never the repository root: its operator/ shadows the stdlib's
+    )  # fmt: skip
+    log.close()
+    processes.started.append(process)
+    return process
+
+
+def spawn_dpserve_engine(
+    processes: Processes, port: int, rank: int, model: Path
+) -> subprocess.Popen[bytes]:
+    return processes.spawn(
+        f"engine-{rank}", "engine", "--coordinator", f"tcp://127.0.0.1:{port}",
+        "--rank", str(rank), "--model", str(model), "--torch-threads", "1",
+    )  # fmt: skip
