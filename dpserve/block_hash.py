@@ -54,17 +54,23 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+# A blake2b state of the chain's digest size: copying it and feeding the block costs ~35 % less
+# than constructing one per block (its keyword arguments are parsed at each construction).
+_BLAKE2B_8: Final = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+
+
 def _chain(parent: BlockHash, packed: bytes, step: int, extra: bytes) -> list[BlockHash]:
     """The chained hashes of each ``step`` bytes of ``packed`` (whole blocks only): ``_hash``
     inlined, since a coordinator runs this for every block of every prompt it routes (512
     blocks for an 8k-token prompt; 15 % faster than calling ``_hash`` per block)."""
     hashes = []
     length = _LENGTH.pack(step)
-    pack_parent, blake2b, from_bytes = _LENGTH.pack, hashlib.blake2b, int.from_bytes
+    pack_parent, fresh, from_bytes = _LENGTH.pack, _BLAKE2B_8.copy, int.from_bytes
     view = memoryview(packed)
     for first in range(0, len(packed) - step + 1, step):
-        data = pack_parent(parent) + length + view[first : first + step] + extra
-        parent = from_bytes(blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
+        state = fresh()
+        state.update(pack_parent(parent) + length + view[first : first + step] + extra)
+        parent = from_bytes(state.digest(), "little")
         hashes.append(parent)
     return hashes
 
@@ -105,6 +111,62 @@ def packed_block_hashes(packed: bytes, block_size: int, extra: bytes = b"") -> l
     if not _LITTLE_ENDIAN:
         return block_hashes(array("i", packed).tolist(), block_size, extra)  # pragma: no cover
     return _chain(ROOT_HASH, packed, step, extra)
+
+
+class BlockHashCache:
+    """``packed_block_hashes`` that remembers the hashes it computed, by their exact input
+    (parent, block length, the block's bytes, extra keys): a prompt whose prefix another one
+    shared costs a dict lookup per block of that prefix instead of a BLAKE2b (~5x less; the
+    coordinator hashes every prompt it routes prefix-aware, and most share a system prompt or
+    a conversation's earlier turns). A hit is the hash of exactly those bytes, so nothing is
+    ever wrong; at ``max_entries`` the cache is emptied and fills again (no per-hit
+    bookkeeping), which bounds its memory at about 200 bytes plus a block's bytes per entry."""
+
+    def __init__(self, max_entries: int) -> None:
+        if max_entries < 0:
+            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._hashes: dict[bytes, BlockHash] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def packed_block_hashes(
+        self, packed: bytes, block_size: int, extra: bytes = b""
+    ) -> list[BlockHash]:
+        """The same hashes as the module's ``packed_block_hashes``."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not _LITTLE_ENDIAN:  # pragma: no cover
+            return block_hashes(array("i", packed).tolist(), block_size, extra)
+        step = block_size * _TOKEN_BYTES
+        known, hashes = self._hashes, []
+        lookup, pack_parent, fresh, from_bytes = (
+            known.get,
+            _LENGTH.pack,
+            _BLAKE2B_8.copy,
+            int.from_bytes,
+        )
+        length, view, parent, misses = _LENGTH.pack(step), memoryview(packed), ROOT_HASH, 0
+        for first in range(0, len(packed) - step + 1, step):
+            data = pack_parent(parent) + length + view[first : first + step] + extra
+            block_hash = lookup(data)
+            if block_hash is None:
+                misses += 1
+                state = fresh()
+                state.update(data)
+                block_hash = from_bytes(state.digest(), "little")
+                if len(known) >= self.max_entries:
+                    known.clear()
+                if self.max_entries:
+                    known[data] = block_hash
+            hashes.append(block_hash)
+            parent = block_hash
+        self.misses += misses
+        self.hits += len(hashes) - misses
+        return hashes
 
 
 def pack_hashes(hashes: Sequence[BlockHash]) -> bytes:

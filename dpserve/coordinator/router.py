@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dpserve import protocol
-from dpserve.block_hash import BlockHash, extra_keys, packed_block_hashes
+from dpserve.block_hash import BlockHash, BlockHashCache, extra_keys
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
@@ -27,6 +27,7 @@ from dpserve.coordinator.routing import (
     choose_by_prefix,
     choose_engine,
 )
+from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS
 from dpserve.protocol import KvEvents
 
 
@@ -44,6 +45,8 @@ class Router:
         self.registry = registry
         self.weights = weights
         self.index = PrefixIndex(prediction_ttl)
+        # Prompts share prefixes: their blocks' hashes are computed once, not per request.
+        self.hashes = BlockHashCache(DEFAULT_PREFIX_CACHE_LIMITS.max_cached_block_hashes)
         self.request_snapshot = request_snapshot
         self.decisions: Counter[str] = Counter()
         self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
@@ -66,55 +69,77 @@ class Router:
             return None
         routable.rotate(-1)  # the remaining ties go round
         now = time.monotonic()
-        self.index.expire(now)
+        index = self.index
+        index.expire(now)
         # The context as the wire packs it (int32 each): hashed straight from those bytes.
-        context = request.prompt_tokens + bytes(request.generated)
-        context_length = len(context) // protocol.TOKEN_BYTES
-        extra = extra_keys(request.params.get("cache_salt"), request.params.get("lora_name"))
-        hashes_by_size: dict[int, list[BlockHash]] = {}
-        engines_by_size: dict[int, list[bytes]] = {}
-        cached: dict[bytes, int] = dict.fromkeys(routable, 0)
+        context = request.prompt_tokens
+        if request.generated:
+            context += request.generated
+        context_tokens = len(context) // protocol.TOKEN_BYTES
+        hashes_by_size, cached = self._cached_tokens(context, context_tokens, request, now)
+        engines, caches, queued = self.registry.engines, index.engines, self._queued
+        candidates = []
         for identity in routable:
-            size = self.index.block_size(identity)
-            if size is not None:
-                engines_by_size.setdefault(size, []).append(identity)
-        for size, identities in engines_by_size.items():
-            # At most context - 1 tokens can come from a cache (the last is computed).
-            usable = (context_length - 1) // size
-            hashes = packed_block_hashes(
-                context[: usable * size * protocol.TOKEN_BYTES], size, extra
+            engine, cache = engines[identity], caches.get(identity)
+            queued_tokens = queued.get(identity, 0)
+            held, free = 0, None
+            if cache is not None:
+                held = len(cache.hashes)
+                free = self._free_tokens(engine, cache.block_size, queued_tokens)
+            candidates.append(
+                Candidate(
+                    identity,
+                    cached.get(identity, 0) if cached else 0,
+                    len(engine.outstanding),
+                    queued_tokens,
+                    held,
+                    free,
+                )
             )
+        decision = choose_by_prefix(candidates, context_tokens, self.weights)
+        if decision is not None and hashes_by_size:
+            size = index.block_size(decision.identity)
+            if size is not None:
+                index.predict(decision.identity, hashes_by_size[size], now)
+        return decision
+
+    def _cached_tokens(
+        self, context: bytes, context_tokens: int, request: InflightRequest, now: float
+    ) -> tuple[dict[int, list[BlockHash]], dict[bytes, int]]:
+        """The context's block hashes at each block size of the routable engines, and the
+        tokens of it each engine holds (by its events or a live prediction); both empty when
+        no engine could hold a block of it (none reported a block size yet, or the context is
+        shorter than a block and a token), so a short prompt is never hashed."""
+        caches = self.index.engines
+        engines_by_size: dict[int, list[bytes]] = {}
+        for identity in self.registry.routable:
+            cache = caches.get(identity)
+            size = None if cache is None else cache.block_size
+            # At most context - 1 tokens can come from a cache (the last is computed).
+            if size is not None and context_tokens > size:
+                engines_by_size.setdefault(size, []).append(identity)
+        if not engines_by_size:
+            return {}, {}
+        extra = extra_keys(request.params.get("cache_salt"))
+        hashes_by_size: dict[int, list[BlockHash]] = {}
+        cached: dict[bytes, int] = {}
+        for size, identities in engines_by_size.items():
+            usable = (context_tokens - 1) // size * size * protocol.TOKEN_BYTES
+            hashes = self.hashes.packed_block_hashes(context[:usable], size, extra)
             hashes_by_size[size] = hashes
             # One walk along the prompt's blocks for every engine of this block size.
             for identity, blocks in self.index.matched_blocks(hashes, identities, now).items():
                 cached[identity] = blocks * size
-        engines = self.registry.engines
-        candidates = [
-            Candidate(
-                identity,
-                cached[identity],
-                len(engines[identity].outstanding),
-                self._queued.get(identity, 0),
-                self.index.held(identity),
-                self._free_tokens(engines[identity]),
-            )
-            for identity in routable
-        ]
-        decision = choose_by_prefix(candidates, len(context), self.weights)
-        if decision is not None:
-            size = self.index.block_size(decision.identity)
-            if size is not None:
-                self.index.predict(decision.identity, hashes_by_size[size], now)
-        return decision
+        return hashes_by_size, cached
 
-    def _free_tokens(self, engine: Engine) -> int | None:
+    @staticmethod
+    def _free_tokens(engine: Engine, block_size: int | None, queued_tokens: int) -> int | None:
         """Tokens the engine can store without evicting: its empty blocks at its last heartbeat
         less the prefill sent to it since that is not done (None without a report)."""
         empty = engine.stats.get("kv_empty_blocks")
-        size = self.index.block_size(engine.identity)
-        if empty is None or size is None:
+        if empty is None or block_size is None:
             return None
-        return max(0, int(empty) * size - self._queued.get(engine.identity, 0))
+        return max(0, int(empty) * block_size - queued_tokens)
 
     def routed(self, request: InflightRequest, decision: Decision) -> None:
         """The request was sent where ``decision`` said."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
 from dpserve.coordinator.registry import EngineRegistry
 
@@ -65,8 +65,10 @@ class PrefixRouting:
 DEFAULT_PREFIX_ROUTING: Final = PrefixRouting()
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """One engine as ``choose_by_prefix`` weighs it (a tuple: the router builds one per
+    routable engine for every request it routes)."""
+
     identity: bytes
     cached_tokens: int  # prompt tokens its cache holds (or is predicted to)
     outstanding: int  # requests in flight there
@@ -78,8 +80,7 @@ class Candidate:
     free_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     identity: bytes
     reason: Reason
     predicted_cached_tokens: int
@@ -91,37 +92,43 @@ def choose_by_prefix(
     prompt_tokens: int,
     weights: PrefixRouting = DEFAULT_PREFIX_ROUTING,
 ) -> Decision | None:
-    """The cheapest candidate (ties: the emptiest cache, then the first), or None."""
+    """The cheapest candidate (ties: the emptiest cache, then the first), or None. One pass
+    over the candidates after the hot-spot bound: this runs for every request routed."""
     if not candidates:
         return None
-    fewest = min(c.outstanding for c in candidates)
-    bound = weights.hot_spot_factor * fewest + weights.hot_spot_slack
-    eligible = [c for c in candidates if c.outstanding <= bound]
-    best_cached = max(candidates, key=lambda c: c.cached_tokens)
-
-    def cost(candidate: Candidate) -> float:
-        uncached = prompt_tokens - candidate.cached_tokens
-        queued = candidate.queued_prefill_tokens
-        evicted = 0
-        if candidate.free_tokens is not None:
-            evicted = max(0, uncached - candidate.free_tokens)
-        return (
-            uncached
-            + queued
-            + weights.request_cost_tokens * candidate.outstanding
-            + weights.eviction_cost * evicted
-        )
-
-    chosen = min(eligible, key=lambda c: (cost(c), c.held_blocks))
+    fewest = min([c.outstanding for c in candidates])
+    # The idlest engine is always within the bound, whatever the weights.
+    bound = max(fewest, weights.hot_spot_factor * fewest + weights.hot_spot_slack)
+    per_request, per_evicted = weights.request_cost_tokens, weights.eviction_cost
+    chosen: Candidate | None = None
+    chosen_cost = 0.0
+    best_cached = candidates[0]  # the first with the most cached tokens, eligible or not
+    for candidate in candidates:
+        _, cached, outstanding, queued, held, free = candidate
+        if cached > best_cached.cached_tokens:
+            best_cached = candidate
+        if outstanding > bound:
+            continue
+        uncached = prompt_tokens - cached
+        cost = uncached + queued + per_request * outstanding
+        if free is not None and uncached > free:
+            cost += per_evicted * (uncached - free)
+        if (
+            chosen is None
+            or cost < chosen_cost
+            or (cost == chosen_cost and held < chosen.held_blocks)
+        ):
+            chosen, chosen_cost = candidate, cost
+    assert chosen is not None  # the idlest was within the bound
     if best_cached.cached_tokens == 0:
         reason = Reason.LOAD
     elif chosen.cached_tokens >= best_cached.cached_tokens:
         reason = Reason.PREFIX
-    elif best_cached not in eligible:
+    elif best_cached.outstanding > bound:
         reason = Reason.HOT_SPOT
     else:
         reason = Reason.BALANCE
-    return Decision(chosen.identity, reason, chosen.cached_tokens, cost(chosen))
+    return Decision(chosen.identity, reason, chosen.cached_tokens, chosen_cost)
 
 
 def choose_engine(registry: EngineRegistry, policy: RoutingPolicy) -> bytes | None:

@@ -192,3 +192,7 @@ def test_the_router_reads_an_engines_room_from_its_heartbeat_stats() -> None:
 
     assert route(b_empty_blocks=100) == B  # room for the whole prompt: the idle engine
     assert route(b_empty_blocks=0) == A  # full of other cached prefixes: the holder
+    # At the margin, in tokens (not the prompt's packed bytes): A costs its 4 uncached tokens
+    # + 16 per request x 4 = 68; B 64 tokens to prefill + what it evicts past its free room.
+    assert route(b_empty_blocks=16) == B  # 64 free: 64 < 68
+    assert route(b_empty_blocks=14) == A  # 56 free: 64 + 8 evicted = 72 > 68
