@@ -80,6 +80,10 @@ class Header(IntEnum):
     RESUME = 43
     STOP = 44
     CONTROL_ACK = 45
+    # LoRA adapters: loaded or unloaded on every engine, each engine's outcome gathered.
+    LOAD_ADAPTER = 46
+    UNLOAD_ADAPTER = 47
+    ADAPTER_ACK = 48
 
     # Introspection (60-69).
     STATUS = 60
@@ -96,6 +100,9 @@ class Header(IntEnum):
 CONTROL_SIGNALS: Final = frozenset(
     {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP}
 )
+# Relayed to every engine like control signals, but change no control state (any number may
+# be in flight) and are answered with ADAPTER_ACK, which carries the engines' errors.
+ADAPTER_SIGNALS: Final = frozenset({Header.LOAD_ADAPTER, Header.UNLOAD_ADAPTER})
 
 
 class ErrorCode:
@@ -168,6 +175,10 @@ class Heartbeat(NamedTuple):
     # int or float, for STATUS and /metrics; the coordinator checks them (engine_stats).
     # Optional: added after protocol version 1.
     stats: dict[str, Any] | None = None
+    # An engine's LoRA adapters (``engine.lora.serving.AdapterReport.to_wire``): max_loras and
+    # per registered adapter [loaded, running, waiting]; None: LoRA not enabled. Optional:
+    # added after protocol version 1.
+    adapters: dict[str, Any] | None = None
 
 
 class HeartbeatAck(NamedTuple):
@@ -317,6 +328,27 @@ class ControlAck(NamedTuple):
     control_id: int
 
 
+class LoadAdapter(NamedTuple):
+    """Load LoRA adapter ``name`` from the PEFT directory ``path`` (as the engines see it)."""
+
+    control_id: int
+    name: str
+    path: str
+
+
+class UnloadAdapter(NamedTuple):
+    control_id: int
+    name: str
+
+
+class AdapterAck(NamedTuple):
+    """The answer to LOAD_ADAPTER or UNLOAD_ADAPTER: from an engine, its own outcome; from
+    the coordinator, every engine's (their errors, each prefixed with the engine's rank)."""
+
+    control_id: int
+    error: str | None  # None: done everywhere
+
+
 class Status(NamedTuple):
     query_id: int
 
@@ -380,6 +412,9 @@ RECORDS: Final[dict[Header, Any]] = {
     Header.RESUME: Resume,
     Header.STOP: Stop,
     Header.CONTROL_ACK: ControlAck,
+    Header.LOAD_ADAPTER: LoadAdapter,
+    Header.UNLOAD_ADAPTER: UnloadAdapter,
+    Header.ADAPTER_ACK: AdapterAck,
     Header.STATUS: Status,
     Header.STATUS_REPLY: StatusReply,
     Header.KV_EVENTS: KvEvents,

@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from dpserve import protocol
+from dpserve.coordinator.adapters import AdapterRelay
 from dpserve.coordinator.admission import Admission
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.control import ControlRelay
@@ -117,7 +118,8 @@ class DataParallelInferenceCoordinator:
         shared = self.shared
         self.dispatcher = Dispatcher(shared)
         self.control = ControlRelay(shared, self.dispatcher)
-        self.membership = Membership(shared, self.dispatcher, self.control)
+        self.adapters = AdapterRelay(shared)
+        self.membership = Membership(shared, self.dispatcher, self.control, self.adapters)
         self.refusals = Refusals(shared)
         self.intake = Intake(shared, Admission(self.config), self.dispatcher, self.control)
         self.results = ResultRouter(shared, self.dispatcher)
@@ -137,6 +139,8 @@ class DataParallelInferenceCoordinator:
             Header.KV_EVENTS: self._from_engine(self.dispatcher.router.on_kv_events),
             Header.STATUS: self._on_status,
             **{signal: self.control.on_signal for signal in protocol.CONTROL_SIGNALS},
+            Header.ADAPTER_ACK: self._from_engine(self.adapters.on_ack),
+            **{signal: self.adapters.on_signal for signal in protocol.ADAPTER_SIGNALS},
         }
 
     def _from_engine(self, handler: Callable[[Engine, _Record], None]) -> Handler:

@@ -9,6 +9,7 @@ import logging
 import time
 
 from dpserve import protocol
+from dpserve.coordinator.adapters import AdapterRelay, MalformedAdapterReport, check_adapter_report
 from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.engine_stats import MalformedEngineStats, check_engine_stats
@@ -36,10 +37,17 @@ PROBE_INTERVAL = 1.0  # seconds between probes of an engine that is quiet past i
 
 
 class Membership:
-    def __init__(self, shared: SharedState, dispatcher: Dispatcher, control: ControlRelay) -> None:
+    def __init__(
+        self,
+        shared: SharedState,
+        dispatcher: Dispatcher,
+        control: ControlRelay,
+        adapters: AdapterRelay | None = None,
+    ) -> None:
         self.shared = shared
         self.dispatcher = dispatcher
         self.control = control
+        self.adapters = adapters if adapters is not None else AdapterRelay(shared)
 
     def engine_or_reject(self, identity: bytes) -> Engine:
         """The registered engine that sent a message only engines may send; anyone else is
@@ -98,6 +106,7 @@ class Membership:
         )
         self._ack_register(identity)
         self.control.engine_joined(identity)
+        self.adapters.engine_joined(identity)
         self._probe_rank(engine)
         self.dispatcher.dispatch_queued()
 
@@ -125,12 +134,20 @@ class Membership:
             engine.last_seen = time.monotonic()
             if heartbeat.stats is not None:
                 self._keep_stats(engine, heartbeat.stats)
+            self._keep_adapters(engine, heartbeat.adapters)
         elif identity not in self.shared.clients:
             self.shared.transport.error(
                 identity, None, ErrorCode.UNKNOWN_PEER, "unknown peer: connect or register first"
             )
             return
         self.shared.transport.send(identity, protocol.encode(HeartbeatAck(self.shared.instance_id)))
+
+    def _keep_adapters(self, engine: Engine, raw: object) -> None:
+        try:
+            engine.adapters = {} if raw is None else check_adapter_report(raw)
+        except MalformedAdapterReport as exc:
+            engine.adapters = {}
+            log.warning("engine rank %d: adapters dropped: %s", engine.rank, exc)
 
     def _keep_stats(self, engine: Engine, raw: object) -> None:
         """Keep an engine's reported numbers; a malformed report is dropped (absent beats
@@ -210,6 +227,7 @@ class Membership:
         self.shared.registry.remove(engine.identity)
         self.dispatcher.router.engine_removed(engine)  # re-dispatch routes by the survivors
         self.control.engine_left(engine)
+        self.adapters.engine_left(engine)
         self.dispatcher.reassign(engine, died)
 
     def remove_unreachable(self) -> None:

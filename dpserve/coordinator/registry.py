@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True, eq=False)
@@ -20,6 +21,8 @@ class Engine:
     outstanding: set[int] = field(default_factory=set)  # request ids dispatched here
     # The runner's numbers from the engine's last heartbeat (engine_stats checked them).
     stats: dict[str, int | float] = field(default_factory=dict)
+    # Its LoRA adapters from its last heartbeat (adapters.check_adapter_report); empty: none.
+    adapters: dict[str, Any] = field(default_factory=dict)
     # It reads ENGINE_REQUESTS (it said so in its REGISTER): a turn's requests go in one send.
     batched_requests: bool = False
 

@@ -33,6 +33,7 @@ def status_report(
                 "outstanding": len(e.outstanding),
                 "draining": e.draining,
                 "stats": e.stats,
+                "adapters": e.adapters,
             }
             for e in sorted(engines, key=lambda e: e.rank)
         ],

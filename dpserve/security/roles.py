@@ -20,7 +20,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from dpserve.protocol import CONTROL_SIGNALS, Header
+from dpserve.protocol import ADAPTER_SIGNALS, CONTROL_SIGNALS, Header
 from dpserve.security.key_files import ADMIN, CLIENT, ENGINE, PeerKeys, ServerKeys
 
 log = logging.getLogger("dpserve.security")
@@ -39,16 +39,17 @@ PERMITTED: Final[Mapping[str, frozenset[Header]]] = {
             Header.HAND_OFF,
             Header.ENGINE_REPLY,
             Header.CONTROL_ACK,
+            Header.ADAPTER_ACK,
             Header.KV_EVENTS,
         }
     ),
     CLIENT: _CLIENT_HEADERS,
-    ADMIN: _CLIENT_HEADERS | CONTROL_SIGNALS,
+    ADMIN: _CLIENT_HEADERS | CONTROL_SIGNALS | ADAPTER_SIGNALS,
 }
 
 # Messages whose first field is the sender's request/control/query id, so a refusal can name it.
 _FIRST_FIELD_IS_REF: Final = frozenset(
-    {Header.SUBMIT_REQUEST, Header.CANCEL, Header.STATUS, *CONTROL_SIGNALS}
+    {Header.SUBMIT_REQUEST, Header.CANCEL, Header.STATUS, *CONTROL_SIGNALS, *ADAPTER_SIGNALS}
 )
 
 _LOG_FIRST, _LOG_EVERY = 10, 1000  # rate limit for repeated warnings
@@ -59,7 +60,7 @@ def forbidden(role: str, header: Header, fields: Sequence[Any]) -> tuple[int | N
     # Any: the fields are decoded MessagePack that no handler has checked; the ref goes back
     # to the peer as it came.
     ref = fields[0] if header in _FIRST_FIELD_IS_REF else None
-    if header in CONTROL_SIGNALS:
+    if header in CONTROL_SIGNALS or header in ADAPTER_SIGNALS:
         return ref, f"{header.name} needs the admin role; this connection has the {role} role"
     return ref, f"{header.name} is not allowed for the {role or 'unknown'} role"
 
