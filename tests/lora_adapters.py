@@ -28,9 +28,7 @@ def make_adapter(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base)
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(modules)
-    )
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(modules))
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -294,8 +294,7 @@ class ModelRunner:
     def _no_adapters(self) -> str:
         if not isinstance(self.backend, PagedBackend):
             return (
-                "LoRA adapters need the paged backend; this model runs on the transformers "
-                "fallback"
+                "LoRA adapters need the paged backend; this model runs on the transformers fallback"
             )
         return "this engine serves no LoRA adapters (start it with --enable-lora)"
 

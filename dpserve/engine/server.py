@@ -26,10 +26,14 @@ from dpserve import protocol
 from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
 from dpserve.engine.kv_events import KVEventPublisher, ReportsKVEvents
+from dpserve.engine.lora.adapter import AdapterError
+from dpserve.engine.lora.serving import ServesAdapters
 from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (
+    ADAPTER_SIGNALS,
     CONTROL_SIGNALS,
+    AdapterAck,
     Cancel,
     ControlAck,
     ControlState,
@@ -46,7 +50,9 @@ from dpserve.protocol import (
     Heartbeat,
     HeartbeatAck,
     KvSnapshotRequest,
+    LoadAdapter,
     RegisterAck,
+    UnloadAdapter,
 )
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer, prepare_detokenizing, push_batch
@@ -143,6 +149,7 @@ class EngineServer:
             Header.ERROR: self._on_error,
             Header.KV_SNAPSHOT_REQUEST: self._on_kv_snapshot_request,
             **{signal: self._on_control for signal in CONTROL_SIGNALS},
+            **{signal: self._on_adapter_signal for signal in ADAPTER_SIGNALS},
         }
         # The runner's prefix-cache events for the coordinator's index (None: no cache).
         self._kv_source: ReportsKVEvents | None = None
@@ -220,7 +227,9 @@ class EngineServer:
             self.connection.register()  # sends only when one is due (one per connection)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
-            self.connection.send(Heartbeat(len(self._held), self._numeric_stats()))
+            self.connection.send(
+                Heartbeat(len(self._held), self._numeric_stats(), self._adapter_report())
+            )
             self._last_heartbeat = now
             if self._unanswered_since is None:
                 self._unanswered_since = now
@@ -235,6 +244,13 @@ class EngineServer:
             return {}
         numbers = {name: value for name, value in reported.items() if _is_finite_number(value)}
         return dict(sorted(numbers.items())[: DEFAULT_ENGINE_STATS_LIMITS.max_entries])
+
+    def _adapter_report(self) -> dict[str, Any] | None:
+        """The runner's LoRA adapters for the coordinator (None: it serves none)."""
+        if not isinstance(self.runner, ServesAdapters):
+            return None
+        report = self.runner.adapter_report()
+        return None if report is None else report.to_wire()
 
     def _note_waiting(self, now: float) -> None:
         if now - self._last_waiting_note < _WAITING_NOTE_EVERY:
@@ -397,6 +413,33 @@ class EngineServer:
             self.stopped = True
         log.info("engine rank %d: %s", self.connection.rank, signal_header.name)
         self.connection.send(ControlAck(int(signal_header), control.control_id))
+
+    def _on_adapter_signal(self, signal: LoadAdapter | UnloadAdapter) -> None:
+        """Load or unload a LoRA adapter; ADAPTER_ACK says how it went (read on this loop:
+        an adapter's weights are a few MB, read in milliseconds)."""
+        error: str | None = None
+        runner = self.runner
+        if not isinstance(runner, ServesAdapters):
+            error = "this engine's runner serves no LoRA adapters"
+        else:
+            try:
+                if isinstance(signal, LoadAdapter):
+                    runner.load_adapter(signal.name, signal.path)
+                else:
+                    runner.unload_adapter(signal.name)
+            except KeyError:
+                error = f"no LoRA adapter {signal.name!r} is loaded"
+            except AdapterError as exc:
+                error = str(exc)
+        outcome = "done" if error is None else error
+        log.info(
+            "engine rank %d: %s %s: %s",
+            self.connection.rank,
+            type(signal).__name__,
+            signal.name,
+            outcome,
+        )
+        self.connection.send(AdapterAck(signal.control_id, error))
 
     # ----------------------------------------------------------------- results
 

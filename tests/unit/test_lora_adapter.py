@@ -118,7 +118,7 @@ def test_unsupported_settings_are_refused(
 
 
 def test_a_rank_over_the_engine_limit_is_refused(good: Path) -> None:
-    with pytest.raises(AdapterError, match="rank 8 .*--max-lora-rank 4"):
+    with pytest.raises(AdapterError, match=r"rank 8 .*--max-lora-rank 4"):
         read(good, max_rank=4)
 
 
@@ -165,7 +165,7 @@ def test_missing_and_damaged_files(good: Path, tmp_path: Path) -> None:
         read(tmp_path / "absent")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(AdapterError, match="adapter_config.json not found"):
+    with pytest.raises(AdapterError, match=r"adapter_config\.json not found"):
         read(empty)
     pickled = edited(good, tmp_path)
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")

@@ -6,9 +6,9 @@ What runs: LoRA (``r``, ``lora_alpha``, ``use_rslora``) on the attention project
 ``up_proj``, ``down_proj``) of any layer, rank up to the engine's ``--max-lora-rank``.
 Per-module ranks and alphas (``rank_pattern``, ``alpha_pattern``) are PEFT's: a pattern
 applies to the modules whose dotted name ends with it. Anything else is refused with an error
-that names it (``AdapterError``): DoRA, biases, ``modules_to_save``, embedding or ``lm_head`` adapters, other
-modules (a mixture of experts' experts), a pickled ``adapter_model.bin``, and weights whose
-shapes do not fit this model (an adapter made for another base model).
+that names it (``AdapterError``): DoRA, biases, ``modules_to_save``, embedding or ``lm_head``
+adapters, other modules (a mixture of experts' experts), a pickled ``adapter_model.bin``, and
+weights whose shapes do not fit this model (an adapter made for another base model).
 
 Our q/k/v projections are one fused matrix with the query and key rows in RoPE pair order
 (``layers.rotary``): B's rows for ``q_proj`` and ``k_proj`` are permuted the same way here,
@@ -85,11 +85,13 @@ def read_adapter(
     """Load and check the PEFT LoRA directory ``path`` for a model of ``layout``."""
     directory = Path(path)
     config = _read_config(name, directory)
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    rank: Any = config.get("r")
+    alpha: Any = config.get("lora_alpha", rank)
     _check_rank(name, "r", rank, max_rank)
     _check_alpha(name, "lora_alpha", alpha)
-    rank_pattern, alpha_pattern = _pattern(name, config, "rank_pattern"), _pattern(
-        name, config, "alpha_pattern"
+    rank_pattern, alpha_pattern = (
+        _pattern(name, config, "rank_pattern"),
+        _pattern(name, config, "alpha_pattern"),
     )
     for key, value in rank_pattern.items():
         _check_rank(name, f"rank_pattern[{key!r}]", value, max_rank)
@@ -190,10 +192,8 @@ def _read_weights(name: str, directory: Path) -> dict[str, torch.Tensor]:
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         pickled = (directory / "adapter_model.bin").is_file()
-        raise AdapterError(
-            f"adapter {name!r}: {weights_path} not found"
-            + (" (adapter_model.bin is pickled: save it with safe_serialization)" if pickled else "")
-        )
+        hint = " (adapter_model.bin is pickled: save it with safe_serialization)"
+        raise AdapterError(f"adapter {name!r}: {weights_path} not found{hint if pickled else ''}")
     try:
         return load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own types for a damaged file

@@ -292,9 +292,9 @@ class BatchBuilder(Generic[T]):
             seq_lens=seq_lens,
             prefills=prefills,
             logits_indices=logits_indices,
-            adapters=None if adapter_weights is None else _step_adapters(
-                plan, adapter_weights, self.device
-            ),
+            adapters=None
+            if adapter_weights is None
+            else _step_adapters(plan, adapter_weights, self.device),
         )
         return BuiltBatch(batch, sampled, prompt_rows), (late if late.rows else None)
 
