@@ -32,17 +32,20 @@ from dpserve.client.records import (
 from dpserve.client.session import CoordinatorSession
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.protocol import (
+    AdapterAck,
     ConnectAck,
     ControlAck,
     Error,
     ErrorCode,
     Header,
     HeartbeatAck,
+    LoadAdapter,
     ProtocolError,
     Status,
     StatusReply,
+    UnloadAdapter,
 )
-from dpserve.sampling import SamplingParams
+from dpserve.sampling import SamplingParams, check_lora_name
 from dpserve.security import key_files
 
 log = logging.getLogger("dpserve.client")
@@ -88,6 +91,7 @@ class InferenceClient:
             Header.STREAM: self._table.on_stream,
             Header.ERROR: self._on_error,
             Header.CONTROL_ACK: self._on_control_ack,
+            Header.ADAPTER_ACK: self._on_adapter_ack,
             Header.STATUS_REPLY: self._on_status_reply,
             Header.HEARTBEAT_ACK: self._on_heartbeat_ack,
             Header.CONNECT_ACK: self._on_connect_ack,
@@ -214,6 +218,21 @@ class InferenceClient:
         """The coordinator's status: engines, their load, queue, state, counters."""
         return self._control_call(Status)
 
+    # ----------------------------------------------------------- LoRA adapters
+
+    def load_lora_adapter(self, name: str, path: str) -> asyncio.Future[str | None]:
+        """Load LoRA adapter ``name`` from the PEFT directory ``path`` (as the engines see it)
+        on every engine, and on engines that register later; requests then run with it when
+        their ``SamplingParams.lora_name`` is ``name``. The future resolves to None when every
+        engine loaded it, else to the engines' errors (each naming its rank)."""
+        check_lora_name(name)
+        return self._control_call(lambda control_id: LoadAdapter(control_id, name, path))
+
+    def unload_lora_adapter(self, name: str) -> asyncio.Future[str | None]:
+        """Unload adapter ``name`` from every engine; resolves as ``load_lora_adapter``."""
+        check_lora_name(name)
+        return self._control_call(lambda control_id: UnloadAdapter(control_id, name))
+
     # ------------------------------------------------------------------- listener
 
     def _handle(self, payload: bytes) -> None:
@@ -226,6 +245,9 @@ class InferenceClient:
 
     def _on_control_ack(self, ack: ControlAck) -> None:
         self._table.resolve_control(ack.control_id, None)
+
+    def _on_adapter_ack(self, ack: AdapterAck) -> None:
+        self._table.resolve_control(ack.control_id, ack.error)
 
     def _on_status_reply(self, reply: StatusReply) -> None:
         self._table.resolve_control(reply.query_id, reply.status)

@@ -4,11 +4,13 @@ Modules: ``body`` (bytes -> JSON: depth, Unicode), ``requests`` (the table of kn
 bodies -> prompt + ``SamplingParams``; every request limit), ``prompts``, ``values``,
 ``responses`` (JSON and SSE shapes), ``logprobs``, ``errors``, ``generate`` (one request
 through the client), ``metrics``, ``health``, ``connections`` (connection cap and header
-deadline), ``app`` (routes, middlewares) and ``server`` (bind and serve; connect the client).
+deadline), ``adapters`` (LoRA adapters: which ``model`` names are served, loading and
+unloading), ``app`` (routes, middlewares) and ``server`` (bind and serve; connect the client).
 Nothing here starts processes (an import-linter contract): ``dpserve.supervise`` and
 ``dpserve.local`` do.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (vLLM's bodies),
 ``GET /health`` and ``GET /livez`` (liveness: 200 while the process serves), ``GET /ready``
 (readiness: 200 when the coordinator answers, engines are running and one is registered and
 not draining; else 503 with the reason) and ``GET /metrics`` (Prometheus text, from a registry
@@ -18,7 +20,9 @@ API choices, where OpenAI leaves room or where this server differs:
 
 * ``prompt`` is one string or one list of token ids; a one-element list of either is unwrapped.
   Several prompts in one request are rejected with 400: send one request per prompt.
-* ``model`` may be omitted or name anything: one model is served and its name is reported.
+* ``model`` may be omitted or name the base model or a LoRA adapter an engine holds
+  (``adapters``); while no engine serves adapters it may name anything (the base model
+  answers), once one does an unknown name is a 404 naming it, as vLLM answers.
 * Every field a client sends is honoured or refused: ``requests.COMPLETION_FIELDS`` and
   ``requests.CHAT_FIELDS`` list each known field and what is done with it; ``n``, ``best_of``,
   penalties, ``logit_bias``, tools and the like are accepted only at their no-op values, and

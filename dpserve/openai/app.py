@@ -17,6 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dpserve.client import ClientError, InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.openai.adapters import (
+    LOAD_ENDPOINT,
+    UNLOAD_ENDPOINT,
+    AdapterDirectory,
+    change_adapter,
+    parse_adapter_body,
+)
 from dpserve.openai.body import parse_json_body
 from dpserve.openai.connections import ConnectionGuard
 from dpserve.openai.errors import (
@@ -76,6 +83,7 @@ class HttpFront:
             client, tokenizer, model_name, http_limits.request_timeout, self.metrics
         )
         self.created = int(time.time())
+        self.adapters = AdapterDirectory(model_name, self.coordinator_status)
 
     def counted(self, endpoint: str, handler: _ApiHandler) -> Handler:
         """Wrap an API handler so every request is counted once, by endpoint and outcome."""
@@ -99,7 +107,8 @@ class HttpFront:
     async def completions(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
         try:
             await self._follow_coordinator_limits()
-            job = parse_completion_request(await self._read_json(request), self.limits)
+            body = await self._read_json(request)
+            job = await self._with_adapter(parse_completion_request(body, self.limits), body)
             check_message_size(job, self.max_message_bytes)
             await check_constraint(job.params, job.schema_param, self.limits)
         except InvalidRequest as exc:
@@ -110,21 +119,54 @@ class HttpFront:
         try:
             await self._follow_coordinator_limits()
             body = await self._read_json(request)
-            job: GenerationRequest = parse_chat_request(body, self.tokenizer, self.limits)
+            job = await self._with_adapter(
+                parse_chat_request(body, self.tokenizer, self.limits), body
+            )
             check_message_size(job, self.max_message_bytes)
             await check_constraint(job.params, job.schema_param, self.limits)
         except InvalidRequest as exc:
             return _refusal(exc)
         return await self.generator.generate(request, ChatFormat(), job, outcome)
 
+    async def _with_adapter(
+        self, job: GenerationRequest, body: dict[str, Any]
+    ) -> GenerationRequest:
+        """The request with the LoRA adapter its ``model`` names (``adapters``)."""
+        lora_name = await self.adapters.resolve(body.get("model"))
+        if lora_name is None:
+            return job
+        return dataclasses.replace(job, params=dataclasses.replace(job.params, lora_name=lora_name))
+
     async def models(self, request: web.Request, outcome: Outcome) -> web.StreamResponse:
-        model = {
+        """The base model and every LoRA adapter an engine holds, each with its ``parent``
+        (the base model), as vLLM lists them."""
+        await self.adapters.refresh()
+        base = {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "dpserve",
+            "root": self.model_name,
+            "parent": None,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        adapters = [
+            {**base, "id": name, "root": name, "parent": self.model_name}
+            for name in sorted(self.adapters.names)
+        ]
+        return web.json_response({"object": "list", "data": [base, *adapters]})
+
+    async def load_lora_adapter(self, request: web.Request, outcome: Outcome) -> web.Response:
+        return await self._change_adapter(request, load=True)
+
+    async def unload_lora_adapter(self, request: web.Request, outcome: Outcome) -> web.Response:
+        return await self._change_adapter(request, load=False)
+
+    async def _change_adapter(self, request: web.Request, *, load: bool) -> web.Response:
+        try:
+            name, path = parse_adapter_body(await self._read_json(request), load=load)
+        except InvalidRequest as exc:
+            return _refusal(exc)
+        return await change_adapter(self.client, self.adapters, name, path, load=load)
 
     async def live(self, request: web.Request) -> web.Response:
         return web.json_response(LIVE_BODY)
@@ -278,6 +320,10 @@ def create_app(
     )
     app.router.add_post(CHAT_ENDPOINT, front.counted(CHAT_ENDPOINT, front.chat_completions))
     app.router.add_get(MODELS_ENDPOINT, front.counted(MODELS_ENDPOINT, front.models))
+    # Admin work: behind the API keys like all of /v1, and the coordinator relays it only
+    # from a connection with the admin role (when it uses credentials).
+    app.router.add_post(LOAD_ENDPOINT, front.counted(LOAD_ENDPOINT, front.load_lora_adapter))
+    app.router.add_post(UNLOAD_ENDPOINT, front.counted(UNLOAD_ENDPOINT, front.unload_lora_adapter))
     app.router.add_get("/health", front.live)
     app.router.add_get("/livez", front.live)
     app.router.add_get("/ready", front.ready)

@@ -76,7 +76,9 @@ class Generator:
     async def generate(
         self, request: web.Request, fmt: ResponseFormat, job: GenerationRequest, outcome: Outcome
     ) -> web.StreamResponse:
-        ids = ResponseIds(f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        # The response names what the request ran on: the base model or its LoRA adapter.
+        model = job.params.lora_name or self.model_name
+        ids = ResponseIds(f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()), model)
         started = time.monotonic()
         self.metrics.inflight.inc()
         try:

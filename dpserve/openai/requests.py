@@ -61,7 +61,10 @@ def _no_op(note: str, *values: object) -> Field:
 # A field not in the table for its endpoint is refused with a 400 naming it; a null value is
 # the same as an absent field. Nothing is ignored silently.
 COMMON_FIELDS: Final[dict[str, Field]] = {
-    "model": Field(Handling.INFORMATIONAL, "one model is served; the response names it"),
+    "model": Field(
+        Handling.HONOURED,
+        "the base model or a LoRA adapter (openai.adapters); the response names it",
+    ),
     "user": Field(Handling.INFORMATIONAL, "an end-user id for the caller's records; not stored"),
     "stream": _honoured("SSE chunks, then data: [DONE]"),
     "stream_options": _honoured("include_usage (a final usage chunk), continuous_usage_stats"),
