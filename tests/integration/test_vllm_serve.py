@@ -1,0 +1,119 @@
+"""``dpserve serve --backend vllm --data-parallel-size 2``: two vLLM engines (real vLLM, its CPU
+build) behind dpserve's coordinator and HTTP front. Prefix-aware routing predicts exactly the
+cached tokens vLLM reports (its KV events translated into dpserve's block hashes); an engine
+SIGKILLed mid-stream is restarted while its streams move to the other engine and end
+byte-identical to their uninterrupted run (resume tokens become part of vLLM's prompt); serve
+leaves no process behind, vLLM's workers included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from dpserve.client import InferenceClient
+from dpserve.sampling import SamplingParams
+from tests.integration.runtime import DPSERVE, free_port, wait_for_banner
+from tests.integration.test_serve import alive, descendants
+from tests.integration.test_serve_supervision import Serve, streams_under_way, uninterrupted_run
+from tests.integration.vllm_support import VLLM_BLOCK_SIZE, VLLM_ENGINE_FLAGS, build_vllm_llama
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def deployment(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    directory = tmp_path_factory.mktemp("vllm-serve")
+    model = build_vllm_llama(directory / "llama")
+    port, http_port = free_port(), free_port()
+    log = directory / "serve.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env["DPSERVE_VLLM_PYTHON"] = vllm_python
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [
+                DPSERVE, "serve", "--backend", "vllm", "--data-parallel-size", "2", "--insecure",
+                "--model", str(model), "--port", str(port), "--http-port", str(http_port),
+                *VLLM_ENGINE_FLAGS,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )  # fmt: skip
+    serving = Serve(process, log, port, http_port)
+    try:
+        wait_for_banner(process, log, within=300)
+        yield serving
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in serving.leftovers():
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_prefix_aware_routing_predicts_vllm_cached_tokens(deployment: Serve) -> None:
+    """Four groups of prompts, each group sharing a 64-token prefix (two blocks): every repeat
+    goes where its prefix is cached, and the tokens the coordinator predicted cached are the
+    ones vLLM found."""
+    client = InferenceClient(deployment.port, handshake_timeout=20)
+    await client.start()
+    params = SamplingParams(temperature=0, num_tokens_to_generate=2, ignore_eos=True)
+    prefixes = [
+        [(13 * group + 7 * i) % 300 + 20 for i in range(2 * VLLM_BLOCK_SIZE)] for group in range(4)
+    ]
+    try:
+        records = []
+        for round_ in range(3):
+            for group, prefix in enumerate(prefixes):
+                suffix = [(group * 31 + round_ * 5 + i) % 300 + 20 for i in range(10)]
+                records.append(await client.add_request(prefix + suffix, params))
+            await asyncio.sleep(1.0)  # the round's KV events reach the coordinator
+        status = await client.get_status()
+    finally:
+        client.stop()
+    routing = status["prefix_routing"]
+    repeats = records[len(prefixes) :]
+    assert all(record.cached_tokens == 2 * VLLM_BLOCK_SIZE for record in repeats), [
+        record.cached_tokens for record in records
+    ]
+    actual = sum(record.cached_tokens or 0 for record in records)
+    assert routing["actual_cached_tokens"] == actual == routing["predicted_cached_tokens"]
+    assert routing["prediction_error_tokens"] == 0
+    assert sorted(routing["indexed_blocks_by_rank"]) == ["0", "1"], routing  # both engines used
+
+
+async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Serve) -> None:
+    client = InferenceClient(deployment.port, handshake_timeout=20)
+    await client.start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+            base = deployment.base
+            uninterrupted = await uninterrupted_run(session, base)
+            victim = deployment.pid_of("engine 1")
+            assert victim is not None
+            workers = descendants(victim)  # vLLM's model worker
+            assert workers, "vLLM runs its model in a worker process of its own"
+            streams = await streams_under_way(session, base)
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            assert await asyncio.gather(*streams) == uninterrupted
+            status = await asyncio.wait_for(client.get_status(), 10)
+            assert status["counters"].get("redispatched", 0) > 0, "rank 1 held streams"
+            # vLLM's worker notices its engine is gone and exits.
+            while any(alive(pid) for pid in workers):
+                assert time.monotonic() - killed_at < 30, "vLLM's worker outlived its engine"
+                await asyncio.sleep(0.2)
+    finally:
+        client.stop()
+    serve_pid = deployment.process.pid
+    deployment.process.send_signal(signal.SIGINT)
+    assert deployment.process.wait(120) == 0, deployment.text()[-3000:]
+    deployment.assert_nothing_left()
+    assert not [pid for pid in descendants(serve_pid) if alive(pid)]
