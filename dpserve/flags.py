@@ -4,7 +4,9 @@
 ``HttpLimits`` field ``--request-timeout`` / ``--http-<name>`` (``--http-header-timeout``,
 ...). docs/security.md lists them; ``tests/unit/test_flags.py`` checks that every field has
 its flag and help. Also the engine backend's flags (``--backend``, ``--tensor-parallel-size``,
-``--vllm-arg``), which ``dpserve engine`` takes and ``dpserve serve`` passes on.
+``--vllm-arg``) and LoRA adapters' (``--enable-lora``, ``--max-loras``, ``--max-lora-rank``,
+``--lora-modules``, vLLM's names), which ``dpserve engine`` takes and ``dpserve serve`` passes
+on.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.limits import (
+    DEFAULT_HTTP_LIMITS,
+    DEFAULT_LORA_LIMITS,
+    DEFAULT_REQUEST_LIMITS,
+    HttpLimits,
+    RequestLimits,
+)
 
 REQUEST_LIMIT_HELP: Final = {
     "max_body_bytes": "largest HTTP request body; the coordinator's message limit follows it",
@@ -149,6 +157,82 @@ def backend_flags_error(args: argparse.Namespace) -> str | None:
     elif args.fake:
         return "--fake and --backend vllm contradict each other (the fake engine has no model)"
     return None
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters of dpserve's own engine (``engine.lora``), as vLLM spells them."""
+    group = parser.add_argument_group("LoRA adapters (dpserve's engine; docs/lora.md)")
+    group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: loaded at start (--lora-modules) or at run time "
+        "(POST /v1/load_lora_adapter)",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=_positive(int),
+        default=DEFAULT_LORA_LIMITS.max_loras,
+        help="adapters an engine holds loaded at once; the least recently used idle one is "
+        "evicted for another (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-lora-rank",
+        type=_positive(int),
+        default=DEFAULT_LORA_LIMITS.max_lora_rank,
+        help="the largest rank r an engine loads (default: %(default)s)",
+    )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters loaded at start, each a name (the requests' model) and a PEFT LoRA "
+        "directory; implies --enable-lora",
+    )
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """``--lora-modules`` as name -> path; ``ValueError`` naming a bad entry."""
+    from dpserve.sampling import InvalidSamplingParams, check_lora_name
+
+    modules: dict[str, str] = {}
+    for entry in args.lora_modules:
+        name, equals, path = entry.partition("=")
+        if not equals or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {entry!r}")
+        try:
+            check_lora_name(name)
+        except InvalidSamplingParams as exc:
+            raise ValueError(f"--lora-modules: {exc}") from None
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+def lora_flags_error(args: argparse.Namespace) -> str | None:
+    """Why the LoRA flags cannot hold together (or with the backend); None when they can."""
+    try:
+        lora_modules(args)
+    except ValueError as exc:
+        return str(exc)
+    wanted = args.enable_lora or args.lora_modules
+    if wanted and args.fake:
+        return "--enable-lora / --lora-modules need a model (not --fake)"
+    if wanted and args.backend == "vllm":
+        return "the vLLM backend takes its own LoRA flags: pass them with --vllm-arg"
+    return None
+
+
+def lora_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The LoRA flags to pass on to each engine (``dpserve serve``)."""
+    if not (args.enable_lora or args.lora_modules):
+        return ()
+    passed = ["--enable-lora", "--max-loras", str(args.max_loras)]
+    passed += ["--max-lora-rank", str(args.max_lora_rank)]
+    if args.lora_modules:
+        passed += ["--lora-modules", *args.lora_modules]
+    return tuple(passed)
 
 
 def _add(

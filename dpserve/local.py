@@ -97,6 +97,7 @@ class LocalDeployment:
     torch_threads: int | None = None  # per engine; None: this machine's cores split among them
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
+    lora_args: tuple[str, ...] = ()  # the engines' LoRA flags (flags.lora_args)
     routing: str | None = None  # the coordinator's --routing (None: its default)
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
     api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
@@ -197,6 +198,7 @@ class LocalDeployment:
                     threads = min(threads, len(cores))
                 engine += ["--torch-threads", str(threads)]
                 engine += self.kv_cache_args
+                engine += self.lora_args
                 engine += _engine_limit_flags(self.limits)
             if self.max_num_seqs:
                 engine += ["--max-num-seqs", str(self.max_num_seqs)]

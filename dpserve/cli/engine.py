@@ -106,6 +106,7 @@ def add_parser(subparsers: Subcommands) -> None:
         help="a file that exists exactly while the engine is registered (readiness probes)",
     )
     flags.add_constraint_limits(engine)
+    flags.add_lora_flags(engine)
     add_credentials(engine)
     engine.set_defaults(func=run)
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
-    why = flags.backend_flags_error(args)
+    why = flags.backend_flags_error(args) or flags.lora_flags_error(args)
     if why is not None:
         print(f"dpserve engine: {why}", file=sys.stderr)
         return 2
@@ -201,6 +202,10 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         cuda_graphs=not args.no_cuda_graphs,
         prefix_caching=not args.no_prefix_caching,
         limits=flags.constraint_limits(args),
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=flags.lora_modules(args),
     )
 
 

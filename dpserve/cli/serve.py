@@ -87,6 +87,7 @@ def add_parser(subparsers: Subcommands) -> None:
     add_api_key_file(serve)
     flags.add_request_limits(serve)
     flags.add_http_limits(serve)
+    flags.add_lora_flags(serve)
     serve.set_defaults(func=run)
 
 
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step_delay < 0:
         print("dpserve serve: --step-delay must not be negative", file=sys.stderr)
         return 2
-    why = flags.backend_flags_error(args)
+    why = flags.backend_flags_error(args) or flags.lora_flags_error(args)
     if why is not None:
         print(f"dpserve serve: {why}", file=sys.stderr)
         return 2
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
+        lora_args=flags.lora_args(args),
         fake=args.fake,
         step_delay=args.step_delay,
         backend=args.backend,
