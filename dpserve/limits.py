@@ -106,8 +106,8 @@ class PrefixCacheLimits:
     max_hashes_per_engine: int = 4_000_000
     max_cache_salt_chars: int = 256  # a request's cache_salt (its prefix-cache isolation key)
     # Block hashes the coordinator remembers by their input (``block_hash.BlockHashCache``), so
-    # a shared prefix is hashed once, not per request: ~300 bytes each at 16-token blocks, so
-    # ~40 MiB at most; emptied when full. 131,072 hold 32 prefixes of 8,192 tokens (16-token
+    # a shared prefix is hashed once, not per request: ~110 bytes each at 16-token blocks
+    # (~14 MiB at most); emptied when full. 131,072 hold 32 prefixes of 8,192 tokens (16-token
     # blocks) with room for the prompts' own tails.
     max_cached_block_hashes: int = 131_072
 

@@ -22,8 +22,9 @@ It stays true under faults:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice, takewhile
 
 from dpserve.block_hash import BlockHash, unpack_hashes
 from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS
@@ -54,6 +55,9 @@ class PrefixIndex:
         self._expiring: deque[tuple[float, bytes, list[BlockHash]]] = deque()
         self.gaps = 0  # event batches found missing (each asked for a snapshot)
         self.stale_batches = 0  # from an instance that is not the registered one
+        # The smallest block size any engine reported (None: none yet): a prompt of no more
+        # tokens cannot have a cached block anywhere, and is routed without hashing it.
+        self.smallest_block_size: int | None = None
 
     # ------------------------------------------------------------------ membership
 
@@ -69,6 +73,7 @@ class PrefixIndex:
         cache = self.engines.pop(identity, None)
         if cache is not None:
             self._drop_all(identity, cache)
+            self._block_sizes_changed()
 
     # ---------------------------------------------------------------------- events
 
@@ -95,6 +100,7 @@ class PrefixIndex:
         if cache.block_size != batch.block_size:
             self._drop_all(identity, cache)
             cache.block_size = batch.block_size
+            self._block_sizes_changed()
         for kind, hashes, _parent in events:
             if kind == CLEARED:
                 self._drop_all(identity, cache)
@@ -122,6 +128,10 @@ class PrefixIndex:
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
         return events
+
+    def _block_sizes_changed(self) -> None:
+        sizes = [c.block_size for c in self.engines.values() if c.block_size is not None]
+        self.smallest_block_size = min(sizes, default=None)
 
     def _store(self, identity: bytes, cache: EngineCache, hashes: Iterable[BlockHash]) -> None:
         holders = self.holders
@@ -158,21 +168,23 @@ class PrefixIndex:
         if cache is None or not hashes:
             return
         expiry = now + self.prediction_ttl
-        for block_hash in hashes:
-            cache.predicted[block_hash] = expiry
+        cache.predicted.update(dict.fromkeys(hashes, expiry))
         self._expiring.append((expiry, identity, hashes))
 
     def expire(self, now: float) -> None:
+        """Forget the predictions whose TTL passed: afterwards every prediction left is live.
+        A hash predicted again later carries a later expiry and stays."""
         expiring = self._expiring
         while expiring and expiring[0][0] <= now:
-            _, identity, hashes = expiring.popleft()
+            expiry, identity, hashes = expiring.popleft()
             cache = self.engines.get(identity)
             if cache is None:
                 continue
-            for block_hash in hashes:
-                expiry = cache.predicted.get(block_hash)
-                if expiry is not None and expiry <= now:
-                    del cache.predicted[block_hash]
+            predicted = cache.predicted
+            # Those of the hashes still at this expiry; found and dropped at C speed (a prompt
+            # has hundreds of blocks, and one expires for nearly every request routed).
+            stale = predicted.items() & dict.fromkeys(hashes, expiry).items()
+            _consume(map(predicted.pop, dict(stale)))
 
     def matched_blocks(
         self,
@@ -184,23 +196,44 @@ class PrefixIndex:
     ) -> dict[bytes, int]:
         """For each engine, how many of ``hashes`` (a prompt's blocks, in order) it holds as a
         prefix: by its events, or (unless ``confirmed_only``) by a live prediction."""
+        self.expire(now)  # every prediction left is live: holding one is membership alone
         matched = dict.fromkeys(identities, 0)
-        alive = [i for i in matched if i in self.engines]
-        holders, engines = self.holders, self.engines
-        for index, block_hash in enumerate(hashes):
-            holding = holders.get(block_hash, ())
-            still = []
-            for identity in alive:
-                if identity in holding or (
-                    not confirmed_only and engines[identity].predicted.get(block_hash, 0.0) > now
-                ):
-                    matched[identity] = index + 1
-                    still.append(identity)
-            alive = still
-            if not alive:
-                break
+        if not hashes:
+            return matched
+        first, engines = hashes[0], self.engines
+        for identity in matched:
+            cache = engines.get(identity)
+            if cache is None:
+                continue
+            predicted = None if confirmed_only else cache.predicted
+            # Most engines hold none of a given prompt: one lookup each tells.
+            if first in cache.hashes or (predicted is not None and first in predicted):
+                matched[identity] = _leading(hashes, cache.hashes, predicted)
         return matched
 
     def held(self, identity: bytes) -> int:
         cache = self.engines.get(identity)
         return 0 if cache is None else len(cache.hashes)
+
+
+def _consume(iterator: Iterator[object]) -> None:
+    """Run an iterator to its end in C (a deque that keeps nothing)."""
+    deque(iterator, maxlen=0)
+
+
+def _leading(
+    hashes: list[BlockHash], held: set[BlockHash], predicted: dict[BlockHash, float] | None
+) -> int:
+    """How many of ``hashes``, from the first on, are in ``held`` or ``predicted``: each run
+    of one or the other is counted in C (``takewhile`` over ``__contains__``), so a prompt
+    of hundreds of blocks costs a few calls, not a Python step per block."""
+    count, total = 0, len(hashes)
+    while count < total:
+        count += len(list(takewhile(held.__contains__, islice(hashes, count, None))))
+        if predicted is None or count == total:
+            break
+        run = len(list(takewhile(predicted.__contains__, islice(hashes, count, None))))
+        if not run:
+            break
+        count += run
+    return count

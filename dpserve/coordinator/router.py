@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from dpserve import protocol
 from dpserve.block_hash import BlockHash, BlockHashCache, extra_keys
@@ -29,6 +29,8 @@ from dpserve.coordinator.routing import (
 )
 from dpserve.limits import DEFAULT_PREFIX_CACHE_LIMITS
 from dpserve.protocol import KvEvents
+
+_new_tuple: Final = tuple.__new__
 
 
 class Router:
@@ -85,17 +87,23 @@ class Router:
             held, free = 0, None
             if cache is not None:
                 held = len(cache.hashes)
-                free = self._free_tokens(engine, cache.block_size, queued_tokens)
-            candidates.append(
-                Candidate(
-                    identity,
-                    cached.get(identity, 0) if cached else 0,
-                    len(engine.outstanding),
-                    queued_tokens,
-                    held,
-                    free,
-                )
+                empty = engine.stats.get("kv_empty_blocks")
+                if empty is not None and cache.block_size is not None:
+                    # Tokens it can store without evicting: its empty blocks at its last
+                    # heartbeat less the prefill sent to it since that is not done.
+                    free = int(empty) * cache.block_size - queued_tokens
+                    free = free if free > 0 else 0
+            # A Candidate built as the tuple it is (its generated __new__ is a Python call,
+            # and this runs for every engine for every request).
+            fields = (
+                identity,
+                cached.get(identity, 0) if cached else 0,
+                len(engine.outstanding),
+                queued_tokens,
+                held,
+                free,
             )
+            candidates.append(_new_tuple(Candidate, fields))
         decision = choose_by_prefix(candidates, context_tokens, self.weights)
         if decision is not None and hashes_by_size:
             size = index.block_size(decision.identity)
@@ -110,6 +118,9 @@ class Router:
         tokens of it each engine holds (by its events or a live prediction); both empty when
         no engine could hold a block of it (none reported a block size yet, or the context is
         shorter than a block and a token), so a short prompt is never hashed."""
+        smallest = self.index.smallest_block_size
+        if smallest is None or context_tokens <= smallest:
+            return {}, {}
         caches = self.index.engines
         engines_by_size: dict[int, list[bytes]] = {}
         for identity in self.registry.routable:
@@ -132,18 +143,9 @@ class Router:
                 cached[identity] = blocks * size
         return hashes_by_size, cached
 
-    @staticmethod
-    def _free_tokens(engine: Engine, block_size: int | None, queued_tokens: int) -> int | None:
-        """Tokens the engine can store without evicting: its empty blocks at its last heartbeat
-        less the prefill sent to it since that is not done (None without a report)."""
-        empty = engine.stats.get("kv_empty_blocks")
-        if empty is None or block_size is None:
-            return None
-        return max(0, int(empty) * block_size - queued_tokens)
-
     def routed(self, request: InflightRequest, decision: Decision) -> None:
         """The request was sent where ``decision`` said."""
-        self.decisions[decision.reason.value] += 1
+        self.decisions[decision.reason] += 1  # a StrEnum: the same key as its value
         if self.policy is RoutingPolicy.PREFIX_AWARE:
             self._predicted[request.request_id] = decision.predicted_cached_tokens
             self.prefilled(request.request_id)
@@ -200,7 +202,7 @@ class Router:
         }
         return {
             "indexed_blocks_by_rank": by_rank,
-            "decisions": dict(self.decisions),
+            "decisions": {str(reason): count for reason, count in self.decisions.items()},
             "predicted_cached_tokens": self.predicted_tokens,
             "actual_cached_tokens": self.actual_tokens,
             "prediction_error_tokens": self.prediction_error_tokens,
