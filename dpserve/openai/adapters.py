@@ -23,6 +23,9 @@ from dpserve.openai.errors import HttpError, InvalidRequest
 from dpserve.sampling import InvalidSamplingParams, check_lora_name
 
 REFRESH_SECONDS: Final = 1.0
+# How long a load or unload through this front outweighs what STATUS says: engines report
+# their adapters with their next heartbeat (one a second), so STATUS lags a change.
+CHANGE_SECONDS: Final = 5.0
 LOAD_ENDPOINT: Final = "/v1/load_lora_adapter"
 UNLOAD_ENDPOINT: Final = "/v1/unload_lora_adapter"
 
@@ -56,13 +59,26 @@ class AdapterDirectory:
         self.enabled = False  # some engine serves adapters
         self.names: set[str] = set()
         self._refreshed = float("-inf")
+        # Adapters this front loaded (True) or unloaded (False) lately, and until when that
+        # outweighs STATUS.
+        self._changes: dict[str, tuple[bool, float]] = {}
 
     async def refresh(self) -> None:
         status = await self._status()
-        if status is not None:
-            self.enabled, found = adapters_of(status)
-            self.names = set(found)
-            self._refreshed = time.monotonic()
+        if status is None:
+            return
+        now = time.monotonic()
+        self.enabled, found = adapters_of(status)
+        names = set(found)
+        for name, (present, until) in list(self._changes.items()):
+            if until < now:
+                del self._changes[name]
+            elif present:
+                names.add(name)
+            else:
+                names.discard(name)
+        self.names = names
+        self._refreshed = now
 
     async def resolve(self, model: str | None) -> str | None:
         """The adapter a request's ``model`` names, None for the base model; a 404
@@ -81,9 +97,11 @@ class AdapterDirectory:
     def loaded(self, name: str) -> None:
         self.names.add(name)
         self.enabled = True
+        self._changes[name] = (True, time.monotonic() + CHANGE_SECONDS)
 
     def unloaded(self, name: str) -> None:
         self.names.discard(name)
+        self._changes[name] = (False, time.monotonic() + CHANGE_SECONDS)
 
 
 def parse_adapter_body(body: dict[str, Any], *, load: bool) -> tuple[str, str]:

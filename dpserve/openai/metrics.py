@@ -215,6 +215,7 @@ class _ScrapeCollector:
         yield inflight
         yield capacity
         yield from _engine_stats_metrics(engines)
+        yield from _lora_metrics(engines)
         yield from _routing_metrics(status.get("prefix_routing", {}))
         for name, value in status.get("limits", {}).items():
             # STATUS names them as dpserve.limits does (max_prompt_tokens): the metric is
@@ -225,6 +226,54 @@ class _ScrapeCollector:
                 f"The coordinator's admission limit on {what.replace('_', ' ')}",
                 value=value,
             )
+
+
+def _lora_metrics(engines: list[dict[str, Any]]) -> Iterable[Metric]:
+    """LoRA adapters, from what engines report (STATUS ``engine_list[].adapters``): per adapter
+    the engines holding it loaded and its requests running and waiting, summed over engines;
+    and vLLM's ``vllm:lora_requests_info`` (the Gateway API Inference Extension picks engines
+    by it): the adapters with running / waiting requests, comma-joined, and ``max_lora``, the
+    value the scrape's time. Nothing while no engine serves adapters."""
+    reports = [engine["adapters"] for engine in engines if engine.get("adapters")]
+    if not reports:
+        return
+    per_adapter: dict[str, list[int]] = {}
+    for report in reports:
+        for name, counts in report["adapters"].items():
+            total = per_adapter.setdefault(name, [0, 0, 0])
+            for index, count in enumerate(counts):
+                total[index] += count
+    families = [
+        GaugeMetricFamily(
+            "dpserve_lora_adapter_loaded",
+            "Engines holding the LoRA adapter loaded in a slot",
+            labels=["adapter"],
+        ),
+        GaugeMetricFamily(
+            "dpserve_lora_adapter_running_requests",
+            "Requests of the LoRA adapter running on the engines",
+            labels=["adapter"],
+        ),
+        GaugeMetricFamily(
+            "dpserve_lora_adapter_waiting_requests",
+            "Requests of the LoRA adapter waiting on the engines (for a step or a slot)",
+            labels=["adapter"],
+        ),
+    ]
+    for name, counts in sorted(per_adapter.items()):
+        for family, count in zip(families, counts, strict=True):
+            family.add_metric([name], count)
+    yield from families
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running and waiting LoRA adapters (vLLM's metric); the value is the scrape's time",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running = ",".join(name for name, counts in sorted(per_adapter.items()) if counts[1])
+    waiting = ",".join(name for name, counts in sorted(per_adapter.items()) if counts[2])
+    max_lora = min(int(report["max_loras"]) for report in reports)
+    info.add_metric([str(max_lora), running, waiting], time.time())
+    yield info
 
 
 class ConnectionCounts(Protocol):

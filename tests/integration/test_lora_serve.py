@@ -1,0 +1,141 @@
+"""LoRA adapters through ``dpserve serve`` and the OpenAI SDK: ``model=<adapter>`` runs the
+adapter (greedy tokens = transformers + peft on the merged model), ``models.list()`` lists it
+with its parent, adapters load and unload at run time, and an unknown one is a 404 naming it."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.integration.conftest import serving
+from tests.lora_adapters import make_adapter, merged_model, reference_greedy
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "adapter-a": make_adapter(tiny_model_path, root / "a", seed=11),
+        "adapter-b": make_adapter(tiny_model_path, root / "b", seed=12, rank=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_url(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    start = f"adapter-a={adapters['adapter-a']}"
+    with serving(tiny_model_path, log, "--lora-modules", start, "--max-loras", "2") as url:
+        yield url
+
+
+@pytest.fixture
+def client(lora_url: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key="unused", base_url=lora_url, max_retries=0, timeout=120)
+
+
+def post(url: str, body: dict[str, str]) -> tuple[int, str]:
+    """POST ``body`` as JSON: the status and the body's text."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read().decode()
+
+
+def expected_text(tiny_model_path: Path, adapter: Path | None) -> str:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    tokens = reference_greedy(merged_model(tiny_model_path, adapter), prompt, MAX_TOKENS)
+    return str(tokenizer.decode(tokens))
+
+
+def complete(client: openai.OpenAI, model: str) -> openai.types.Completion:
+    return client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+
+
+def test_an_adapter_named_as_the_model_runs_it(
+    client: openai.OpenAI, tiny_model_path: Path, adapters: dict[str, Path]
+) -> None:
+    base_name = client.models.list().data[0].id
+    with_adapter = complete(client, "adapter-a")
+    assert with_adapter.model == "adapter-a"
+    assert with_adapter.choices[0].text == expected_text(tiny_model_path, adapters["adapter-a"])
+    base = complete(client, base_name)
+    assert base.model == base_name
+    assert base.choices[0].text == expected_text(tiny_model_path, None)
+    assert base.choices[0].text != with_adapter.choices[0].text
+
+
+def test_models_lists_the_adapters_with_their_parent(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    base = models[0]
+    assert base.model_extra is not None and base.model_extra["parent"] is None
+    by_id = {model.id: model for model in models[1:]}
+    assert "adapter-a" in by_id
+    extra = by_id["adapter-a"].model_extra
+    assert extra is not None and extra["parent"] == base.id
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="The model `no-such-adapter` does not exist"):
+        complete(client, "no-such-adapter")
+
+
+def test_adapters_load_and_unload_at_run_time(
+    client: openai.OpenAI, lora_url: str, tiny_model_path: Path, adapters: dict[str, Path]
+) -> None:
+    body = {"lora_name": "adapter-b", "lora_path": str(adapters["adapter-b"])}
+    status, text = post(f"{lora_url}/load_lora_adapter", body)
+    assert (status, text) == (200, "Success: LoRA adapter 'adapter-b' added successfully.")
+    status, text = post(f"{lora_url}/load_lora_adapter", body)
+    assert status == 400 and "already been loaded" in text
+    assert "adapter-b" in {model.id for model in client.models.list().data}
+    answer = complete(client, "adapter-b")
+    assert answer.choices[0].text == expected_text(tiny_model_path, adapters["adapter-b"])
+
+    status, text = post(f"{lora_url}/unload_lora_adapter", {"lora_name": "adapter-b"})
+    assert status == 200, text
+    assert "adapter-b" not in {model.id for model in client.models.list().data}
+    with pytest.raises(openai.NotFoundError, match="adapter-b"):
+        complete(client, "adapter-b")
+    status, text = post(f"{lora_url}/unload_lora_adapter", {"lora_name": "adapter-b"})
+    assert status == 404 and "adapter-b" in text
+
+
+def test_a_bad_adapter_directory_is_refused_with_the_engines_reason(
+    lora_url: str, tmp_path: Path
+) -> None:
+    body = {"lora_name": "broken", "lora_path": str(tmp_path)}
+    status, text = post(f"{lora_url}/load_lora_adapter", body)
+    assert status == 400
+    assert "engine rank 0" in text and "adapter_config.json not found" in text
+
+
+def test_metrics_count_requests_per_adapter(lora_url: str, client: openai.OpenAI) -> None:
+    complete(client, "adapter-a")
+    with urllib.request.urlopen(lora_url.removesuffix("/v1") + "/metrics", timeout=30) as reply:
+        metrics = reply.read().decode()
+    info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert info and 'max_lora="2"' in info[0] and 'running_lora_adapters="' in info[0]
+    assert 'dpserve_lora_adapter_loaded{adapter="adapter-a"} 1.0' in metrics
