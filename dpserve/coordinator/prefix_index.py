@@ -162,7 +162,9 @@ class PrefixIndex:
         return None if cache is None else cache.block_size
 
     def predict(self, identity: bytes, hashes: list[BlockHash], now: float) -> None:
-        """Count ``identity`` as holding ``hashes`` for ``prediction_ttl`` seconds."""
+        """Count ``identity`` as holding ``hashes`` for ``prediction_ttl`` seconds. ``now``
+        never goes back between calls (the router's monotonic clock), so predictions expire in
+        the order they were made."""
         self.expire(now)
         cache = self.engines.get(identity)
         if cache is None or not hashes:

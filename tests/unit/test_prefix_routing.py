@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dpserve import protocol
-from dpserve.block_hash import ROOT_HASH, block_hashes, extra_keys, pack_hashes
+from dpserve.block_hash import ROOT_HASH, BlockHashCache, block_hashes, extra_keys, pack_hashes
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
@@ -196,3 +198,101 @@ def test_the_router_reads_an_engines_room_from_its_heartbeat_stats() -> None:
     # + 16 per request x 4 = 68; B 64 tokens to prefill + what it evicts past its free room.
     assert route(b_empty_blocks=16) == B  # 64 free: 64 < 68
     assert route(b_empty_blocks=14) == A  # 56 free: 64 + 8 evicted = 72 > 68
+
+
+# ------------------------------------------------------------- the router's fast paths
+
+
+def test_the_hash_cache_gives_the_chain_hashes_and_stays_bounded() -> None:
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(50_000) for _ in range(rng.randrange(1, 600))] for _ in range(4)]
+    for max_blocks in (0, 40, 100_000):
+        cache = BlockHashCache(max_blocks)
+        for _ in range(60):
+            tokens = rng.choice(prefixes) + [
+                rng.randrange(50_000) for _ in range(rng.randrange(40))
+            ]
+            size, salt = rng.choice((1, 4, 16)), rng.choice((b"", extra_keys("tenant")))
+            packed = protocol.pack_tokens(tokens)
+            # Exact inputs only: another block size, salt or parent is never a hit.
+            assert cache.packed_block_hashes(packed, size, salt) == block_hashes(tokens, size, salt)
+            assert cache.blocks <= max_blocks
+    # A prompt after another with the same 600-token prefix: only the run of 16 blocks where
+    # they part, and the new tail, are hashed; the 9 whole runs before are found.
+    cache = BlockHashCache(100_000)
+    prefix = [rng.randrange(50_000) for _ in range(600)]
+    first, second = prefix + [1] * 30, prefix + [2] * 30
+    cache.packed_block_hashes(protocol.pack_tokens(first), 4)
+    hashed = cache.misses
+    assert cache.packed_block_hashes(protocol.pack_tokens(second), 4) == block_hashes(second, 4)
+    assert cache.hits == 9 * 16 and cache.misses - hashed == len(second) // 4 - 9 * 16
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHashCache(10).packed_block_hashes(b"", 0)
+
+
+def _walk_block_by_block(
+    index: PrefixIndex, hashes: list[int], identities: list[bytes], now: float, confirmed: bool
+) -> dict[bytes, int]:
+    """What ``matched_blocks`` means, one block and one engine at a time."""
+    matched = dict.fromkeys(identities, 0)
+    for identity in identities:
+        cache = index.engines.get(identity)
+        if cache is None:
+            continue
+        for block_hash in hashes:
+            predicted = not confirmed and cache.predicted.get(block_hash, 0.0) > now
+            if block_hash not in cache.hashes and not predicted:
+                break
+            matched[identity] += 1
+    return matched
+
+
+def test_the_prefix_walk_equals_a_block_by_block_walk() -> None:
+    rng = random.Random(3)
+    chains = [block_hashes([rng.randrange(1000) for _ in range(64)], 4) for _ in range(3)]
+    engines = [b"e%d" % n for n in range(5)]
+    for trial in range(40):
+        index = PrefixIndex(prediction_ttl=2.0)
+        for identity in engines[:4]:  # the fifth never registered
+            index.add_engine(identity, "i")
+            # Each holds a random part of each chain: a prefix, then holes.
+            held = [h for chain in chains for h in chain if rng.random() < 0.8]
+            index.apply(identity, batch("i", 0, 4, [CLEARED, stored(held)]))
+        for moment in (0.0, 1.0, 1.5):  # in time order, as the router's monotonic clock
+            for identity in engines[:4]:
+                chain = rng.choice(chains)
+                index.predict(identity, chain[: rng.randrange(len(chain))], now=moment)
+        now = rng.choice((0.5, 1.9, 2.5, 3.2, 4.0))
+        chain = rng.choice(chains)[: rng.randrange(1, 17)]
+        for confirmed in (False, True):
+            expected = _walk_block_by_block(index, chain, engines, now, confirmed)
+            got = index.matched_blocks(chain, engines, now, confirmed_only=confirmed)
+            assert got == expected, (trial, now, confirmed)
+
+
+def test_a_prediction_made_again_outlives_the_first() -> None:
+    index = PrefixIndex(prediction_ttl=2.0)
+    index.add_engine(A, "a1")
+    index.apply(A, batch("a1", 0, 4, [CLEARED]))
+    index.predict(A, [7, 8], now=10.0)
+    index.predict(A, [8, 9], now=11.0)
+    assert index.matched_blocks([7, 8, 9], [A], now=12.5) == {A: 0}  # 7 expired
+    assert index.matched_blocks([8, 9], [A], now=12.5) == {A: 2}  # 8 was predicted again
+    assert index.matched_blocks([8, 9], [A], now=13.0) == {A: 0}
+    assert index.engines[A].predicted == {}
+
+
+def test_short_prompts_are_routed_without_hashing() -> None:
+    registry = EngineRegistry()
+    router = Router(RoutingPolicy.PREFIX_AWARE, registry)
+    engine = Engine(A, 0, capacity=8, instance="a1", last_seen=0)
+    registry.add(engine)
+    router.engine_added(engine)
+    router.on_kv_events(engine, batch("a1", 0, 16, [CLEARED]))
+    for length in (1, 16, 17, 40):
+        request = InflightRequest(
+            length, b"c", length, protocol.pack_tokens([5] * length), {}, False, 0.0
+        )
+        assert router.choose(request) is not None
+    # Only the prompts with a token past a whole block were hashed (17 -> 1, 40 -> 2 blocks).
+    assert router.hashes.hits + router.hashes.misses == 3
