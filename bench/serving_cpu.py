@@ -3,21 +3,29 @@ the same model, under the same guidellm load.
 
     python bench/serving_cpu.py                                  # dpserve (default) + peers found
     python bench/serving_cpu.py --dpserve default --dpserve "--data-parallel-size 1"
-    python bench/serving_cpu.py --levels 1,4 --burst 0 --max-seconds 30   # a quick look
-    python bench/serving_cpu.py --levels 4 --burst 0 --repeat 3 --keep /tmp/c4  # medians of 3,
-                                                    # every request's timings kept in /tmp/c4
+    python bench/serving_cpu.py --levels 1,4 --burst 0 --repeat 1   # a quick look
+    python bench/serving_cpu.py --levels 4 --burst 0 --keep /tmp/c4  # medians of 3, every
+                                                    # request's timings kept in /tmp/c4
     python bench/serving_cpu.py --skip vllm --skip llama.cpp --prefix-tokens 512 \
         --prefix-count 4 --dpserve "--routing round-robin" --dpserve "--routing prefix-aware"
 
 Load (issue 16): guidellm's synthetic text, 128-token prompts, 64 output tokens, greedy
-(``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``, each at
-most ``--max-requests`` requests or ``--max-seconds``), then a burst (``--burst`` requests at
-once); every level (and every ``--repeat`` round) with prompts of its own (``run_level``).
-Every server is started first, each once the one before it is ready, and stays up; each level
-then runs on every server in turn, the order alternating from level to level, so load from
-other processes on a shared machine falls on all of them alike. Reported per server and level:
-output tokens/s (output tokens of the completed requests / the level's duration), ITL p50,
-failed requests; and each server's RSS (its whole process tree) idle and after the run.
+(``temperature 0``), streaming, ``ignore_eos``; fixed concurrency levels (``--levels``), then a
+burst (``--burst`` requests at once); every level (and every round) with prompts of its own
+(``run_level``). Every server is started first, each once the one before it is ready (its
+start-up time is reported), warmed up (``--warmup-requests``, not counted), and stays up; each
+level then runs on every server in turn, the order alternating from level to level, so load
+from other processes on a shared machine falls on all of them alike.
+
+Counted fairly (issue 33): a level is a fixed number of requests run to completion
+(``--requests-per-stream`` per stream, at least ``--min-requests``), not what completes inside a
+time window, where requests that run in lockstep move a level's figure by whole batches;
+``--max-seconds`` only guards against a stuck server, and the tokens of any request it cuts
+are counted too (and the cut requests reported). Each level runs ``--repeat`` times (default 3)
+and each figure is the median of its rounds. Reported per server and level: output tokens/s
+(every output token / the level's duration), ITL and TTFT p50 as plain medians over the
+requests (guidellm's own "median" is the lower one), requests completed, cut and failed; and
+each server's start-up time and RSS (its whole process tree) idle and after the run.
 
 The peers run from their own virtualenvs under ``--peers`` (``~/.cache/dpserve/peers``), never
 from the project's (how they were installed: ``BENCHMARKS.md``): ``guidellm-venv`` (required),
@@ -71,6 +79,8 @@ class Server:
     model_id: str = ""
     rss_idle: int = 0
     rss_after: int = 0
+    started_at: float = 0.0
+    startup_s: float = 0.0
     results: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -104,6 +114,7 @@ def _get_json(url: str, timeout: float = 2.0) -> Any:
 
 def start(server: Server, scratch: Path) -> None:
     server.log = scratch / f"{server.name.replace(' ', '_').replace('/', '_')}.log"
+    server.started_at = time.monotonic()
     with server.log.open("wb") as log:
         server.process = subprocess.Popen(
             server.argv,
@@ -124,6 +135,7 @@ def wait_ready(server: Server, timeout: float) -> None:
         try:
             models = _get_json(f"http://127.0.0.1:{server.port}/v1/models")
             server.model_id = models["data"][0]["id"]
+            server.startup_s = time.monotonic() - server.started_at
             server.rss_idle = _tree_rss(server.process.pid)
             return
         except (OSError, ValueError, KeyError, IndexError):
@@ -212,32 +224,44 @@ def synthetic_data(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _summary(report: dict[str, Any]) -> dict[str, float]:
+    """A level's figures from guidellm's report, from its requests one by one: every output
+    token counted (those of cut requests too), plain medians."""
     benchmark = report["benchmarks"][0]
-    metrics = benchmark["metrics"]
-    totals = metrics["request_totals"]
-    output = metrics["output_token_count"]["successful"]["total_sum"] or 0.0
+    requests = benchmark["requests"]
+    done = requests.get("successful") or []
+    cut = requests.get("incomplete") or []
+    failed = requests.get("errored") or []
+    output = sum(float(r.get("output_tokens") or 0) for r in done + cut)
     duration = float(benchmark["duration"]) or float("nan")
-    itl = metrics["inter_token_latency_ms"]["successful"]
-    ttft = metrics["time_to_first_token_ms"]["successful"]
+
+    def median(key: str) -> float:
+        values = [float(r[key]) for r in done if r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
+
     return {
         "tok_s": output / duration,
-        "itl_p50_ms": float(itl["median"]) if itl["count"] else float("nan"),
-        "ttft_p50_ms": float(ttft["median"]) if ttft["count"] else float("nan"),
-        "completed": float(totals["successful"]),
-        "failed": float(totals["errored"]),
-        "incomplete": float(totals["incomplete"]),
+        "itl_p50_ms": median("inter_token_latency_ms"),
+        "ttft_p50_ms": median("time_to_first_token_ms"),
+        "completed": float(len(done)),
+        "cut": float(len(cut)),
+        "failed": float(len(failed)),
     }
 
 
 def _median(results: list[dict[str, float]]) -> dict[str, float]:
     """Each figure's median over repeated runs of one level; request counts are summed."""
-    summed = ("completed", "failed", "incomplete")
+    summed = ("completed", "cut", "failed")
     return {
         key: sum(r[key] for r in results)
         if key in summed
         else statistics.median(r[key] for r in results)
         for key in results[0]
     }
+
+
+def level_requests(streams: int, args: argparse.Namespace) -> int:
+    """How many requests a level of ``streams`` concurrent streams runs to completion."""
+    return max(args.min_requests, args.requests_per_stream * streams)
 
 
 def dpserve_server(name: str, model: str, extra: list[str]) -> Server:
@@ -325,12 +349,15 @@ def print_table(servers: list[Server], columns: list[str], skipped: list[str]) -
                 continue
             text = (
                 f"{result['tok_s']:.1f} tok/s, ITL {result['itl_p50_ms']:.0f} ms, "
-                f"TTFT {result['ttft_p50_ms']:.0f} ms"
+                f"TTFT {result['ttft_p50_ms']:.0f} ms, {result['completed']:.0f} done"
             )
+            if result["cut"]:
+                text += f", {result['cut']:.0f} cut"
             if result["failed"]:
                 text += f", {result['failed']:.0f} failed"
             cells.append(text)
         print(f"| {column} | {' | '.join(cells)} |")
+    print(f"| start-up | {' | '.join(f'{s.startup_s:.0f} s' for s in servers)} |")
     idle = " | ".join(f"{s.rss_idle / 1e9:.2f} GB" for s in servers)
     after = " | ".join(f"{s.rss_after / 1e9:.2f} GB" for s in servers)
     print(f"| RSS idle | {idle} |")
@@ -364,8 +391,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[], help="vllm, llama.cpp")
     parser.add_argument("--levels", default="1,4,8,16")
     parser.add_argument("--burst", type=int, default=32, help="0: no burst")
-    parser.add_argument("--max-requests", type=int, default=48)
-    parser.add_argument("--max-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=2,
+        help="a level runs this many requests per concurrent stream, to completion",
+    )
+    parser.add_argument("--min-requests", type=int, default=8, help="and at least this many")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=600.0,
+        help="a level's time limit, against a stuck server (cut requests are reported)",
+    )
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=8,
+        help="requests each server answers (4 at a time, not counted) before the levels",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument(
@@ -379,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=1,
+        default=3,
         help="run every level this many times (server order alternating) and report medians: "
         "single runs of one level on this machine have moved by up to 20%%",
     )
@@ -401,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     servers, skipped = build_servers(args)
     levels = [int(level) for level in args.levels.split(",") if level]
-    plan = [(f"c={n}", n, args.max_requests) for n in levels]
+    plan = [(f"c={n}", n, level_requests(n, args)) for n in levels]
     if args.burst:
         plan.append((f"burst {args.burst}", args.burst, args.burst))
     with tempfile.TemporaryDirectory(prefix="dpserve-serving-") as name:
@@ -414,7 +458,24 @@ def main(argv: list[str] | None = None) -> int:
             for server in servers:
                 start(server, scratch)
                 wait_ready(server, args.startup_timeout)
-                print(f"{server.name}: ready, RSS {server.rss_idle / 1e9:.2f} GB", flush=True)
+                print(
+                    f"{server.name}: ready after {server.startup_s:.0f} s, "
+                    f"RSS {server.rss_idle / 1e9:.2f} GB",
+                    flush=True,
+                )
+                if args.warmup_requests:
+                    warm = run_level(
+                        server,
+                        guidellm,
+                        args.model,
+                        min(4, args.warmup_requests),
+                        args.warmup_requests,
+                        args.max_seconds,
+                        args,
+                        scratch,
+                        seed=args.seed - 1,
+                    )
+                    print(f"{server.name} warm-up (not counted): {warm}", flush=True)
             runs: dict[tuple[str, str], list[dict[str, float]]] = {}
             rounds = [(column, n, r) for column, n, r in plan for _ in range(args.repeat)]
             for index, (column, streams, requests) in enumerate(rounds):
