@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import msgpack
@@ -49,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.integration.runtime import free_port  # noqa: E402
 
-DPSERVE = str(Path(sys.executable).with_name("dpserve"))
+# DPSERVE_BIN: another dpserve command (a profiling wrapper, another checkout's).
+DPSERVE = os.environ.get("DPSERVE_BIN") or str(Path(sys.executable).with_name("dpserve"))
 SEQUENTIAL = 300
 # How long the client waits, after the last answer, for more: a lost reply never comes.
 QUIET_PERIOD = 10.0
@@ -127,8 +129,28 @@ async def measure(submit, count: int, window: int) -> dict:
         "failed": tally["failed"],
         "lost": lost,
         "never_sent": count - tally["submitted"],
+        "handled": tally["completed"] + tally["failed"] + len(sequential),
         "rtt_p50": percentile(sequential, 0.5) if sequential else float("nan"),
     }
+
+
+async def with_cpu_per_request(
+    coordinator: int | None, engines: list[int | None], run: Awaitable[dict]
+) -> dict:
+    """``run``'s result with the CPU time per request handled of the coordinator process
+    (``cpu_us``), the engines together (``engines_cpu_us``) and this process, the client with
+    its ZMQ threads (``client_cpu_us``): CPU per request varies far less than throughput on a
+    shared machine, and the three together are what one request costs the machine."""
+    assert coordinator is not None and None not in engines
+    pids = [coordinator, *engines]
+    before, client_before = [cpu_seconds(pid) for pid in pids], time.process_time()
+    result = await run
+    after, client_after = [cpu_seconds(pid) for pid in pids], time.process_time()
+    per_request = 1e6 / max(1, result["handled"])
+    result["cpu_us"] = (after[0] - before[0]) * per_request
+    result["engines_cpu_us"] = (sum(after[1:]) - sum(before[1:])) * per_request
+    result["client_cpu_us"] = (client_after - client_before) * per_request
+    return result
 
 
 # ------------------------------------------------------------------------ dpserve
@@ -179,12 +201,11 @@ async def bench_dpserve(
         await client.start()
         await wait_for_engines(client, 2)
         params = SamplingParams(num_tokens_to_generate=1)
-        before = cpu_seconds(procs[0].pid)
-        result = await measure(lambda i: client.add_request(f"prompt {i}", params), count, window)
-        # CPU per request varies far less than throughput on a shared machine.
-        spent = cpu_seconds(procs[0].pid) - before
-        result["cpu_us"] = spent / (count + SEQUENTIAL) * 1e6
-        return result
+        return await with_cpu_per_request(
+            procs[0].pid,
+            [proc.pid for proc in procs[1:]],
+            measure(lambda i: client.add_request(f"prompt {i}", params), count, window),
+        )
     finally:
         client.stop()
         for proc in procs:
@@ -340,7 +361,11 @@ async def bench_megatron(count: int, window: int) -> dict:
     try:
         await client.start()
         params = SamplingParams(num_tokens_to_generate=1)
-        return await measure(lambda i: client.add_request(f"prompt {i}", params), count, window)
+        return await with_cpu_per_request(
+            coordinator.pid,
+            [engine.pid for engine in engines],
+            measure(lambda i: client.add_request(f"prompt {i}", params), count, window),
+        )
     finally:
         client.stop()
         for proc in (coordinator, *engines):
@@ -433,7 +458,9 @@ async def bench_raw(count: int, window: int) -> dict:
 
     listener = asyncio.create_task(listen())
     try:
-        return await measure(submit, count, window)
+        return await with_cpu_per_request(
+            procs[0].pid, [proc.pid for proc in procs[1:]], measure(submit, count, window)
+        )
     finally:
         listener.cancel()
         sock.close(0)
@@ -526,13 +553,16 @@ def print_results(results: dict[str, dict], requests: int, window: int) -> None:
     print(f"\n{requests} requests ({inflight}), 2 instant fake engines, one client")
     print(
         f"{'':22}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'completed':>10}{'failed':>7}"
-        f"{'lost':>7}{'unsent':>7}{'1-by-1 p50 ms':>15}{'coord CPU us/req':>18}"
+        f"{'lost':>7}{'unsent':>7}{'1-by-1 p50 ms':>15}"
+        f"{'CPU us/req: coordinator':>25}{'engines':>9}{'client':>8}"
     )
+    nan = float("nan")
     for name, r in results.items():
         print(
             f"{name:22}{r['rps']:>9.0f}{r['p50'] * 1e3:>9.1f}{r['p99'] * 1e3:>9.1f}"
             f"{r['completed']:>10}{r['failed']:>7}{r['lost']:>7}{r['never_sent']:>7}"
-            f"{r['rtt_p50'] * 1e3:>15.3f}{r.get('cpu_us', float('nan')):>18.1f}"
+            f"{r['rtt_p50'] * 1e3:>15.3f}{r.get('cpu_us', nan):>25.1f}"
+            f"{r.get('engines_cpu_us', nan):>9.1f}{r.get('client_cpu_us', nan):>8.1f}"
         )
     ours = results["dpserve"]
     if "raw relay" in results:
