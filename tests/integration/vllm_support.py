@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from tests.integration.runtime import Processes
 
@@ -31,6 +32,13 @@ def build_vllm_llama(directory: Path) -> Path:
     return build_tiny_model(directory, **VLLM_LLAMA)
 
 
+def _never_stopping(hf: Any) -> Any:
+    """The model without its EOS: ``generate`` merges the model's own generation config into
+    the one it is given, so an EOS unset there still stops it (as ``ignore_eos`` must not)."""
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
 def greedy_reference(
     model: Path, prompts: list[list[int]], max_new_tokens: int
 ) -> tuple[list[list[int]], list[list[float]]]:
@@ -39,7 +47,7 @@ def greedy_reference(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = _never_stopping(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_new_tokens,
@@ -57,6 +65,50 @@ def greedy_reference(
             tokens.append(new)
             logprobs.append([float(step[token]) for step, token in zip(steps, new, strict=True)])
     return tokens, logprobs
+
+
+# A greedy step whose two most likely tokens are closer than this (in log-prob) is a near-tie:
+# fp32 rounding that differs between two implementations (dpserve's engine and vLLM's CPU
+# kernels), or between two batch compositions of vLLM's, may pick either token there.
+NEAR_TIE = 0.01
+
+
+def clear_greedy_prompts(
+    model: Path, candidates: list[list[int]], count: int, max_new_tokens: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """``count`` of ``candidates`` whose greedy continuation (transformers, fp32) has no
+    near-tie in its first ``max_new_tokens`` steps, and those continuations. A random tiny
+    model has near-ties on some paths; a test that compares two engines' greedy streams token
+    for token needs paths on which every correct implementation agrees."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf = _never_stopping(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    chosen: list[list[int]] = []
+    continuations: list[list[int]] = []
+    with torch.no_grad():
+        for prompt in candidates:
+            out = hf.generate(torch.tensor([prompt]), generation_config=config)
+            gaps = [
+                float(top[0] - top[1])
+                for top in (
+                    torch.log_softmax(step[0].float(), -1).topk(2).values for step in out.logits
+                )
+            ]
+            if min(gaps) >= NEAR_TIE:
+                chosen.append(prompt)
+                continuations.append(out.sequences[0, len(prompt) :].tolist())
+            if len(chosen) == count:
+                return chosen, continuations
+    raise AssertionError(f"only {len(chosen)} of {len(candidates)} prompts have no near-tie")
 
 
 def spawn_vllm_engine(
