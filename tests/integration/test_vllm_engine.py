@@ -183,3 +183,33 @@ async def test_a_repeated_prompt_is_found_in_the_prefix_cache_as_predicted(
     assert routing["predicted_cached_tokens"] == routing["actual_cached_tokens"] >= 96
     stats = status["engine_list"][0]["stats"]
     assert stats["backend_vllm"] == 1 and stats["block_size"] == 32
+
+
+async def test_cancel_pause_and_suspend(vllm_client: InferenceClient) -> None:
+    """A stream left early is aborted in vLLM (the engine runs nothing after it); a paused or
+    suspended engine holds its requests (vLLM's CPU build has no sleep mode: the engine only
+    stops stepping) and finishes them, unchanged, once running again."""
+    long = SamplingParams(temperature=0, num_tokens_to_generate=200, ignore_eos=True, stream=True)
+    short = SamplingParams(temperature=0, num_tokens_to_generate=6, ignore_eos=True)
+    streamed = 0
+    async for chunk in vllm_client.stream(PROMPTS[3], long):
+        streamed += len(chunk.tokens)
+        if streamed >= 3:
+            break  # leaving the iteration cancels the request
+    expected = await vllm_client.add_request(PROMPTS[3], short)
+    await asyncio.sleep(1.5)  # a heartbeat with the engine's figures after the cancel
+    status = await vllm_client.get_status()
+    assert status["inflight"] == 0
+    stats = status["engine_list"][0]["stats"]
+    assert stats["running"] == stats["waiting"] == 0, stats
+
+    await asyncio.wait_for(vllm_client.pause_engines(), 10)
+    held = vllm_client.add_request(PROMPTS[3], short)
+    await asyncio.sleep(0.5)
+    assert not held.done(), "a paused engine must not step"
+    await asyncio.wait_for(vllm_client.suspend_engines(), 10)
+    await asyncio.wait_for(vllm_client.resume_engines(), 10)
+    await asyncio.wait_for(vllm_client.unpause_engines(), 10)
+    record = await asyncio.wait_for(held, 30)
+    vllm_client.stop()
+    assert record.generated_tokens == expected.generated_tokens
