@@ -438,22 +438,36 @@ async def bench_raw(count: int, window: int) -> dict:
     futures: dict[int, asyncio.Future] = {}
     raw = zmq.Socket.shadow(sock.underlying)
 
+    def drain() -> None:
+        try:
+            while True:
+                request_id, _ = msgpack.unpackb(raw.recv(zmq.NOBLOCK))
+                future = futures.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(None)
+        except zmq.Again:
+            pass
+
     async def listen() -> None:
         while True:
             await sock.poll()
-            try:
-                while True:
-                    request_id, _ = msgpack.unpackb(raw.recv(zmq.NOBLOCK))
-                    future = futures.pop(request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(None)
-            except zmq.Again:
-                pass
+            drain()
+
+    recheck = {"scheduled": False}
+
+    def drain_again() -> None:
+        recheck["scheduled"] = False
+        drain()
 
     def submit(i: int) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         futures[i] = future
-        sock.send(msgpack.packb([i, f"prompt {i}"]))
+        raw.send(msgpack.packb([i, f"prompt {i}"]))
+        # ZMQ's descriptor is edge-triggered: a send can take the wake-up for replies that
+        # arrived meanwhile (as the dpserve client does, look once more after sends).
+        if not recheck["scheduled"]:
+            recheck["scheduled"] = True
+            asyncio.get_running_loop().call_soon(drain_again)
         return future
 
     listener = asyncio.create_task(listen())
