@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,7 +379,12 @@ def print_table(servers: list[Server], columns: list[str], skipped: list[str]) -
         print(f"skipped: {line}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    build: Callable[[argparse.Namespace], tuple[list[Server], list[str]]] | None = None,
+) -> int:
+    """Run the bench; ``build`` picks the servers (default: ``build_servers``), for variants
+    such as ``serving_vllm.py``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--peers", type=Path, default=DEFAULT_PEERS)
@@ -443,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no model directory {args.model}: run `dpserve serve` once", file=sys.stderr)
         return 2
 
-    servers, skipped = build_servers(args)
+    servers, skipped = (build or build_servers)(args)
     levels = [int(level) for level in args.levels.split(",") if level]
     plan = [(f"c={n}", n, level_requests(n, args)) for n in levels]
     if args.burst:
