@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from dpserve import protocol
 from dpserve.block_hash import BlockHash, BlockHashCache, extra_keys
+from dpserve.coordinator.adapter_residency import AdapterResidency
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
@@ -51,6 +52,7 @@ class Router:
         self.hashes = BlockHashCache(DEFAULT_PREFIX_CACHE_LIMITS.max_cached_block_hashes)
         self.request_snapshot = request_snapshot
         self.decisions: Counter[str] = Counter()
+        self.adapters = AdapterResidency()
         self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
         # Prefill sent to each engine and not known to be done: request id -> (engine,
         # uncached tokens), and their sum per engine.
@@ -80,7 +82,10 @@ class Router:
         context_tokens = len(context) // protocol.TOKEN_BYTES
         hashes_by_size, cached = self._cached_tokens(context, context_tokens, request, now)
         engines, caches, queued = self.registry.engines, index.engines, self._queued
+        adapter = request.params.get("lora_name")
+        residency = self.adapters
         candidates = []
+        any_held = False
         for identity in routable:
             engine, cache = engines[identity], caches.get(identity)
             queued_tokens = queued.get(identity, 0)
@@ -93,6 +98,10 @@ class Router:
                     # heartbeat less the prefill sent to it since that is not done.
                     free = int(empty) * cache.block_size - queued_tokens
                     free = free if free > 0 else 0
+            loads_adapter = False
+            if adapter:
+                loads_adapter = not residency.holds(engine, adapter, now)
+                any_held = any_held or not loads_adapter
             # A Candidate built as the tuple it is (its generated __new__ is a Python call,
             # and this runs for every engine for every request).
             fields = (
@@ -102,13 +111,19 @@ class Router:
                 queued_tokens,
                 held,
                 free,
+                loads_adapter,
             )
             candidates.append(_new_tuple(Candidate, fields))
         decision = choose_by_prefix(candidates, context_tokens, self.weights)
-        if decision is not None and hashes_by_size:
+        if decision is None:
+            return None
+        if hashes_by_size:
             size = index.block_size(decision.identity)
             if size is not None:
                 index.predict(decision.identity, hashes_by_size[size], now)
+        if adapter:
+            chosen = engines[decision.identity]
+            residency.routed(chosen, adapter, residency.holds(chosen, adapter, now), any_held, now)
         return decision
 
     def _cached_tokens(
@@ -185,6 +200,7 @@ class Router:
 
     def engine_removed(self, engine: Engine) -> None:
         self.index.remove_engine(engine.identity)
+        self.adapters.engine_removed(engine.identity)
         self._queued.pop(engine.identity, None)
         for request_id in [r for r, (i, _) in self._prefills.items() if i == engine.identity]:
             del self._prefills[request_id]
@@ -203,6 +219,7 @@ class Router:
         return {
             "indexed_blocks_by_rank": by_rank,
             "decisions": {str(reason): count for reason, count in self.decisions.items()},
+            "adapter_decisions": dict(self.adapters.decisions),
             "predicted_cached_tokens": self.predicted_tokens,
             "actual_cached_tokens": self.actual_tokens,
             "prediction_error_tokens": self.prediction_error_tokens,

@@ -13,7 +13,11 @@
   requests would have found, so a busy engine that holds the prefix is not given up for an idle
   one as readily. The cheapest wins. A hot-spot guard passes over an engine with far more
   outstanding requests than the least busy one, so even one very popular prefix spreads over
-  every engine (each then caches it too).
+  every engine (each then caches it too). A request for a LoRA adapter also costs
+  ``adapter_load_cost_tokens`` on an engine that does not hold the adapter in a slot (it must
+  read it from disk and may evict another one that later requests need): a holding engine is
+  preferred, and the adapter is loaded elsewhere only when the holders are busier by more than
+  that (vLLM's and Dynamo's adapter-affinity routing, in the same cost).
 
 ``choose_by_prefix`` is pure: candidates in, a ``Decision`` (engine and reason) out.
 """
@@ -60,6 +64,11 @@ class PrefixRouting:
     # and vLLM's routers balance only past 64 more requests and 1.5x as many.
     hot_spot_factor: float = 2.0
     hot_spot_slack: int = 8
+    # What loading the request's LoRA adapter on an engine that does not hold it costs, in
+    # prompt tokens to prefill: reading a rank-16 adapter of an 8B model (~40 MB) takes
+    # ~50-100 ms, a few hundred to a thousand prompt tokens of prefill on a GPU, and the slot
+    # it takes may hold another adapter that then has to be read again.
+    adapter_load_cost_tokens: float = 512.0
 
 
 DEFAULT_PREFIX_ROUTING: Final = PrefixRouting()
@@ -78,6 +87,9 @@ class Candidate(NamedTuple):
     held_blocks: int = 0
     # Tokens it can store without evicting cached blocks; None: unknown (no eviction cost).
     free_tokens: int | None = None
+    # Whether it must load the request's LoRA adapter first (False: it holds it, or the
+    # request is for the base model).
+    loads_adapter: bool = False
 
 
 class Decision(NamedTuple):
@@ -100,11 +112,12 @@ def choose_by_prefix(
     # The idlest engine is always within the bound, whatever the weights.
     bound = max(fewest, weights.hot_spot_factor * fewest + weights.hot_spot_slack)
     per_request, per_evicted = weights.request_cost_tokens, weights.eviction_cost
+    per_load = weights.adapter_load_cost_tokens
     chosen: Candidate | None = None
     chosen_cost = 0.0
     best_cached = candidates[0]  # the first with the most cached tokens, eligible or not
     for candidate in candidates:
-        _, cached, outstanding, queued, held, free = candidate
+        _, cached, outstanding, queued, held, free, loads_adapter = candidate
         if cached > best_cached.cached_tokens:
             best_cached = candidate
         if outstanding > bound:
@@ -113,6 +126,8 @@ def choose_by_prefix(
         cost = uncached + queued + per_request * outstanding
         if free is not None and uncached > free:
             cost += per_evicted * (uncached - free)
+        if loads_adapter:
+            cost += per_load
         if (
             chosen is None
             or cost < chosen_cost

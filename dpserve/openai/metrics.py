@@ -134,6 +134,16 @@ def _routing_metrics(routing: Mapping[str, Any]) -> Iterable[Metric]:
     for reason, count in sorted(routing.get("decisions", {}).items()):
         decisions.add_metric([reason], count)
     yield decisions
+    if "adapter_decisions" in routing:
+        adapter_decisions = CounterMetricFamily(
+            "dpserve_routing_adapter_decisions",
+            "Requests for a LoRA adapter routed: to an engine holding it (resident), to one "
+            "loading it as none held it (load), or as its holders were busier (moved)",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(routing["adapter_decisions"].items()):
+            adapter_decisions.add_metric([outcome], count)
+        yield adapter_decisions
     for name, key, help_text in (
         (
             "dpserve_routing_predicted_cached_tokens",
