@@ -146,7 +146,7 @@ class Router:
                 engines_by_size.setdefault(size, []).append(identity)
         if not engines_by_size:
             return {}, {}
-        extra = extra_keys(request.params.get("cache_salt"))
+        extra = extra_keys(request.params.get("cache_salt"), request.params.get("lora_name"))
         hashes_by_size: dict[int, list[BlockHash]] = {}
         cached: dict[bytes, int] = {}
         for size, identities in engines_by_size.items():

@@ -182,3 +182,35 @@ def test_names_no_engine_registered_keep_nothing() -> None:
         assert decision is not None and decision.identity == A
     assert router.status()["adapter_decisions"] == {"unknown": 1000}
     assert not router.adapters._predicted and not router.adapters._recency
+
+
+def test_an_adapters_prompt_is_matched_against_that_adapters_blocks_only() -> None:
+    """The engines key cached blocks by adapter (block_hash.extra_keys): the router's index
+    must too, or it predicts base-model blocks for an adapter's prompt."""
+    from dpserve.block_hash import block_hashes, extra_keys
+    from tests.unit.test_prefix_routing import CLEARED, batch, stored
+
+    prompt = list(range(40))
+    registry = EngineRegistry()
+    router = Router(RoutingPolicy.PREFIX_AWARE, registry)
+    engine = Engine(A, 0, capacity=4, instance="a1", last_seen=0.0)
+    engine.adapters = {"max_loras": 2, "adapters": {"tuned": [1, 0, 0]}}
+    registry.add(engine)
+    router.engine_added(engine)
+    base_blocks = block_hashes(prompt[:32], 8)
+    tuned_blocks = block_hashes(prompt[:16], 8, extra_keys(None, "tuned"))
+    router.on_kv_events(engine, batch("a1", 0, 8, [CLEARED, stored(base_blocks)]))
+
+    def predicted(params: dict[str, object], request_id: int) -> int:
+        request = InflightRequest(
+            request_id, b"c", request_id, protocol.pack_tokens(prompt), params, False, 0.0
+        )
+        decision = router.choose(request)
+        assert decision is not None
+        return decision.predicted_cached_tokens
+
+    assert predicted({}, 1) == 32
+    assert predicted({"lora_name": "tuned"}, 2) == 0
+    router.on_kv_events(engine, batch("a1", 1, 8, [stored(tuned_blocks)]))
+    router.index.expire(float("inf"))  # the second request's prediction
+    assert predicted({"lora_name": "tuned"}, 3) == 16
