@@ -13,22 +13,42 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-import aiohttp
 import pytest
 
 from dpserve.client import InferenceClient
 from dpserve.sampling import SamplingParams
 from tests.integration.runtime import DPSERVE, free_port, wait_for_banner
 from tests.integration.test_serve import alive, descendants
-from tests.integration.test_serve_supervision import Serve, streams_under_way, uninterrupted_run
-from tests.integration.vllm_support import VLLM_BLOCK_SIZE, VLLM_ENGINE_FLAGS, build_vllm_llama
+from tests.integration.test_serve_supervision import Serve
+from tests.integration.vllm_support import (
+    STREAM_CANDIDATES,
+    STREAM_TOKENS,
+    VLLM_BLOCK_SIZE,
+    VLLM_ENGINE_FLAGS,
+    build_vllm_llama,
+    clear_greedy_prompts,
+    stream_greedy,
+    streams_killed_mid_way,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
+STREAMS = 12
+
+
+@dataclass
+class Deployment:
+    serve: Serve
+    # Prompts whose greedy path has no near-tie, and their uninterrupted streams' tokens.
+    prompts: list[list[int]]
+    expected: list[list[int]]
+
+
 @pytest.fixture(scope="module")
-def deployment(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def deployment(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     directory = tmp_path_factory.mktemp("vllm-serve")
     model = build_vllm_llama(directory / "llama")
     port, http_port = free_port(), free_port()
@@ -48,8 +68,10 @@ def deployment(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> It
         )  # fmt: skip
     serving = Serve(process, log, port, http_port)
     try:
+        # While vLLM starts (half a minute).
+        prompts, expected = clear_greedy_prompts(model, STREAM_CANDIDATES, STREAMS, STREAM_TOKENS)
         wait_for_banner(process, log, within=300)
-        yield serving
+        yield Deployment(serving, prompts, expected)
     finally:
         if process.poll() is None:
             process.kill()
@@ -58,11 +80,11 @@ def deployment(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> It
             os.kill(pid, signal.SIGKILL)
 
 
-async def test_prefix_aware_routing_predicts_vllm_cached_tokens(deployment: Serve) -> None:
+async def test_prefix_aware_routing_predicts_vllm_cached_tokens(deployment: Deployment) -> None:
     """Four groups of prompts, each group sharing a 64-token prefix (two blocks): every repeat
     goes where its prefix is cached, and the tokens the coordinator predicted cached are the
     ones vLLM found."""
-    client = InferenceClient(deployment.port, handshake_timeout=20)
+    client = InferenceClient(deployment.serve.port, handshake_timeout=20)
     await client.start()
     params = SamplingParams(temperature=0, num_tokens_to_generate=2, ignore_eos=True)
     prefixes = [
@@ -89,31 +111,38 @@ async def test_prefix_aware_routing_predicts_vllm_cached_tokens(deployment: Serv
     assert sorted(routing["indexed_blocks_by_rank"]) == ["0", "1"], routing  # both engines used
 
 
-async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Serve) -> None:
-    client = InferenceClient(deployment.port, handshake_timeout=20)
+async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Deployment) -> None:
+    serve = deployment.serve
+    client = InferenceClient(serve.port, handshake_timeout=20)
     await client.start()
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
-            base = deployment.base
-            uninterrupted = await uninterrupted_run(session, base)
-            victim = deployment.pid_of("engine 1")
-            assert victim is not None
-            workers = descendants(victim)  # vLLM's model worker
-            assert workers, "vLLM runs its model in a worker process of its own"
-            streams = await streams_under_way(session, base)
+        chunks = [0] * STREAMS
+        uninterrupted = await asyncio.gather(
+            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
+        )
+        assert [tokens for tokens, _ in uninterrupted] == deployment.expected
+        victim = serve.pid_of("engine 1")
+        assert victim is not None
+        workers = descendants(victim)  # vLLM's model worker
+        assert workers, "vLLM runs its model in a worker process of its own"
+        killed_at = time.monotonic()
+
+        def kill() -> None:
+            nonlocal killed_at
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
-            assert await asyncio.gather(*streams) == uninterrupted
-            status = await asyncio.wait_for(client.get_status(), 10)
-            assert status["counters"].get("redispatched", 0) > 0, "rank 1 held streams"
-            # vLLM's worker notices its engine is gone and exits.
-            while any(alive(pid) for pid in workers):
-                assert time.monotonic() - killed_at < 30, "vLLM's worker outlived its engine"
-                await asyncio.sleep(0.2)
+
+        assert await streams_killed_mid_way(client, deployment.prompts, kill) == uninterrupted
+        status = await asyncio.wait_for(client.get_status(), 10)
+        assert status["counters"].get("redispatched", 0) > 0, "rank 1 held streams"
+        # vLLM's worker notices its engine is gone and exits.
+        while any(alive(pid) for pid in workers):
+            assert time.monotonic() - killed_at < 30, "vLLM's worker outlived its engine"
+            await asyncio.sleep(0.2)
     finally:
         client.stop()
-    serve_pid = deployment.process.pid
-    deployment.process.send_signal(signal.SIGINT)
-    assert deployment.process.wait(120) == 0, deployment.text()[-3000:]
-    deployment.assert_nothing_left()
+    serve_pid = serve.process.pid
+    serve.process.send_signal(signal.SIGINT)
+    assert serve.process.wait(120) == 0, serve.text()[-3000:]
+    serve.assert_nothing_left()
     assert not [pid for pid in descendants(serve_pid) if alive(pid)]

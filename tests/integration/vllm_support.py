@@ -3,11 +3,16 @@ greedy reference, and dpserve processes whose engines run in vLLM's own install.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dpserve.client import InferenceClient
+from dpserve.sampling import SamplingParams
 from tests.integration.runtime import Processes
 
 # vLLM's CPU attention takes head sizes of 32 and up (the project's tiny Llama has 16: "Unsupported
@@ -109,6 +114,46 @@ def clear_greedy_prompts(
             if len(chosen) == count:
                 return chosen, continuations
     raise AssertionError(f"only {len(chosen)} of {len(candidates)} prompts have no near-tie")
+
+
+# Token prompts to pick streamed prompts from (``clear_greedy_prompts``), and how many tokens a
+# stream generates: with the 8-token prompts, about half the tiny model's context (256).
+STREAM_CANDIDATES = [[30 + i, 5, 90 + 7 * i, 44, 180 - i, 12, 61, 7] for i in range(64)]
+STREAM_TOKENS = 120
+
+
+async def stream_greedy(
+    client: InferenceClient, prompt: list[int], chunks: list[int], index: int
+) -> tuple[list[int], str]:
+    """One greedy stream of ``STREAM_TOKENS`` tokens: its tokens and text (``chunks[index]``
+    counts its chunks as they come)."""
+    params = SamplingParams(
+        temperature=0, num_tokens_to_generate=STREAM_TOKENS, ignore_eos=True, stream=True
+    )
+    tokens: list[int] = []
+    text: list[str] = []
+    async for chunk in client.stream(prompt, params):
+        tokens += chunk.tokens
+        text.append(chunk.text)
+        chunks[index] += 1
+    return tokens, "".join(text)
+
+
+async def streams_killed_mid_way(
+    client: InferenceClient, prompts: list[list[int]], kill: Callable[[], None]
+) -> list[tuple[list[int], str]]:
+    """Every prompt streamed at once, and ``kill`` (an engine) once each stream has a few
+    chunks (or ended)."""
+    chunks = [0] * len(prompts)
+    streams = [
+        asyncio.create_task(stream_greedy(client, p, chunks, i)) for i, p in enumerate(prompts)
+    ]
+    deadline = time.monotonic() + 60
+    while not all(count >= 3 or task.done() for count, task in zip(chunks, streams, strict=True)):
+        assert time.monotonic() < deadline, chunks
+        await asyncio.sleep(0.01)
+    kill()
+    return await asyncio.gather(*streams)
 
 
 def spawn_vllm_engine(
