@@ -213,3 +213,26 @@ async def test_cancel_pause_and_suspend(vllm_client: InferenceClient) -> None:
     record = await asyncio.wait_for(held, 30)
     vllm_client.stop()
     assert record.generated_tokens == expected.generated_tokens
+
+
+async def test_cache_salt_separates_prefixes_as_predicted(vllm_client: InferenceClient) -> None:
+    """A request's cache_salt reaches vLLM (its blocks' extra keys) and dpserve's hashes mix it
+    in the same way: a prompt cached under one salt is not found under another, and found
+    again under its own, as the coordinator predicted."""
+    prompt = [(11 * i) % 300 + 40 for i in range(100)]
+
+    def salted(salt: str) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, num_tokens_to_generate=2, ignore_eos=True, cache_salt=salt
+        )
+
+    cached = []
+    for salt in ("tenant-a", "tenant-b", "tenant-a"):
+        record = await vllm_client.add_request(prompt, salted(salt))
+        cached.append(record.cached_tokens)
+        await asyncio.sleep(1.5)  # the KV events reach the coordinator with the next turn
+    status = await vllm_client.get_status()
+    vllm_client.stop()
+    assert cached == [0, 0, 96]
+    routing = status["prefix_routing"]
+    assert routing["predicted_cached_tokens"] == routing["actual_cached_tokens"]
