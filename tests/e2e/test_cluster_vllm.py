@@ -49,7 +49,7 @@ CHART = ROOT / "charts" / "dpserve-operator"
 CRD_NAME = "inferencedeployments.dpserve.io"
 NAME = "demo-vllm"  # as in the example
 NAMESPACE = "vllm"
-RELEASE = "dpserve-vllm-operator"
+RELEASE = "vllm-dpserve-operator"  # contains the chart name: the objects are named so
 OPERATOR_NS = "dpserve-vllm-system"
 HTTP_PORT = 8000  # the CRD's default, which the example keeps
 # vLLM's CPU start in eager mode, beside the other pods of a shared 2-core node.
