@@ -67,7 +67,13 @@ def prompts(length: int, count: int, seed: int) -> list[list[int]]:
 
 
 async def run_load(
-    port: int, coordinator_pid: int, engines: int, length: int, count: int, inflight: int
+    port: int,
+    coordinator_pid: int,
+    engines: int,
+    length: int,
+    count: int,
+    inflight: int,
+    register_within: float,
 ) -> dict:
     from dpserve.client import InferenceClient
     from dpserve.sampling import SamplingParams
@@ -76,7 +82,7 @@ async def run_load(
     client = InferenceClient(port, handshake_timeout=60)
     await client.start()
     try:
-        await wait_for_engines(client, engines, within=120)
+        await wait_for_engines(client, engines, within=register_within)
         params = SamplingParams(num_tokens_to_generate=1)
         gate = asyncio.Semaphore(inflight)
         latencies: list[float] = []
@@ -117,6 +123,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--inflight", type=int, default=256)
+    parser.add_argument(
+        "--register-within",
+        type=float,
+        default=600.0,
+        help="seconds for the fake engines to register (64 engines each import torch first)",
+    )
     args = parser.parse_args()
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     print(
@@ -150,6 +162,7 @@ def main() -> None:
                                 length,
                                 args.requests,
                                 args.inflight,
+                                args.register_within,
                             )
                         )
                         print(
