@@ -69,20 +69,39 @@ def edited(
     return copy
 
 
-def test_a_peft_adapter_is_read_scaled_and_in_rope_pair_order(good: Path) -> None:
+def test_a_peft_adapter_is_read_scaled_fused_and_in_rope_pair_order(good: Path) -> None:
     adapter = read(good)
     tensors = load_file(good / "adapter_model.safetensors")
     prefix = "base_model.model.model.layers.1.self_attn"
     scale = 16 / 8  # lora_alpha / r
-    q = adapter.layers[1]["q_proj"]
-    assert torch.equal(q.a, tensors[f"{prefix}.q_proj.lora_A.weight"])
-    expected_b, _ = pair_rotary_dims(
-        tensors[f"{prefix}.q_proj.lora_B.weight"] * scale, None, HEADS, HEAD_DIM
-    )
-    assert torch.allclose(q.b, expected_b)
-    v_b = tensors[f"{prefix}.v_proj.lora_B.weight"] * scale  # values keep their order
-    assert torch.allclose(adapter.layers[1]["v_proj"].b, v_b)
-    assert adapter.rank == 8 and set(adapter.layers[0]) == set(tiny_layout()[0])
+
+    def a(module: str) -> torch.Tensor:
+        return tensors[f"{prefix}.{module}.lora_A.weight"]
+
+    def b(module: str) -> torch.Tensor:
+        return tensors[f"{prefix}.{module}.lora_B.weight"] * scale
+
+    qkv = adapter.layers[1]["qkv"]  # q/k/v as our one projection: A stacked, B block-diagonal
+    assert torch.equal(qkv.a, torch.cat([a("q_proj"), a("k_proj"), a("v_proj")]))
+    q_b, _ = pair_rotary_dims(b("q_proj"), None, HEADS, HEAD_DIM)
+    k_b, _ = pair_rotary_dims(b("k_proj"), None, KV_HEADS, HEAD_DIM)
+    expected = torch.zeros(Q + 2 * KV, 3 * 8)
+    expected[:Q, :8], expected[Q : Q + KV, 8:16], expected[Q + KV :, 16:] = q_b, k_b, b("v_proj")
+    assert torch.allclose(qkv.b, expected)  # queries and keys in RoPE pair order, values not
+    assert not torch.allclose(q_b, b("q_proj"))  # the reorder is not a no-op here
+    assert adapter.layers[1]["gate_up"].b.shape == (2 * INNER, 2 * 8)
+    assert set(adapter.layers[0]) == {"qkv", "o_proj", "gate_up", "down_proj"}
+    assert adapter.rank == 8
+
+
+def test_a_part_an_adapter_leaves_alone_is_a_zero_block(good: Path, tmp_path: Path) -> None:
+    def only_k(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [key for key in tensors if "q_proj" in key or "v_proj" in key]:
+            del tensors[key]
+
+    qkv = read(edited(good, tmp_path, weights=only_k)).layers[0]["qkv"]
+    assert qkv.a.shape == (8, HIDDEN) and qkv.b.shape == (Q + 2 * KV, 8)
+    assert not qkv.b[:Q].any() and not qkv.b[Q + KV :].any() and qkv.b[Q : Q + KV].any()
 
 
 def test_rslora_and_per_module_alpha(good: Path, tmp_path: Path) -> None:
@@ -90,9 +109,9 @@ def test_rslora_and_per_module_alpha(good: Path, tmp_path: Path) -> None:
     adapter = read(path)
     tensors = load_file(path / "adapter_model.safetensors")
     prefix = "base_model.model.model.layers.0"
-    v_b = tensors[f"{prefix}.self_attn.v_proj.lora_B.weight"]
+    o_b = tensors[f"{prefix}.self_attn.o_proj.lora_B.weight"]
     down_b = tensors[f"{prefix}.mlp.down_proj.lora_B.weight"]
-    assert torch.allclose(adapter.layers[0]["v_proj"].b, v_b * 16 / 8**0.5)
+    assert torch.allclose(adapter.layers[0]["o_proj"].b, o_b * 16 / 8**0.5)
     assert torch.allclose(adapter.layers[0]["down_proj"].b, down_b * 4 / 8**0.5)
 
 

@@ -68,12 +68,12 @@ class GatedMLP:
         self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta
     ) -> torch.Tensor:
         if self.gate is not None and self.up is not None:
-            gate, up = self.gate(normed), self.up(normed)
+            gate_up = torch.cat((self.gate(normed), self.up(normed)), dim=-1)
         else:
             assert self.gate_up is not None
-            gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        delta("gate_proj", normed, gate)
-        delta("up_proj", normed, up)
+            gate_up = self.gate_up(normed)
+        delta("gate_up", normed, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         activated = functional.silu(gate).mul_(up)
         out = self.down.plus(activated, residual)
         delta("down_proj", activated, out)

@@ -33,6 +33,9 @@ CONFIG_FILE: Final = "adapter_config.json"
 WEIGHTS_FILE: Final = "adapter_model.safetensors"
 ATTENTION_MODULES: Final = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: Final = ("gate_proj", "up_proj", "down_proj")
+# Projections our layers compute as one output (``delta.AdapterWeights`` holds them fused):
+# q/k/v always (one ``Linear``), gate/up whose deltas are added to the two halves of one.
+FUSED_MODULES: Final = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY: Final = re.compile(
@@ -124,7 +127,38 @@ def read_adapter(
         weights.layers[index][module] = _module_delta(
             name, layer, module, found, layout, own_rank, scale, dtype, device
         )
+    for index, modules in enumerate(weights.layers):
+        for fused, parts in FUSED_MODULES.items():
+            _fuse(modules, fused, parts, layout[index])
     return weights
+
+
+def _fuse(
+    modules: dict[str, ModuleDelta],
+    fused: str,
+    parts: tuple[str, ...],
+    shapes: dict[str, ModuleShape],
+) -> None:
+    """Replace the deltas of ``parts`` (projections of the same input whose outputs our
+    layers concatenate) by one: A stacked, B block-diagonal over the concatenated output (a
+    part the adapter leaves alone is a zero block). One shrink and one expand instead of one
+    each per part: a step's delta is a few small matmuls per layer, and their count is its
+    cost."""
+    present = [part for part in parts if part in modules]
+    if not present or any(part not in shapes for part in parts):
+        return
+    a = torch.cat([modules[part].a for part in present])
+    widths = [shapes[part].out_features for part in parts]
+    b = a.new_zeros(sum(widths), a.shape[0])
+    row = column = 0
+    for part, width in zip(parts, widths, strict=True):
+        delta = modules.pop(part, None)
+        if delta is not None:
+            rank = delta.a.shape[0]
+            b[row : row + width, column : column + rank] = delta.b
+            column += rank
+        row += width
+    modules[fused] = ModuleDelta(a, b)
 
 
 def _check_rank(name: str, what: str, rank: object, max_rank: int) -> None:

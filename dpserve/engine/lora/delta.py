@@ -6,9 +6,10 @@ each group, two small matmuls (shrink to the rank, expand to the projection's wi
 base projection's output. Rows of the base model are left alone. This is the torch path (CPU,
 and CUDA for now): a step with adapter rows runs eagerly on CUDA, outside the CUDA graphs.
 
-The weights are ``AdapterWeights``: per layer, per PEFT module name (``q_proj`` ...
-``down_proj``), A ``[r, in]`` and B ``[out, r]`` with the scale folded into B, the query and
-key rows of B already in RoPE pair order (``adapter``).
+The weights are ``AdapterWeights``: per layer, per projection (``qkv``, ``o_proj``,
+``gate_up``, ``down_proj``), A ``[r, in]`` and B ``[out, r]`` with the scale folded into B, the
+query and key rows of B already in RoPE pair order; q/k/v and gate/up fused as our layers
+compute them, B block-diagonal (``adapter``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class ModuleDelta:
 
 @dataclass(slots=True)
 class AdapterWeights:
-    """A loaded adapter: its deltas per layer (index) and module name."""
+    """A loaded adapter: its deltas per layer (index) and projection."""
 
     name: str
     path: str
@@ -50,8 +51,8 @@ class StepAdapters:
     groups: tuple[tuple[AdapterWeights, torch.Tensor | None], ...]
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Add the delta of ``module`` (a PEFT module name) of layer ``layer`` over input ``x``
-        to ``out`` (the base projection's output, or a column slice of a fused one)."""
+        """Add the delta of projection ``module`` of layer ``layer`` over input ``x`` to
+        ``out`` (the base projection's output)."""
         for weights, rows in self.groups:
             delta = weights.layers[layer].get(module)
             if delta is None:

@@ -274,10 +274,7 @@ class PagedLlama:
         normed = self._norm(hidden, layer.input_norm, self.eps)
         qkv: torch.Tensor = layer.qkv(normed)
         if self._adapters is not None:  # before Qwen3's head norms, as in transformers
-            q, kv = self.q_size, self.kv_size
-            self._adapters.add(index, "q_proj", normed, qkv[:, :q])
-            self._adapters.add(index, "k_proj", normed, qkv[:, q : q + kv])
-            self._adapters.add(index, "v_proj", normed, qkv[:, q + kv :])
+            self._adapters.add(index, "qkv", normed, qkv)
         self.rotary(qkv, tokens, cache.kv[index], self.head_norms(layer))
         return qkv
 
