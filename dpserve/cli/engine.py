@@ -150,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     except EngineRefused as exc:
         log.error("%s", exc)
         code = 1
+    # A runner with processes of its own (vLLM's model workers) stops them first.
+    shutdown = getattr(runner, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
     # Leave now: the socket is closed and the coordinator told. The interpreter's own
     # teardown of a model process (torch's thread pools, a GiB of tensors) took 4-9 s, and on
     # Kubernetes sometimes the whole grace period, holding up the pod's replacement.

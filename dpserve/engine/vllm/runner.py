@@ -44,7 +44,7 @@ class VllmRunner:
         self, options: VllmOptions, limits: RequestLimits = DEFAULT_REQUEST_LIMITS
     ) -> None:
         answer_vllm_version()
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.core_client import InprocClient
         from vllm.v1.engine.input_processor import InputProcessor
@@ -67,7 +67,7 @@ class VllmRunner:
         self.max_num_seqs: int = config.scheduler_config.max_num_seqs
         self.context_size: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, GenerationConfig, model_config.model)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.model)
         self._block_size: int = config.cache_config.block_size
         self._translator: KVEventTranslator | None = None
         self._collected: CollectedEvents | None = None
@@ -88,7 +88,6 @@ class VllmRunner:
         self._steps = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self._last_stats: Any = None
         log.info(
             "vLLM %s serving %s: tensor parallel %d, context %d, block size %d, max_num_seqs %d, "
             "prefix caching %s",
@@ -283,7 +282,6 @@ class VllmRunner:
     # ------------------------------------------------------------------------------ stats
 
     def _note_stats(self, stats: Any) -> None:
-        self._last_stats = stats
         prefix = stats.prefix_cache_stats
         if prefix is not None:
             self._prefix_queries += int(prefix.queries)
@@ -355,6 +353,11 @@ class VllmRunner:
             self._core.wake_up()
         self._released = False
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and its model workers (processes of their own, which would
+        otherwise notice their engine is gone only seconds after it left)."""
+        self._client.shutdown()
+
 
 def _logprob_rows(logprobs: Any, count: int) -> list[tuple[float, list[TopEntry]]] | None:
     """Per new token its log-prob and alternatives, from vLLM's ``LogprobsLists`` (a row per
@@ -370,12 +373,14 @@ def _logprob_rows(logprobs: Any, count: int) -> list[tuple[float, list[TopEntry]
     return rows
 
 
-def _eos_token_ids(tokenizer: Any, generation_config: Any, model: str) -> frozenset[int]:
+def _eos_token_ids(tokenizer: Any, model: str) -> frozenset[int]:
     """The tokens that end a request by default: the model's generation config's EOS ids and
     the tokenizer's (as dpserve's engine takes them)."""
+    from transformers import GenerationConfig
+
     ids: set[int] = set()
     try:
-        configured = generation_config.from_pretrained(model).eos_token_id
+        configured = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # no generation_config.json
         configured = None
     if isinstance(configured, int):
