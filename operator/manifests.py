@@ -193,6 +193,23 @@ def credentials_volume(name: str, items: tuple[tuple[str, str], ...]) -> dict[st
     }
 
 
+# vLLM's engine talks to its worker processes (and its tensor-parallel ranks to each other)
+# through shared memory: 160 MiB of /dev/shm for one CPU worker, more with NCCL on GPUs, where
+# container runtimes give a pod 64 MiB. A memory-backed emptyDir is charged to the engine
+# container's memory, so its limit bounds it.
+SHM_VOLUME_NAME = "dshm"
+
+
+def _shm_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    if spec.engine.backend != VLLM_BACKEND:
+        return []
+    return [{"name": SHM_VOLUME_NAME, "emptyDir": {"medium": "Memory"}}]
+
+
+def _shm_volume_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    return [{"name": volume["name"], "mountPath": "/dev/shm"} for volume in _shm_volumes(spec)]
+
+
 def _volumes(spec: DeploymentSpec, credentials_volume: dict[str, Any]) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
@@ -410,7 +427,7 @@ def engine_statefulset(
         "command": engine_command(name, namespace, spec),
         "env": env,
         "resources": spec.engine.resources.to_manifest(),
-        "volumeMounts": _volume_mounts(spec),
+        "volumeMounts": [*_volume_mounts(spec), *_shm_volume_mounts(spec)],
         "securityContext": container_security_context(),
         # Ready exactly while registered with the coordinator (`--ready-file`). No liveness
         # probe: engines listen on no port, and the kubelet watches the process anyway. No
@@ -423,6 +440,17 @@ def engine_statefulset(
             "failureThreshold": 1,
         },
     }
+    template = _pod_template(
+        name,
+        ENGINE,
+        spec,
+        container,
+        # The drain must finish in-flight generations before the kubelet's SIGKILL.
+        termination_grace_period_seconds=spec.engine.termination_grace_period_seconds,
+        credentials_items=credentials.ENGINE_ITEMS,
+        credentials_hash=credentials_hash,
+    )
+    template["spec"]["volumes"].extend(_shm_volumes(spec))
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -434,16 +462,7 @@ def engine_statefulset(
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(name, ENGINE)},
-            "template": _pod_template(
-                name,
-                ENGINE,
-                spec,
-                container,
-                # The drain must finish in-flight generations before the kubelet's SIGKILL.
-                termination_grace_period_seconds=spec.engine.termination_grace_period_seconds,
-                credentials_items=credentials.ENGINE_ITEMS,
-                credentials_hash=credentials_hash,
-            ),
+            "template": template,
         },
     }
 

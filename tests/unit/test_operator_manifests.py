@@ -301,6 +301,10 @@ def test_vllm_on_cpu_runs_at_tensor_parallel_size_1_without_gpus() -> None:
     assert engine["command"][-4:] == ["--backend", "vllm", "--tensor-parallel-size", "1"]
     assert not [part for part in engine["command"] if part.startswith("--vllm-arg")]
     assert "nvidia.com/gpu" not in str(engine["resources"])
+    # vLLM's worker processes share memory: 160 MiB of /dev/shm where a pod gets 64 MiB.
+    pod = children(raw)[("StatefulSet", "demo-engine")]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
     # Engines sharing a node must not pin their threads to the cores vLLM picks for each.
     assert {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"} in engine["env"]
     pinned = {**raw, "engine": {**raw["engine"], "env": [
@@ -317,6 +321,7 @@ def test_the_dpserve_backend_command_names_no_backend() -> None:
     assert "--backend" not in engine["command"]
     assert "--tensor-parallel-size" not in engine["command"]
     assert "VLLM_CPU_OMP_THREADS_BIND" not in str(engine["env"])
+    assert "/dev/shm" not in str(engine["volumeMounts"])
 
 
 def test_engine_headless_service_and_budget() -> None:
