@@ -10,7 +10,10 @@ generate``'s layout, see ``dpserve.security``) and keeps it in two Secrets it ow
     and ``client.key_secret`` + ``coordinator.key`` for its own HTTP front;
   - engines: ``engine.key_secret`` and ``coordinator.key``.
 
-  Nothing mounts the admin key pair; engines cannot read the coordinator's secret key.
+  With ``spec.adapters`` the coordinator also gets ``admin.key_secret``: its front then
+  connects with the admin role, which loading and unloading adapters needs (the operator
+  keeps the adapters through that front). Otherwise nothing mounts the admin key pair.
+  Engines cannot read the coordinator's secret key.
 - ``<name>-client-credentials``: what people and jobs outside the cluster need
   (``client.key[_secret]``, ``admin.key[_secret]``, ``coordinator.key``); mounted by nothing.
   Extracted to a directory, it is a ``--credentials DIR`` for ``dpserve generate``/``http``.
@@ -144,6 +147,12 @@ COORDINATOR_ITEMS: tuple[tuple[str, str], ...] = (
     ("client.key_secret", "client.key_secret"),
     ("coordinator.key", "coordinator.key"),
     (API_TOKEN_FILE, API_TOKEN_FILE),
+)
+# The coordinator's items with spec.adapters: its front picks the admin role when the admin
+# key pair is in its directory (``key_files.load_peer_keys``).
+COORDINATOR_ADMIN_ITEMS: tuple[tuple[str, str], ...] = (
+    *COORDINATOR_ITEMS,
+    ("admin.key_secret", "admin.key_secret"),
 )
 ENGINE_ITEMS: tuple[tuple[str, str], ...] = (
     ("engine.key_secret", "engine.key_secret"),

@@ -28,7 +28,14 @@ from typing import Any
 
 from . import credentials
 from .limits import engine_limit_args, limit_args
-from .spec import CACHE_DIR, SCRATCH_DIR, VLLM_BACKEND, DeploymentSpec, thaw
+from .spec import (
+    ADAPTER_MOUNT_PATH,
+    CACHE_DIR,
+    SCRATCH_DIR,
+    VLLM_BACKEND,
+    DeploymentSpec,
+    thaw,
+)
 
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
@@ -141,7 +148,19 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         *(["--backend", VLLM_BACKEND, "--tensor-parallel-size", str(engine.tensor_parallel_size)]
           if vllm else []),
         *(f"--vllm-arg={token}" for token in (engine.vllm_args if vllm else ())),
+        *lora_args(spec),
     ]  # fmt: skip
+
+
+def lora_args(spec: DeploymentSpec) -> list[str]:
+    """``--enable-lora`` (and ``--max-loras``) whenever ``spec.adapters`` is present, even
+    empty, so that adding the first adapter later rolls no pod. The adapters themselves are
+    not here: the operator loads them through the coordinator (``adapters``), and a list in
+    the pod template would restart every engine on each edit."""
+    if spec.adapters is None:
+        return []
+    slots = spec.engine.max_loras
+    return ["--enable-lora", *(["--max-loras", str(slots)] if slots is not None else [])]
 
 
 # --------------------------------------------------------------------------- pod pieces
@@ -244,6 +263,24 @@ def _volume_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
             }
         )
     return mounts
+
+
+ADAPTER_VOLUME_NAME = "adapters"
+
+
+def _adapter_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    """spec.adapterVolume's claim, for the engines (only they read adapters)."""
+    if spec.adapters is None or spec.adapters.volume_claim is None:
+        return []
+    claim = {"claimName": spec.adapters.volume_claim, "readOnly": True}
+    return [{"name": ADAPTER_VOLUME_NAME, "persistentVolumeClaim": claim}]
+
+
+def _adapter_volume_mounts(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": volume["name"], "mountPath": ADAPTER_MOUNT_PATH, "readOnly": True}
+        for volume in _adapter_volumes(spec)
+    ]
 
 
 def cpu_threads_env(container: str) -> dict[str, Any]:
@@ -373,7 +410,12 @@ def coordinator_deployment(
                 spec,
                 container,
                 termination_grace_period_seconds=30,
-                credentials_items=credentials.COORDINATOR_ITEMS,
+                # With adapters its front has the admin role (loading adapters needs it).
+                credentials_items=(
+                    credentials.COORDINATOR_ITEMS
+                    if spec.adapters is None
+                    else credentials.COORDINATOR_ADMIN_ITEMS
+                ),
                 credentials_hash=credentials_hash,
             ),
         },
@@ -427,7 +469,11 @@ def engine_statefulset(
         "command": engine_command(name, namespace, spec),
         "env": env,
         "resources": spec.engine.resources.to_manifest(),
-        "volumeMounts": [*_volume_mounts(spec), *_shm_volume_mounts(spec)],
+        "volumeMounts": [
+            *_volume_mounts(spec),
+            *_adapter_volume_mounts(spec),
+            *_shm_volume_mounts(spec),
+        ],
         "securityContext": container_security_context(),
         # Ready exactly while registered with the coordinator (`--ready-file`). No liveness
         # probe: engines listen on no port, and the kubelet watches the process anyway. No
@@ -450,7 +496,7 @@ def engine_statefulset(
         credentials_items=credentials.ENGINE_ITEMS,
         credentials_hash=credentials_hash,
     )
-    template["spec"]["volumes"].extend(_shm_volumes(spec))
+    template["spec"]["volumes"].extend([*_adapter_volumes(spec), *_shm_volumes(spec)])
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

@@ -25,6 +25,9 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from dpserve.limits import DEFAULT_LORA_LIMITS
+from dpserve.sampling import InvalidSamplingParams, check_lora_name
+
 from .crd import SPEC_SCHEMA
 from .limits import parse_limits
 from .vllm_args import VllmArgsError, parse_vllm_args
@@ -54,6 +57,11 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # spec.engine.backend: dpserve's own engine, or vLLM's behind dpserve's protocol.
 DPSERVE_BACKEND, VLLM_BACKEND = "dpserve", "vllm"
+
+# spec.adapterVolume is mounted here (read-only) in the engine pods; spec.adapters' paths
+# point under it or under spec.modelVolume.mountPath.
+ADAPTER_MOUNT_PATH = "/adapters"
+DEFAULT_LORA_PATH_CHARS = DEFAULT_LORA_LIMITS.max_lora_path_chars
 
 # `<name>-engine` must leave room for the StatefulSet's `controller-revision-hash` label value
 # (`<sts name>-<10 char hash>`, at most 63 characters): 63 - 11 - len("-engine") = 45.
@@ -131,6 +139,8 @@ class EngineSpec:
     image: str | None = None
     # spec.engine.vllm.args, checked and in one form (vllm_args.parse_vllm_args).
     vllm_args: tuple[str, ...] = ()
+    # spec.engine.maxLoras: LoRA slots per engine (--max-loras); None: the engine's default.
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,28 @@ class AutoscalingSpec:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """One of ``spec.adapters``: a LoRA adapter's name and its directory in the engine pods."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class AdaptersSpec:
+    """``spec.adapters`` (present, even empty: the engines serve adapters) and the volume
+    they may come from besides the model's."""
+
+    adapters: tuple[Adapter, ...]
+    # spec.adapterVolume.claimName, mounted at ADAPTER_MOUNT_PATH; None without one.
+    volume_claim: str | None = None
+
+    def wanted(self) -> dict[str, str]:
+        """name -> path of every adapter the coordinator should hold."""
+        return {adapter.name: adapter.path for adapter in self.adapters}
+
+
+@dataclass(frozen=True)
 class PodTemplateOverrides:
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
@@ -191,6 +223,7 @@ class DeploymentSpec:
     allowed_clients: tuple[Mapping[str, Any], ...]
     pod_template: PodTemplateOverrides
     autoscaling: AutoscalingSpec | None = None
+    adapters: AdaptersSpec | None = None
 
 
 def freeze(value: Any) -> Any:
@@ -504,6 +537,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
     engine = _parse_engine(spec.child("engine"))
     coordinator = _parse_coordinator(spec.child("coordinator"))
     model_volume = _parse_model_volume(spec)
+    adapters = _parse_adapters(spec, engine, model_volume)
 
     service_account_name = spec.string("serviceAccountName")
     if service_account_name is not None and not (
@@ -565,6 +599,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None, *, name: str) -> DeploymentSp
         allowed_clients=freeze(allowed_clients),
         pod_template=pod_template,
         autoscaling=autoscaling,
+        adapters=adapters,
     )
 
 
@@ -619,6 +654,7 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
         tensor_parallel_size=tensor_parallel_size,
         image=image,
         vllm_args=vllm_args,
+        max_loras=engine.optional_integer("maxLoras"),
     )
 
 
@@ -739,6 +775,86 @@ def _parse_model_volume(spec: _Reader) -> ModelVolume | None:
         mount_path=mount_path.rstrip("/") or "/",
         read_only=volume.boolean("readOnly"),
     )
+
+
+def _parse_adapters(
+    spec: _Reader, engine: EngineSpec, model_volume: ModelVolume | None
+) -> AdaptersSpec | None:
+    """``spec.adapters`` and ``spec.adapterVolume``, checked as the runtime checks them (names
+    by ``sampling.check_lora_name``), with each path inside a volume the engines mount."""
+    volume_claim: str | None = None
+    if spec.get("adapterVolume") is not _MISSING:
+        volume = spec.child("adapterVolume")
+        volume_claim = volume.string("claimName") or ""
+        if volume_claim and not _DNS1123_SUBDOMAIN.match(volume_claim):
+            volume.fail(volume.at("claimName"), f"{volume_claim!r} is not a valid claim name")
+        if model_volume is not None and model_volume.mount_path == ADAPTER_MOUNT_PATH:
+            spec.fail(
+                "spec.modelVolume.mountPath",
+                f"{ADAPTER_MOUNT_PATH} is where spec.adapterVolume is mounted",
+            )
+    if spec.get("adapters") is _MISSING:
+        if volume_claim is not None:
+            spec.fail("spec.adapterVolume", "is for spec.adapters, which is not set")
+        if engine.max_loras is not None:
+            spec.fail("spec.engine.maxLoras", "is for spec.adapters, which is not set")
+        return None
+    if engine.backend != DPSERVE_BACKEND:
+        # vLLM's --lora-modules is vllm serve's front-end flag, which dpserve's front does not
+        # run (vllm_args refuses it), and its engine core takes adapters per request only.
+        spec.fail(
+            "spec.adapters",
+            f"needs backend {DPSERVE_BACKEND} (spec.engine.backend is {engine.backend})",
+        )
+    roots = [root for root in (
+        model_volume.mount_path if model_volume is not None else None,
+        ADAPTER_MOUNT_PATH if volume_claim is not None else None,
+    ) if root is not None]  # fmt: skip
+    items = spec.object_list("adapters")
+    most = spec.field("adapters")["maxItems"]
+    if len(items) > most:
+        spec.fail("spec.adapters", f"has {len(items)} adapters; at most {most}")
+    adapters: list[Adapter] = []
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        path_prefix = f"spec.adapters[{index}]"
+        try:
+            name = check_lora_name(item.get("name"))
+        except InvalidSamplingParams as exc:
+            spec.fail(f"{path_prefix}.name", str(exc))
+            continue
+        if name in seen:
+            spec.fail(f"{path_prefix}.name", f"{name!r} is listed twice")
+        seen.add(name)
+        path = _adapter_path(spec, f"{path_prefix}.path", item.get("path"), roots)
+        if path is not None:
+            adapters.append(Adapter(name, path))
+    return AdaptersSpec(tuple(adapters), volume_claim)
+
+
+def _adapter_path(spec: _Reader, at: str, path: Any, roots: list[str]) -> str | None:
+    """``path`` when it is a directory under one of ``roots`` (the mounted volumes)."""
+    most = DEFAULT_LORA_PATH_CHARS
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > most:
+        spec.fail(at, f"must be an absolute path of at most {most} characters, got {path!r:.200}")
+        return None
+    parts = path.split("/")
+    if ".." in parts or any(ord(char) < 32 for char in path):
+        spec.fail(at, f"{path!r} must not hold '..' or control characters")
+        return None
+    normal = "/".join(part for part in parts if part and part != ".")
+    normal = f"/{normal}"
+    if not roots:
+        spec.fail(
+            at,
+            "needs a volume to read from: spec.modelVolume, or spec.adapterVolume (mounted at "
+            f"{ADAPTER_MOUNT_PATH})",
+        )
+        return None
+    if not any(normal.startswith(f"{root.rstrip('/')}/") for root in roots):
+        spec.fail(at, f"{path!r} is not inside {' or '.join(roots)} (the mounted volumes)")
+        return None
+    return normal
 
 
 def _parse_pod_template(template: _Reader) -> PodTemplateOverrides:

@@ -237,6 +237,8 @@ def set_in_context(path: str, value: int) -> dict[str, Any]:
         spec["autoscaling"]["maxReplicas"] = 4
     if path == "engine.tensorParallelSize":  # tensor parallelism is vLLM's, on GPUs
         spec["engine"].update(backend="vllm", device="cuda")
+    if path == "engine.maxLoras":  # LoRA slots are for spec.adapters
+        spec["adapters"] = []
     return spec
 
 
