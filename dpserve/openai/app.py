@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import zmq
 from aiohttp import web
@@ -264,14 +264,23 @@ def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
     return {"Allow": allow} if allow else None
 
 
+# The token may also come as this header: the Kubernetes API server's service proxy, through
+# which the operator loads adapters, drops the Authorization header once it has
+# authenticated its own caller with it.
+API_KEY_HEADER: Final = "X-Api-Key"
+
+
 def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
-    """Require one of ``tokens`` on the API (``/v1/...``); health and metrics stay open for
-    probes and scrapers."""
+    """Require one of ``tokens`` on the API (``/v1/...``), as ``Authorization: Bearer`` or
+    ``X-Api-Key``; health and metrics stay open for probes and scrapers."""
 
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/v1" or request.path.startswith("/v1/"):
             authorization = request.headers.get("Authorization")
+            api_key = request.headers.get(API_KEY_HEADER)
+            if authorization is None and api_key is not None:
+                authorization = f"Bearer {api_key}"
             if not api_tokens.bearer_token_matches(authorization, tokens):
                 message = (
                     "Incorrect API key provided."

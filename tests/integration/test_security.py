@@ -542,6 +542,14 @@ def test_bearer_token_guards_the_api_but_not_health_or_metrics(front: str):
     assert status == 200, completion
     assert completion["choices"][0]["text"] == bytes(expected_tokens("Hi", 3)).decode()
     assert _http(f"{front}/v1/models", "old-token-0123456789")[0] == 200, "every listed token"
+    # As X-Api-Key (what the operator sends through the API server's service proxy).
+    for token, expected in (("secret-token-abcdef", 200), ("secret-token-abcdeX", 401)):
+        request = urllib.request.Request(f"{front}/v1/models", headers={"X-Api-Key": token})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                assert response.status == expected
+        except urllib.error.HTTPError as error:
+            assert error.code == expected
     assert _http(f"{front}/livez")[0] == 200
     status, metrics = _http(f"{front}/metrics")
     assert status == 200
