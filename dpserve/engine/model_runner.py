@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -169,6 +169,7 @@ class ModelRunner:
         # LoRA adapters (None: not enabled), and the sequences waiting for a slot of theirs.
         self.adapters: LoraSlots | None = None
         self._awaiting_slot: deque[Sequence] = deque()
+        self._adapter_names_served: set[str] = set()  # every name an adapter was loaded as
         if enable_lora or lora_modules:
             self._enable_lora(max_loras, max_lora_rank, lora_modules or {})
 
@@ -180,7 +181,7 @@ class ModelRunner:
             )
         self.adapters = self.backend.enable_lora(max_loras, max_rank)
         for name, path in modules.items():
-            self.adapters.register(name, path)
+            self.load_adapter(name, path)
 
     # ----------------------------------------------------------------------------- loading
 
@@ -256,39 +257,38 @@ class ModelRunner:
         here); one registered under that name already is replaced."""
         if self.adapters is None:
             raise AdapterError(self._no_adapters())
-        replaced = name in self.adapters.paths
         self.adapters.register(name, path)
-        if replaced:
-            self._forget_cached_prefixes()
+        # Blocks cached under a name served before hold what earlier weights computed: the
+        # new ones must never find them (the name is in every block hash, not the weights).
+        if name in self._adapter_names_served and isinstance(self.backend, PagedBackend):
+            self.backend.forget_cached_prefixes()
+        self._adapter_names_served.add(name)
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter ``name`` (``KeyError`` if unknown, ``AdapterError`` while in use)."""
         if self.adapters is None:
             raise KeyError(name)
         self.adapters.unregister(name)
-        self._forget_cached_prefixes()
-
-    def _forget_cached_prefixes(self) -> None:
-        # Blocks cached under an adapter's name hold what its old weights computed: a new
-        # adapter under that name must never find them.
-        if isinstance(self.backend, PagedBackend):
-            self.backend.forget_cached_prefixes()
 
     def adapter_report(self) -> AdapterReport | None:
         if self.adapters is None:
             return None
-        loaded = set(self.adapters.loaded())
-        counts = {name: [name in loaded, 0, 0] for name in self.adapters.names()}
-        running = set()
+        running_ids: set[int] = set()
         if isinstance(self.backend, PagedBackend) and self.backend.scheduler is not None:
-            running = {id(sequence) for sequence in self.backend.scheduler.running}
+            running_ids = {id(sequence) for sequence in self.backend.scheduler.running}
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
         for sequence in [*self._live.values(), *self._awaiting_slot]:
-            entry = counts.get(sequence.params.lora_name or "")
-            if entry is not None:
-                entry[1 if id(sequence) in running else 2] += 1
+            name = sequence.params.lora_name
+            if name is not None:
+                (running if id(sequence) in running_ids else waiting)[name] += 1
+        loaded = set(self.adapters.loaded())
         return AdapterReport(
             self.adapters.max_loras,
-            {name: (bool(a), int(b), int(c)) for name, (a, b, c) in counts.items()},
+            {
+                name: (name in loaded, running[name], waiting[name])
+                for name in self.adapters.names()
+            },
         )
 
     def _no_adapters(self) -> str:
@@ -343,23 +343,29 @@ class ModelRunner:
             self._admit(sequence)
 
     def _admit(self, sequence: Sequence) -> None:
-        """Hand the sequence to the backend, once its adapter (if any) has a slot; until then
-        it waits here (``_admit_awaiting``)."""
+        """Hand the sequence to the backend once its adapter (if any) has a slot; until then,
+        or if its adapter failed to load, it waits here (``_admit_awaiting`` admits or fails
+        it at the next step)."""
         name = sequence.params.lora_name
         if name is not None:
-            assert self.adapters is not None  # checked by _validate
-            slot = self._acquire(name)
+            try:
+                slot = self._acquire(name)
+            except AdapterError:
+                slot = None  # failed at the next step, with the reason
             if slot is None:
                 self._awaiting_slot.append(sequence)
                 return
             sequence.lora_slot = slot
+        self._hand_to_backend(sequence)
+
+    def _hand_to_backend(self, sequence: Sequence) -> None:
         self.backend.add(sequence)
         self._live[sequence.request_id] = sequence
         if sequence.stop_text is not None:
             self._with_stop_text.add(sequence.request_id)
 
     def _acquire(self, name: str) -> int | None:
-        assert self.adapters is not None
+        assert self.adapters is not None  # _validate refuses adapter requests without it
         try:
             return self.adapters.acquire(name)
         except KeyError:
@@ -385,10 +391,7 @@ class ModelRunner:
                 still.append(sequence)
                 continue
             sequence.lora_slot = slot
-            self.backend.add(sequence)
-            self._live[sequence.request_id] = sequence
-            if sequence.stop_text is not None:
-                self._with_stop_text.add(sequence.request_id)
+            self._hand_to_backend(sequence)
         self._awaiting_slot = still
         return failed
 

@@ -249,3 +249,25 @@ def test_a_dense_mlp_adapter_on_expert_layers_is_refused(
     save_file(weights, weights_file)
     with pytest.raises(AdapterError, match=r"layers\.0\.gate_proj.*mixture-of-experts"):
         ModelRunner(str(base), lora_modules={"x": str(adapter)})
+
+
+def test_an_evicted_adapter_whose_directory_went_away_fails_its_request_alone(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    copy = tmp_path / "a"
+    shutil.copytree(adapters["a"], copy)
+    one_slot = ModelRunner(
+        str(tiny_model_path), max_loras=1, lora_modules={"a": str(copy), "b": str(adapters["b"])}
+    )
+    shutil.rmtree(copy)  # "a" was evicted by "b": it must be read again, and cannot be
+    one_slot.add(RunnerRequest(0, PROMPTS[0], params("a")))
+    one_slot.add(RunnerRequest(1, PROMPTS[0], params(None)))
+    updates: dict[int, list[TokenUpdate]] = {0: [], 1: []}
+    while one_slot.has_work():
+        for update in one_slot.step():
+            updates[update.request_id].append(update)
+    (failed,) = updates[0]
+    assert failed.error is not None and "is not a directory" in failed.error
+    assert sum(len(update.tokens) for update in updates[1]) == NEW_TOKENS
