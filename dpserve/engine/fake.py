@@ -179,7 +179,9 @@ class FakeRunner:
         prompt = sequence.request.prompt_tokens
         if self.prefix_cache is None:
             return len(prompt)
-        cached = self.prefix_cache.admit(prompt, extra_keys(sequence.params.cache_salt))
+        cached = self.prefix_cache.admit(
+            prompt, extra_keys(sequence.params.cache_salt, sequence.params.lora_name)
+        )
         sequence.cached_prompt_tokens = cached
         return len(prompt) - cached
 
