@@ -337,8 +337,9 @@ EPILOGUE_NONE, EPILOGUE_SILU, EPILOGUE_MUL, EPILOGUE_ADD = range(4)
 # runs, or one named (for the tests and the bench; refused where the CPU lacks it).
 ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(4)
 ISA_NAMES = {ISA_AUTO: "auto", ISA_PORTABLE: "portable", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
-# The most activation rows ``decode_matmul`` takes in one pass over the weight (more are
-# computed this many at a time, each group reading the weight again).
+# The most activation rows ``decode_matmul`` is meant for: it takes any number, the weight
+# read from memory once (groups of 4 rows after the first re-read it from L2), but from about
+# this many rows on oneDNN's blocked kernels are as fast (bench/decode_matmul.py).
 DECODE_MATMUL_MAX_ROWS = 8
 
 

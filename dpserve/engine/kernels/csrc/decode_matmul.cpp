@@ -1,14 +1,21 @@
 // The decode step's matrix-vector products on CPU, fp32 (issue 33): out[r, n] = x[r] . w[n]
-// (+ bias[n]), then an epilogue, for 1 to ~8 activation rows x against a row-major weight w
-// [N, K]. Such a product is bound by how fast the weight streams from memory, so each weight
-// row is read once for all rows of x (held in L1/L2), a few weight rows at a time so that
-// every activation vector loaded serves several of them, and the next rows are prefetched.
+// (+ bias[n]), then an epilogue, for a few activation rows x against a row-major weight w
+// [N, K]. Such a product is bound by how fast the weight streams from memory, so the weight is
+// read from memory once for all rows of x:
+// - each weight row is read as one sequential stream, one row at a time, every activation row
+//   multiplied with it as it passes (measured on Zen 4, bench/decode_matmul.py: one stream read
+//   ~1.5x faster than 2-4 rows read side by side, with or without software prefetch, which the
+//   hardware prefetcher makes unnecessary for a single stream);
+// - at most kGroup activation rows ride one pass (their accumulators stay in registers); more
+//   rows are taken kGroup at a time over a tile of weight rows small enough to stay in L2, so
+//   that the later groups read the tile from there, not from memory.
 // Threads split the output rows (torch's intra-op pool: the engine's thread count).
 //
 // One source, three instruction paths chosen at run time: AVX-512 and AVX2+FMA, each compiled
-// for its own target by function attributes (whatever the build's -march: the AVX2 path
-// leaves AVX-512 out, so it is the code an AVX2-only CPU runs), and portable C++ elsewhere.
-// Built and loaded with the other CPU kernels by dpserve/engine/kernels/cpu_kernels.py.
+// for its own target by function attributes (the file's own target is x86-64-v2, so the AVX2
+// path holds no AVX-512 instruction whichever CPU built it: it is the code an AVX2-only CPU
+// runs), and portable C++ elsewhere. Built and loaded with the other CPU kernels by
+// dpserve/engine/kernels/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,14 +42,16 @@ enum Epilogue : int64_t { kNone = 0, kSilu = 1, kMul = 2, kAdd = 3 };
 // Which code computes the dot products (the values match cpu_kernels.py).
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 
-// Activation rows per pass over the weight: more rows are taken this many at a time (each
-// group reads the weight again; the engine sends at most this many).
-constexpr int64_t kMaxRows = 8;
-// Output rows per unit of work handed to a thread: a multiple of every path's block of rows.
+// Activation rows per pass over a weight row: their accumulators, the weight vector and an
+// activation vector fit AVX2's 16 registers.
+constexpr int64_t kGroup = 4;
+// Output rows per unit of work handed to a thread.
 constexpr int64_t kTile = 16;
+// The bytes of weight rows a thread takes through all groups of activation rows before it
+// moves on: far below any L2 (256 KB and up), beside the activation rows themselves.
+constexpr int64_t kL2TileBytes = 64 * 1024;
 
-// Everything one call's threads share. x rows are `x_stride` floats apart; out and other
-// are [rows, n] with their own row strides.
+// One group's operands: x rows `x_stride` floats apart, out rows `out_stride` apart.
 struct Problem {
   const float* x;
   int64_t x_stride;
@@ -86,72 +95,44 @@ void dots_portable(const Problem& p, int64_t begin, int64_t end) {
 
 #if DPSERVE_X86
 
-// How far ahead (in weight rows) the next rows' cache lines are asked for: the rows after the
-// block in hand, so that a block's loads find their lines on the way. A thread's weight rows
-// are one contiguous range, which the hardware prefetcher follows too; measured on Zen 4
-// (bench/decode_matmul.py) the explicit prefetch is worth a few percent at 1-2 rows.
-#define DPSERVE_PREFETCH(address) _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0)
-
 // ------------------------------------------------------------------------------ AVX-512 path
 
-// B weight rows x R activation rows of 16 floats per step; B * R accumulators of the 32
-// registers.
-template <int R, int B>
-__attribute__((target("avx512f"))) void block_avx512(const Problem& p, int64_t n) {
-  const float* w = p.w + n * p.k;
-  const float* ahead = w + B * p.k;  // the next block's rows
-  __m512 acc[B][R];
-#pragma GCC unroll 8
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= p.k; c += 16) {
-    __m512 wv[B];
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) {
-      DPSERVE_PREFETCH(ahead + b * p.k + c);
-      wv[b] = _mm512_loadu_ps(w + b * p.k + c);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(p.x + r * p.x_stride + c);
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
-    }
-  }
-  if (c < p.k) {  // the last K % 16 columns, masked
-    const __mmask16 mask = static_cast<__mmask16>((1u << (p.k - c)) - 1);
-    __m512 wv[B];
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) wv[b] = _mm512_maskz_loadu_ps(mask, w + b * p.k + c);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + r * p.x_stride + c);
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n + b] = _mm512_reduce_add_ps(acc[b][r]);
-}
-
+// Weight rows [begin, end) against R activation rows, 16 floats a step.
 template <int R>
 __attribute__((target("avx512f"))) void dots_avx512(const Problem& p, int64_t begin,
                                                     int64_t end) {
-  constexpr int B = R <= 4 ? 4 : 2;  // at most 16 accumulators, 4 weight rows in flight
-  int64_t n = begin;
-  for (; n + B <= end; n += B) block_avx512<R, B>(p, n);
-  for (; n < end; ++n) block_avx512<R, 1>(p, n);
+  const int64_t tail = p.k % 16, body = p.k - tail;
+  const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
+  for (int64_t n = begin; n < end; ++n) {
+    const float* w = p.w + n * p.k;
+    __m512 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < body; c += 16) {
+      const __m512 wv = _mm512_loadu_ps(w + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.x + r * p.x_stride + c), acc[r]);
+      }
+    }
+    if (tail != 0) {  // the last K % 16 columns, masked
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + body);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + r * p.x_stride + body);
+        acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+  }
 }
 
 // --------------------------------------------------------------------------------- AVX2 path
 
-// Without AVX-512 (the attribute takes it out even where the build's -march has it), so this
-// is the code an AVX2-only CPU runs, and the tests run it on any CPU with AVX2.
-#define DPSERVE_AVX2 target("avx2,fma,no-avx512f")
+// Without AVX-512 (the file's own target has none), so this is the code an AVX2-only CPU runs,
+// and the tests run it on any CPU with AVX2.
+#define DPSERVE_AVX2 target("avx2,fma")
 
 __attribute__((DPSERVE_AVX2)) inline float sum_lanes_avx2(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -159,99 +140,53 @@ __attribute__((DPSERVE_AVX2)) inline float sum_lanes_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 0x55)));
 }
 
-// The mask for the last K % 8 columns: lanes below `count` loaded, the others zero.
-__attribute__((DPSERVE_AVX2)) inline __m256i tail_mask_avx2(int64_t count) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lanes);
-}
-
-// B weight rows x R activation rows of 8 floats per step; B * R accumulators of the 16
-// registers, with room for the B weight vectors and one activation vector.
-template <int R, int B>
-__attribute__((DPSERVE_AVX2)) void block_avx2(const Problem& p, int64_t n) {
-  const float* w = p.w + n * p.k;
-  const float* ahead = w + B * p.k;
-  __m256 acc[B][R];
-#pragma GCC unroll 8
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= p.k; c += 16) {  // two vectors a step: one prefetch per 64-byte line
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) DPSERVE_PREFETCH(ahead + b * p.k + c);
-#pragma GCC unroll 2
-    for (int half = 0; half < 16; half += 8) {
-      __m256 wv[B];
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) wv[b] = _mm256_loadu_ps(w + b * p.k + c + half);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(p.x + r * p.x_stride + c + half);
-#pragma GCC unroll 8
-        for (int b = 0; b < B; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
-      }
-    }
-  }
-  for (; c < p.k; c += 8) {  // at most two more steps, the last one masked
-    const __m256i mask = tail_mask_avx2(p.k - c);
-    __m256 wv[B];
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) wv[b] = _mm256_maskload_ps(w + b * p.k + c, mask);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_maskload_ps(p.x + r * p.x_stride + c, mask);
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n + b] = sum_lanes_avx2(acc[b][r]);
-}
-
+// Weight rows [begin, end) against R activation rows, 8 floats a step (two per 64-byte line).
 template <int R>
 __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, int64_t end) {
-  constexpr int B = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // at most 8 accumulators of 16 registers
-  int64_t n = begin;
-  for (; n + B <= end; n += B) block_avx2<R, B>(p, n);
-  for (; n < end; ++n) block_avx2<R, 1>(p, n);
+  const int64_t tail = p.k % 8, body = p.k - tail;
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t n = begin; n < end; ++n) {
+    const float* w = p.w + n * p.k;
+    __m256 acc[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < body; c += 8) {
+      const __m256 wv = _mm256_loadu_ps(w + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x + r * p.x_stride + c), acc[r]);
+      }
+    }
+    if (tail != 0) {  // the last K % 8 columns, masked
+      const __m256 wv = _mm256_maskload_ps(w + body, mask);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_maskload_ps(p.x + r * p.x_stride + body, mask);
+        acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n] = sum_lanes_avx2(acc[r]);
+  }
 }
 
 #endif  // DPSERVE_X86
 
 using Dots = void (*)(const Problem&, int64_t, int64_t);
 
-template <int R>
-struct Portable {
-  static constexpr Dots kDots = &dots_portable<R>;
+// A path's instantiations for 1 to kGroup rows.
+struct Path {
+  Dots rows[kGroup];
 };
-#if DPSERVE_X86
-template <int R>
-struct Avx2 {
-  static constexpr Dots kDots = &dots_avx2<R>;
-};
-template <int R>
-struct Avx512 {
-  static constexpr Dots kDots = &dots_avx512<R>;
-};
-#endif
 
-// The instantiation of `Path` for 1 to kMaxRows rows.
-template <template <int> class Path>
-Dots for_rows(int64_t rows) {
-  switch (rows) {
-    case 1: return Path<1>::kDots;
-    case 2: return Path<2>::kDots;
-    case 3: return Path<3>::kDots;
-    case 4: return Path<4>::kDots;
-    case 5: return Path<5>::kDots;
-    case 6: return Path<6>::kDots;
-    case 7: return Path<7>::kDots;
-    default: return Path<8>::kDots;
-  }
-}
+constexpr Path kPortablePath{{&dots_portable<1>, &dots_portable<2>, &dots_portable<3>,
+                              &dots_portable<4>}};
+#if DPSERVE_X86
+constexpr Path kAvx2Path{{&dots_avx2<1>, &dots_avx2<2>, &dots_avx2<3>, &dots_avx2<4>}};
+constexpr Path kAvx512Path{{&dots_avx512<1>, &dots_avx512<2>, &dots_avx512<3>,
+                            &dots_avx512<4>}};
+#endif
 
 bool cpu_has(Isa isa) {
 #if DPSERVE_X86
@@ -274,12 +209,12 @@ Isa resolve(int64_t requested) {
   return best;
 }
 
-Dots dots_for(Isa isa, int64_t rows) {
+const Path& path_for(Isa isa) {
 #if DPSERVE_X86
-  if (isa == kAvx512) return for_rows<Avx512>(rows);
-  if (isa == kAvx2) return for_rows<Avx2>(rows);
+  if (isa == kAvx512) return kAvx512Path;
+  if (isa == kAvx2) return kAvx2Path;
 #endif
-  return for_rows<Portable>(rows);
+  return kPortablePath;
 }
 
 // Bias and epilogue over out[:rows, begin:end), just written (still in cache).
@@ -345,24 +280,29 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
     other_data = other->data_ptr<float>();
     other_stride = other->stride(0);
   }
-  const Isa path = resolve(isa);
+  const Path& path = path_for(resolve(isa));
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const Epilogue kind = static_cast<Epilogue>(epilogue);
-  for (int64_t first = 0; first < rows; first += kMaxRows) {
-    const int64_t count = std::min(kMaxRows, rows - first);
-    const Problem problem{x.data_ptr<float>() + first * x.stride(0), x.stride(0),
-                          weight.data_ptr<float>(), k,
-                          out.data_ptr<float>() + first * n, n};
-    const Dots dots = dots_for(path, count);
-    const float* group_other = other_data != nullptr ? other_data + first * other_stride : nullptr;
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    at::parallel_for(0, tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
-      const int64_t begin = tile_begin * kTile, end = std::min(n, tile_end * kTile);
-      dots(problem, begin, end);
-      finish(problem.out, n, count, begin, end, bias_data, kind, group_other, other_stride);
-    });
-  }
+  const float* x_data = x.data_ptr<float>();
+  const float* w_data = weight.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  // Weight rows per L2 tile: every group of activation rows runs over it before the next.
+  const int64_t tile_rows = std::max<int64_t>(1, kL2TileBytes / (k * int64_t{sizeof(float)}));
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    const int64_t begin = tile_begin * kTile, end = std::min(n, tile_end * kTile);
+    for (int64_t start = begin; start < end; start += tile_rows) {
+      const int64_t stop = std::min(end, start + tile_rows);
+      for (int64_t first = 0; first < rows; first += kGroup) {
+        const int64_t count = std::min(kGroup, rows - first);
+        const Problem group{x_data + first * x.stride(0), x.stride(0), w_data, k,
+                            out_data + first * n, n};
+        path.rows[count - 1](group, start, stop);
+      }
+    }
+    finish(out_data, n, rows, begin, end, bias_data, kind, other_data, other_stride);
+  });
   return out;
 }
 
