@@ -54,6 +54,10 @@ ApplyResult = Literal["created", "updated", "unchanged"]
 
 DEFAULT_TIMEOUT = (5.0, 15.0)  # (connect, read) seconds
 HEALTH_TIMEOUT = (2.0, 3.0)
+# Loading an adapter waits for every engine to read it from its directory.
+ADAPTER_TIMEOUT = (2.0, 30.0)
+# The HTTP front's alternative to Authorization (dpserve.openai.app.API_KEY_HEADER).
+API_KEY_HEADER = "X-Api-Key"
 
 
 class ApiError(Exception):
@@ -153,12 +157,13 @@ class Cluster:
         content_type: str = "application/json",
         timeout: tuple[float, float] = DEFAULT_TIMEOUT,
         ok_statuses: tuple[int, ...] = (),
+        extra_headers: Mapping[str, str] | None = None,
     ) -> tuple[int, Any]:
         """Send one request; returns (HTTP status, decoded JSON or text).
 
         Raises ``ApiError`` for non-2xx answers not listed in ``ok_statuses``.
         """
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", **(extra_headers or {})}
         if body is not None:
             headers["Content-Type"] = content_type
         serialized = self.api_client.param_serialize(
@@ -285,6 +290,34 @@ class Cluster:
         if not isinstance(payload, str):
             raise ApiError(200, "NotMetrics", f"/metrics answered {str(payload)[:200]}")
         return payload
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def coordinator_post(
+        self,
+        namespace: str,
+        service: str,
+        port_name: str,
+        endpoint: str,
+        body: Mapping[str, Any],
+        api_key: str,
+    ) -> tuple[int, Any]:
+        """POST ``body`` to the coordinator's HTTP ``endpoint`` via the service proxy; returns
+        the front's (status, decoded body), also for its 400 and 404 refusals. ``api_key``
+        goes as ``X-Api-Key``: the API server drops an Authorization header after using it
+        to authenticate this operator. Raises ``ApiError`` when the front was not reached."""
+        rbac.require("", "services/proxy", "create")
+        path = resource_path(
+            "v1", "services", namespace, f"{service}:{port_name}", f"proxy{endpoint}"
+        )
+        return self.request(
+            "POST",
+            path,
+            body=dict(body),
+            timeout=ADAPTER_TIMEOUT,
+            ok_statuses=(400, 404),
+            extra_headers={API_KEY_HEADER: api_key},
+        )
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Set an InferenceDeployment's engine count through its scale subresource (what an

@@ -19,7 +19,13 @@
   ``spec.dataParallelSize`` through the scale subresource when the count changes (an event
   says why, with the figures), and keep ``status.autoscaling`` up to date. In mode External
   (or without ``spec.autoscaling``) it does nothing: whoever writes the scale subresource
-  decides.
+  decides;
+- ``spec.adapters`` changes, and every 2 s while it is set → ``sync_adapters``: read the
+  adapters the engines report (the coordinator's ``/metrics``), load and unload through the
+  coordinator's HTTP front (service proxy, the deployment's API token) until they are
+  ``spec.adapters`` (``adapters.plan``), write ``status.adapters``; a failed load or unload
+  posts a warning event (once per distinct error). No pod restarts: the list is not in any
+  pod template.
 
 An invalid spec never raises: it becomes phase Degraded with a Degraded/InvalidSpec condition
 and a warning event (not repeated while the status already reports that very problem).
@@ -38,13 +44,13 @@ from typing import Any
 
 import kopf
 
-from . import credentials, manifests
+from . import adapters, credentials, manifests
 from .autoscaling import Decision, Memory, decide
 from .cluster import ApiError, Cluster, bearer_token, load_configuration, replacement_for
 from .crd import GROUP, PLURAL, VERSION
 from .load import LoadSignal, MalformedMetrics, TtftWindow, read_metrics
 from .main import LIVENESS_PATH
-from .spec import DeploymentSpec, InvalidSpec, parse_spec
+from .spec import AdaptersSpec, DeploymentSpec, InvalidSpec, parse_spec
 from .status import (
     READY,
     REASON_APPLY_FAILED,
@@ -69,6 +75,8 @@ DRIFT_CHECK_SECONDS = 60.0
 RETRY_DELAY_SECONDS = 10.0
 MAX_RETRIES = 12
 AUTOSCALE_TICK_SECONDS = 1.0
+# How often the coordinator's adapters are compared with spec.adapters (one GET of /metrics).
+ADAPTER_SYNC_SECONDS = 2.0
 # How long after a reconcile a status timer tick whose body predates it is skipped.
 STALE_STATUS_SECONDS = 2.0
 # status.autoscaling is rewritten at once when the decision changes, else at most this often.
@@ -541,3 +549,130 @@ def _write_autoscaling_status(
     if decided_differently or now - last >= AUTOSCALING_STATUS_SECONDS:
         memo.last_autoscaling_status = now
         patch.status["autoscaling"] = new
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+@kopf.on.field(*RESOURCE, field="spec.adapters", id="adapters-changed")
+def adapters_changed(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    # At once on an edit, rather than at the next tick (at creation the coordinator is not
+    # up yet: the timer takes over).
+    _keep_adapters(body, status, patch, memo)
+
+
+@kopf.timer(*RESOURCE, id="sync-adapters", interval=ADAPTER_SYNC_SECONDS, sharp=True)
+def sync_adapters(
+    body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
+) -> None:
+    """Keep the coordinator's adapters equal to spec.adapters: a restarted coordinator
+    comes back with none, and engines get from the coordinator what it loaded."""
+    _keep_adapters(body, status, patch, memo)
+
+
+def _keep_adapters(
+    body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, memo: kopf.Memo
+) -> None:
+    name = body["metadata"]["name"]
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpec:
+        return  # reconcile reports it
+    if spec.adapters is None:
+        if status.get("adapters"):
+            patch.status["adapters"] = None
+        return
+    try:
+        _sync_adapters(_cluster(memo), body, status, patch, spec.adapters)
+    except ApiError as error:
+        log.info("adapters of %s not synced: %s", name, error)
+
+
+def _sync_adapters(
+    cluster: Cluster,
+    body: kopf.Body,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    spec: AdaptersSpec,
+) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    service = manifests.coordinator_name(name)
+    try:
+        reading = adapters.read_metrics(
+            cluster.coordinator_metrics(namespace, service, manifests.HTTP_PORT_NAME)
+        )
+    except adapters.MalformedAdapterMetrics as error:
+        log.info("adapters of %s: no reading: %s", name, error)
+        return
+    reported = dict(reading.adapters)
+    previous = status.get("adapters") or []
+    loaded_from = adapters.previous_paths(previous)
+    # An error stays until its adapter is reported (or another attempt fails differently).
+    errors = {
+        adapter: error
+        for adapter, error in adapters.previous_errors(previous).items()
+        if adapter not in reported
+    }
+    todo = adapters.plan(spec.adapters, reported, loaded_from)
+    # With no engine registered there is nothing to load into: engines that register get
+    # the adapters on the first tick after.
+    if not todo.empty and reading.engines > 0:
+        token = _api_token(cluster, namespace, name)
+        if token is None:
+            return  # reconcile creates the Secret
+        done: list[str] = []
+
+        def send(endpoint: str, payload: dict[str, str], reason: str, what: str) -> bool:
+            try:
+                answer = cluster.coordinator_post(
+                    namespace, service, manifests.HTTP_PORT_NAME, endpoint, payload, token
+                )
+                outcome = adapters.outcome(*answer)
+            except ApiError as error:
+                outcome = adapters.Outcome(False, f"the coordinator was not reached: {error}")
+            adapter = payload["lora_name"]
+            if outcome.done:
+                errors.pop(adapter, None)
+                done.append(what)
+                return True
+            assert outcome.error is not None
+            if errors.get(adapter) != outcome.error:
+                kopf.warn(body, reason=reason, message=f"{adapter}: {outcome.error}")
+            errors[adapter] = outcome.error
+            return False
+
+        for adapter_name in todo.unloads:
+            if send(
+                adapters.UNLOAD_ENDPOINT,
+                {"lora_name": adapter_name},
+                adapters.UNLOAD_FAILED,
+                f"unloaded {adapter_name}",
+            ):
+                reported.pop(adapter_name, None)
+                loaded_from.pop(adapter_name, None)
+        for adapter in todo.loads:
+            if adapter.name in reported:
+                continue  # its unload (a new path) failed: it keeps the old directory
+            if send(
+                adapters.LOAD_ENDPOINT,
+                {"lora_name": adapter.name, "lora_path": adapter.path},
+                adapters.LOAD_FAILED,
+                f"loaded {adapter.name} from {adapter.path}",
+            ):
+                reported.setdefault(adapter.name, 0)
+                loaded_from[adapter.name] = adapter.path
+        if done:
+            kopf.info(body, reason=adapters.CHANGED, message="; ".join(done))
+    entries = adapters.status_entries(spec.adapters, reported, errors, loaded_from)
+    if entries != [dict(entry) for entry in previous]:
+        patch.status["adapters"] = entries
+
+
+def _api_token(cluster: Cluster, namespace: str, name: str) -> str | None:
+    """The HTTP front's bearer token, from ``<name>-credentials`` (never logged)."""
+    secret = cluster.read("v1", "Secret", namespace, credentials.credentials_secret_name(name))
+    text = credentials.decode_secret_data(secret).get(credentials.API_TOKEN_FILE, "")
+    tokens = [line.strip() for line in text.splitlines() if line.strip()]
+    return tokens[0] if tokens else None

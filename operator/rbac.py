@@ -53,9 +53,10 @@ REQUIRED_RULES: tuple[Rule, ...] = (
     _rule("", "pods", ["list"],
           "the status names a child pod that is OOM-killed, crash-looping, unschedulable or "
           "cannot pull its image, with the pod's own message"),
-    _rule("", "services/proxy", ["get"],
-          "GET the coordinator's /ready (status) and /metrics (autoscaler) through the API "
-          "server's service proxy"),
+    _rule("", "services/proxy", ["get", "create"],
+          "GET the coordinator's /ready (status) and /metrics (autoscaler, adapters), and POST "
+          "its /v1/load_lora_adapter and /v1/unload_lora_adapter (spec.adapters), through the "
+          "API server's service proxy"),
     _rule("policy", "poddisruptionbudgets", ["get", "create", "update"],
           "engine PodDisruptionBudget (policy/v1 or policy/v1beta1)"),
     _rule("networking.k8s.io", "networkpolicies", ["get", "create", "update"],
