@@ -583,9 +583,10 @@ def _keep_adapters(
     if spec.adapters is None:
         if status.get("adapters"):
             patch.status["adapters"] = None
+        memo.adapters = None
         return
     try:
-        _sync_adapters(_cluster(memo), body, status, patch, spec.adapters)
+        _sync_adapters(_cluster(memo), body, status, patch, memo, spec.adapters)
     except ApiError as error:
         log.info("adapters of %s not synced: %s", name, error)
 
@@ -595,6 +596,7 @@ def _sync_adapters(
     body: kopf.Body,
     status: Mapping[str, Any],
     patch: kopf.Patch,
+    memo: kopf.Memo,
     spec: AdaptersSpec,
 ) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
@@ -608,13 +610,15 @@ def _sync_adapters(
         return
     reported = dict(reading.adapters)
     previous = status.get("adapters") or []
-    loaded_from = adapters.previous_paths(previous)
+    # The directories loaded from, and the last errors, as this process last left them: the
+    # body a tick gets may predate the status the previous tick wrote. From the status when
+    # the operator (re)starts.
+    if getattr(memo, "adapters", None) is None:
+        memo.adapters = (adapters.previous_paths(previous), adapters.previous_errors(previous))
+    loaded_from, errors = memo.adapters
     # An error stays until its adapter is reported (or another attempt fails differently).
-    errors = {
-        adapter: error
-        for adapter, error in adapters.previous_errors(previous).items()
-        if adapter not in reported
-    }
+    for adapter_name in set(errors) & set(reported):
+        del errors[adapter_name]
     todo = adapters.plan(spec.adapters, reported, loaded_from)
     # With no engine registered there is nothing to load into: engines that register get
     # the adapters on the first tick after.
