@@ -214,8 +214,7 @@ def expected_text(model: Path, adapter: Path | None) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt = tokenizer(PROMPT)["input_ids"]
     tokens = reference_greedy(merged_model(model, adapter), prompt, MAX_TOKENS)
-    text: str = tokenizer.decode(tokens)
-    return text
+    return str(tokenizer.decode(tokens))
 
 
 def complete(port: int, token: str, model: str) -> tuple[int, JSON]:
