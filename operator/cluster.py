@@ -303,7 +303,7 @@ class Cluster:
         api_key: str,
     ) -> tuple[int, Any]:
         """POST ``body`` to the coordinator's HTTP ``endpoint`` via the service proxy; returns
-        the front's (status, decoded body), also for its 400 and 404 refusals. ``api_key``
+        the front's (status, decoded body), also for its 4xx refusals. ``api_key``
         goes as ``X-Api-Key``: the API server drops an Authorization header after using it
         to authenticate this operator. Raises ``ApiError`` when the front was not reached."""
         rbac.require("", "services/proxy", "create")
@@ -315,7 +315,9 @@ class Cluster:
             path,
             body=dict(body),
             timeout=ADAPTER_TIMEOUT,
-            ok_statuses=(400, 404),
+            # The front's refusals (a bad key, no admin role, the engines' reasons) are
+            # answers to report, not failures to reach it.
+            ok_statuses=(400, 401, 403, 404),
             extra_headers={API_KEY_HEADER: api_key},
         )
 
