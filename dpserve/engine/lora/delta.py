@@ -14,7 +14,9 @@ compute them, B block-diagonal (``adapter``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 
@@ -44,15 +46,89 @@ class AdapterWeights:
 
 
 @dataclass(frozen=True, slots=True)
-class StepAdapters:
-    """A step's rows grouped by adapter: ``(weights, rows)`` per adapter with rows in the step,
-    ``rows`` an int64 tensor of row indices, or None when the adapter has every row."""
+class StackedDelta:
+    """One projection's deltas of several adapters side by side: A ``[R, in]`` and B
+    ``[out, R]`` (R their ranks together) and, per column, the index of its adapter."""
 
-    groups: tuple[tuple[AdapterWeights, torch.Tensor | None], ...]
+    a: torch.Tensor
+    b: torch.Tensor
+    owner: torch.Tensor  # [R] int64
+    key: tuple[tuple[int, int], ...]  # (adapter index, rank) runs: equal keys, equal masks
+
+
+# Adapters together, by their total rank, at most: every row is multiplied by every adapter's
+# columns (the base rows' and other adapters' zeroed by a mask), which beats gathering and
+# scattering each adapter's rows while that product stays small next to the projection.
+STACK_MAX_RANK: Final = 128
+_STACKS_KEPT: Final = 8  # combinations of adapters whose stacked weights are kept
+
+
+class _Stack:
+    """The stacked deltas of a combination of adapters, built once and kept for the next
+    steps of the same combination (most steps run the same adapters as the one before)."""
+
+    def __init__(self, adapters: tuple[AdapterWeights, ...]) -> None:
+        self.adapters = adapters  # held: the cache's key is their identities
+        self.layers: list[dict[str, StackedDelta]] = []
+        for layer in range(len(adapters[0].layers)):
+            modules: dict[str, StackedDelta] = {}
+            for module in sorted({m for w in adapters for m in w.layers[layer]}):
+                parts = [
+                    (index, w.layers[layer][module])
+                    for index, w in enumerate(adapters)
+                    if module in w.layers[layer]
+                ]
+                key = tuple((index, delta.a.shape[0]) for index, delta in parts)
+                owner = torch.tensor(
+                    [index for index, rank in key for _ in range(rank)],
+                    device=parts[0][1].a.device,
+                )
+                modules[module] = StackedDelta(
+                    torch.cat([delta.a for _, delta in parts]),
+                    torch.cat([delta.b for _, delta in parts], dim=1),
+                    owner,
+                    key,
+                )
+            self.layers.append(modules)
+
+
+_stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+
+
+def _stack_of(adapters: tuple[AdapterWeights, ...]) -> _Stack:
+    key = tuple(id(weights) for weights in adapters)
+    stack = _stacks.get(key)
+    if stack is None:
+        stack = _stacks[key] = _Stack(adapters)
+        while len(_stacks) > _STACKS_KEPT:
+            _stacks.popitem(last=False)
+    else:
+        _stacks.move_to_end(key)
+    return stack
+
+
+@dataclass(frozen=True, slots=True)
+class StepAdapters:
+    """A step's rows and their adapters, in one of two forms:
+
+    * grouped: ``(weights, rows)`` per adapter with rows in the step, ``rows`` an int64 tensor
+      of row indices, or None when the adapter has every row (then nothing is gathered);
+    * stacked (``stack``, with ``row_adapter``: each row's adapter index, -1 for the base
+      model): one shrink and one expand per projection for all adapters at once, each row's
+      other columns masked to zero.
+    """
+
+    groups: tuple[tuple[AdapterWeights, torch.Tensor | None], ...] = ()
+    stack: _Stack | None = None
+    row_adapter: torch.Tensor | None = None
+    _masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)
 
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the delta of projection ``module`` of layer ``layer`` over input ``x`` to
         ``out`` (the base projection's output)."""
+        if self.stack is not None:
+            self._add_stacked(layer, module, x, out)
+            return
         for weights, rows in self.groups:
             delta = weights.layers[layer].get(module)
             if delta is None:
@@ -62,6 +138,19 @@ class StepAdapters:
             else:
                 update = x.index_select(0, rows).matmul(delta.a.t()).matmul(delta.b.t())
                 out.index_add_(0, rows, update)
+
+    def _add_stacked(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        assert self.stack is not None and self.row_adapter is not None
+        delta = self.stack.layers[layer].get(module)
+        if delta is None:
+            return
+        rows = self.row_adapter.shape[0]  # decode steps may be padded past them
+        mask = self._masks.get(delta.key)
+        if mask is None:
+            mask = (self.row_adapter.unsqueeze(1) == delta.owner.unsqueeze(0)).to(x.dtype)
+            self._masks[delta.key] = mask
+        shrunk = x[:rows].matmul(delta.a.t()).mul_(mask)
+        out[:rows].addmm_(shrunk, delta.b.t())
 
     def for_layer(self, layer: int) -> LayerAdapters:
         return LayerAdapters(self, layer)
@@ -81,8 +170,9 @@ class LayerAdapters:
 def group_rows(
     row_slots: list[int], weights_of: dict[int, AdapterWeights], device: torch.device
 ) -> StepAdapters | None:
-    """The step's groups from each row's slot (-1: the base model); None when no row has an
-    adapter (the step then runs exactly as without LoRA)."""
+    """The step's adapters from each row's slot (-1: the base model); None when no row has
+    an adapter (the step then runs exactly as without LoRA). Stacked while the adapters'
+    ranks together stay within ``STACK_MAX_RANK`` and not every row is one adapter's."""
     rows_of: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
@@ -90,13 +180,22 @@ def group_rows(
     if not rows_of:
         return None
     total = len(row_slots)
+    slots = sorted(rows_of)
+    adapters = tuple(weights_of[slot] for slot in slots)
+    one_for_all = len(slots) == 1 and len(rows_of[slots[0]]) == total
+    if not one_for_all and sum(weights.rank for weights in adapters) <= STACK_MAX_RANK:
+        index_of = {slot: index for index, slot in enumerate(slots)}
+        row_adapter = torch.tensor([index_of.get(slot, -1) for slot in row_slots])
+        return StepAdapters(
+            stack=_stack_of(adapters), row_adapter=row_adapter.to(device, non_blocking=True)
+        )
     groups = tuple(
         (
             weights_of[slot],
             None
-            if len(rows) == total
-            else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True),
+            if len(rows_of[slot]) == total
+            else torch.tensor(rows_of[slot], dtype=torch.long).to(device, non_blocking=True),
         )
-        for slot, rows in sorted(rows_of.items())
+        for slot in slots
     )
     return StepAdapters(groups)
