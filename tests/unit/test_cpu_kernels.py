@@ -374,3 +374,17 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
         torch.testing.assert_close(
             torch.tensor(logprobs), torch.tensor(onednn[request][1]), rtol=0, atol=1e-4
         )
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (1024, 1536)])
+def test_a_huge_page_copy_holds_the_weight_on_its_own(shape: tuple[int, int]) -> None:
+    """The copy equals the weight, is contiguous, owns its memory (the original may go), and a
+    weight of at least one huge page starts on a huge-page boundary."""
+    weight = torch.randn(*shape)
+    expected = weight.clone()
+    copy = cpu_kernels.huge_page_copy(weight)
+    del weight
+    assert copy.is_contiguous() and copy.shape == shape and torch.equal(copy, expected)
+    large = copy.numel() * 4 >= cpu_kernels.HUGE_PAGE_BYTES
+    if large and hasattr(cpu_kernels.mmap, "MADV_HUGEPAGE"):
+        assert copy.data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0

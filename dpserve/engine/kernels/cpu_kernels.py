@@ -33,6 +33,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import platform
 import shutil
@@ -355,6 +356,31 @@ def decode_matmul(
     contiguous, each weight row read once for all rows; then ``silu`` of it, or it times or
     plus ``other`` ``[rows, n]`` (``epilogue``). A new ``[rows, n]`` tensor."""
     out: torch.Tensor = torch.ops.dpserve_cpu.decode_matmul(x, weight, bias, other, epilogue, isa)
+    return out
+
+
+# Transparent huge pages' size on x86-64 and most arm64 kernels.
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_page_copy(weight: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``weight`` in memory the kernel is asked to back with 2 MB pages
+    (``madvise(MADV_HUGEPAGE)``, which transparent huge pages honour in their default
+    ``madvise`` mode), for ``decode_matmul`` to stream: with 4 KB pages a weight streamed from
+    memory misses the TLB every 64 cache lines, and a SmolLM2-135M decode step of one sequence
+    took ~33 CPU ms against ~27 (Zen 4, one thread, issue 33). A plain contiguous copy where the
+    platform has no such advice or the weight is under one page."""
+    nbytes = weight.numel() * weight.element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE_BYTES:
+        return weight.contiguous().clone()
+    # Over-allocated by a page so that the weight can start on a 2 MB boundary.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(advice)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` as long as it lives
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    out = raw[start : start + nbytes].view(weight.dtype).view(weight.shape)
+    out.copy_(weight)
     return out
 
 

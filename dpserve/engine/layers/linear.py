@@ -233,9 +233,16 @@ class Linear:
         # Whether those run the C++ decode kernel (else torch's F.linear on ``dense``).
         self.decode_kernel = bool(self.small_rows) and cpu_kernels.usable(weight)
         # The weight as torch's own matmul reads it: the weight itself without oneDNN, a second
-        # copy beside the packed one where small batches use it, else None.
+        # copy beside the packed one where small batches use it (in huge pages for the decode
+        # kernel: ``cpu_kernels.huge_page_copy``), else None.
         self.dense: torch.Tensor | None = (
-            weight if not self.onednn else weight.contiguous() if self.small_rows else None
+            weight
+            if not self.onednn
+            else cpu_kernels.huge_page_copy(weight)
+            if self.decode_kernel
+            else weight.contiguous()
+            if self.small_rows
+            else None
         )
         # The packed copy is oneDNN's opaque tensor.
         self.weight: torch.Tensor = (
