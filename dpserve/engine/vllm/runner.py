@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from dpserve.block_hash import BlockHash, extra_keys
@@ -44,6 +47,15 @@ class VllmRunner:
         self, options: VllmOptions, limits: RequestLimits = DEFAULT_REQUEST_LIMITS
     ) -> None:
         answer_vllm_version()
+        # vLLM's sampler compiles a few functions with torch's inductor (the sampled token's
+        # rank among the log-probs, for any batch size). Into a cache of this install's own,
+        # never the machine-wide /tmp/torchinductor_<user> (set, not defaulted: torch writes the
+        # variable into its process's environment when it first looks up its cache, so a parent
+        # that ran torch hands its own default down), and without inductor's precompiled
+        # header, which lives in /tmp whatever the cache: one left there broken made every
+        # compile fail ("'at::vec' has not been declared") and killed the engine's worker.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(sys.prefix) / "torchinductor")
+        os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
         from transformers import AutoTokenizer
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.core_client import InprocClient
