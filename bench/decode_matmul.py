@@ -10,7 +10,8 @@ call reads its weight from memory as a decode step does. Beside it, in the same 
 
 - copy: a large memcpy (``Tensor.copy_``), bytes read + bytes written per second (STREAM's
   count), and read: a large sum's bytes read per second: what the memory gives;
-- ours: ``cpu_kernels.decode_matmul`` on each instruction path this CPU runs;
+- ours: ``cpu_kernels.decode_matmul`` on each instruction path this CPU runs, its weights in
+  huge pages as the engine keeps them (``cpu_kernels.huge_page_copy``);
 - torch: ``F.linear`` on the dense weight (MKL / oneDNN as torch dispatches it);
 - oneDNN: the prepacked ``mkldnn._linear_pointwise`` the engine runs for larger batches, at
   the exact row count and padded to ``linear.ONEDNN_MIN_ROWS`` rows as the engine pads.
@@ -82,21 +83,23 @@ def memory_bandwidth(
     return 2 * nbytes / best_copy / 1e9, nbytes / best_read / 1e9
 
 
-def candidates(rows: int, copies: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
-    """Each way to multiply ``rows`` activation rows by every copy, one pass."""
-    in_features = copies[0].shape[1]
+def candidates(rows: int, plain: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """Each way to multiply ``rows`` activation rows by every copy of the weight, one pass."""
+    in_features = plain[0].shape[1]
     x = torch.randn(rows, in_features)
     found: dict[str, Callable[[], object]] = {}
     if cpu_kernels.available():
+        # As the engine keeps them for the kernel: in huge pages (cpu_kernels.huge_page_copy).
+        huge = [cpu_kernels.huge_page_copy(w) for w in plain]
         for isa in (cpu_kernels.ISA_AVX512, cpu_kernels.ISA_AVX2, cpu_kernels.ISA_PORTABLE):
             if cpu_kernels.decode_matmul_supports(isa):
                 name = f"ours {cpu_kernels.ISA_NAMES[isa]}"
                 found[name] = _each(
-                    copies, lambda w, isa=isa: cpu_kernels.decode_matmul(x, w, isa=isa)
+                    huge, lambda w, isa=isa: cpu_kernels.decode_matmul(x, w, isa=isa)
                 )
-    found["torch F.linear"] = _each(copies, lambda w: functional.linear(x, w))
+    found["torch F.linear"] = _each(plain, lambda w: functional.linear(x, w))
     if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in copies]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
         found["oneDNN"] = _each(
             packed, lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
         )

@@ -165,8 +165,14 @@ def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _measured_small_batch_rows(threads: int) -> int:
     rows_out, rows_in = _PROBE_SHAPE
     copies = _PROBE_BYTES // (rows_out * rows_in * 4)
-    dense = [torch.full(_PROBE_SHAPE, 1.0 + i / copies) for i in range(copies)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in dense]
+    plain = [torch.full(_PROBE_SHAPE, 1.0 + i / copies) for i in range(copies)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in plain]
+    # The small-batch path's weights as a Linear keeps them (huge pages for the kernel).
+    dense = (
+        [cpu_kernels.huge_page_copy(weight) for weight in plain]
+        if small_batch_kernel() == "decode_matmul"
+        else plain
+    )
     inputs = {rows: torch.full((rows, rows_in), 0.5) for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)}
 
     def one_pass(rows: int, small: bool) -> float:
