@@ -133,8 +133,8 @@ class StepAdapters:
             delta = weights.layers[layer].get(module)
             if delta is None:
                 continue
-            if rows is None:
-                out.add_(x.matmul(delta.a.t()).matmul(delta.b.t()))
+            if rows is None:  # the expand and the add in one call
+                out.addmm_(x.matmul(delta.a.t()), delta.b.t())
             else:
                 update = x.index_select(0, rows).matmul(delta.a.t()).matmul(delta.b.t())
                 out.index_add_(0, rows, update)
