@@ -12,26 +12,24 @@ intermediate tensor written and read back.
 Elsewhere (CUDA, CPU builds without oneDNN, dtypes it refuses) the same calls run as plain
 torch operations; the residual add still rides in the matmul (``addmm``'s beta).
 
-Decode steps of a few sequences are a matrix-vector product in all but name: their time is the
-time to stream the weights from memory once. oneDNN's and MKL's kernels for 1-2 rows read the
-weights at well below the memory's bandwidth (AMD EPYC Zen 4, one thread, SmolLM2's shapes:
-10-18 GB/s for oneDNN padded to 4 rows, 5-12 for ``F.linear``, 24-32 for the kernel below;
-BENCHMARKS.md, issue 33), so where the C++ kernels are built (fp32 on CPU) such steps run
-``cpu_kernels.decode_matmul``: each weight row read once for every row of the step, threads
-splitting the output rows, its epilogue (SiLU, the product by the gate, the residual add) fused
-as oneDNN's is. Without the
-C++ kernels the same steps can run torch's dense ``F.linear`` instead (on an Intel Xeon with
-AVX-512 it read a row's weights at ~24 GB/s on two threads against oneDNN's ~17; issue 16).
-``small_batch_rows`` measures that small-batch path against oneDNN once per process, for 1 to
-``SMALL_BATCH_MAX_ROWS`` rows (oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine
-pads), and each linear keeps the dense weight beside the packed one and runs steps of that many
-rows or fewer through it. That is a second copy of the weights: for the kernel one in 2 MB
-pages (``cpu_kernels.huge_page_copy``: a SmolLM2-135M step of one sequence took 25 CPU ms
-against 33 with the 4 KB pages of its memory-mapped file), so the fp32 weights are held twice;
-for ``F.linear`` SmolLM2's stay memory-mapped from its file (RSS +48 MB, for the fused QKV
-matrices), while weights converted at load are kept twice. So not under a
-memory limit (a container's cgroup), which was sized for one copy: there nothing is measured
-and nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
+Decode steps of a few sequences are a matrix-vector product in all but name: their time is the time
+to stream the weights from memory once. oneDNN's and MKL's kernels for 1-2 rows read the weights at
+well below the memory's bandwidth (AMD EPYC Zen 4, one thread, SmolLM2's shapes: 10-18 GB/s for
+oneDNN padded to 4 rows, 5-12 for ``F.linear``, 24-32 for the kernel below; BENCHMARKS.md, issue
+33), so where the C++ kernels are built (fp32 on CPU) such steps run ``cpu_kernels.decode_matmul``:
+each weight row read once for every row of the step, threads splitting the output rows, its epilogue
+(SiLU, the product by the gate, the residual add) fused as oneDNN's is. Without the C++ kernels the
+same steps can run torch's dense ``F.linear`` instead (on an Intel Xeon with AVX-512 it read a row's
+weights at ~24 GB/s on two threads against oneDNN's ~17; issue 16). ``small_batch_rows`` measures
+that small-batch path against oneDNN once per process, for 1 to ``SMALL_BATCH_MAX_ROWS`` rows
+(oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine pads), and each linear keeps the dense
+weight beside the packed one and runs steps of that many rows or fewer through it. That is a second
+copy of the weights: for the kernel one in 2 MB pages (``cpu_kernels.huge_page_copy``: a
+SmolLM2-135M step of one sequence took 25 CPU ms against 33 with the 4 KB pages of its memory-mapped
+file), so the fp32 weights are held twice; for ``F.linear`` SmolLM2's stay memory-mapped from its
+file (RSS +48 MB, for the fused QKV matrices), while weights converted at load are kept twice. So
+not under a memory limit (a container's cgroup), which was sized for one copy: there nothing is
+measured and nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
 never).
 """
 
