@@ -10,7 +10,7 @@ import asyncio
 import os
 import signal
 import subprocess
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -34,10 +34,10 @@ STREAMS = 8
 DPSERVE_RANK, VLLM_RANK = 0, 1
 
 
-def _sigkill(engine: subprocess.Popen[bytes]) -> Callable[[], None]:
-    def kill() -> None:
+def _sigkill(engine: subprocess.Popen[bytes]) -> Callable[[], Awaitable[None]]:
+    async def kill() -> None:
         os.kill(engine.pid, signal.SIGKILL)
-        engine.wait(10)
+        await asyncio.to_thread(engine.wait, 10)
 
     return kill
 

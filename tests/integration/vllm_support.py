@@ -7,7 +7,7 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +140,7 @@ async def stream_greedy(
 
 
 async def streams_killed_mid_way(
-    client: InferenceClient, prompts: list[list[int]], kill: Callable[[], None]
+    client: InferenceClient, prompts: list[list[int]], kill: Callable[[], Awaitable[None]]
 ) -> list[tuple[list[int], str]]:
     """Every prompt streamed at once, and ``kill`` (an engine) once each stream has a few
     chunks (or ended)."""
@@ -152,7 +152,7 @@ async def streams_killed_mid_way(
     while not all(count >= 3 or task.done() for count, task in zip(chunks, streams, strict=True)):
         assert time.monotonic() < deadline, chunks
         await asyncio.sleep(0.01)
-    kill()
+    await kill()
     return await asyncio.gather(*streams)
 
 
