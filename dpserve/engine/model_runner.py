@@ -38,8 +38,7 @@ from dpserve.engine.defaults import (
 )
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.lora.adapter import AdapterError
-from dpserve.engine.lora.serving import AdapterReport
+from dpserve.engine.lora.serving import AdapterError, AdapterReport
 from dpserve.engine.lora.slots import LoraSlots
 from dpserve.engine.models.registry import unsupported_reason
 from dpserve.engine.paged.backend import PagedBackend, PagedConfig

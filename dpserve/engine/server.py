@@ -26,8 +26,7 @@ from dpserve import protocol
 from dpserve.engine.connection import EngineConnection
 from dpserve.engine.detokenize import RequestText
 from dpserve.engine.kv_events import KVEventPublisher, ReportsKVEvents
-from dpserve.engine.lora.adapter import AdapterError
-from dpserve.engine.lora.serving import ServesAdapters
+from dpserve.engine.lora.serving import AdapterError, ServesAdapters
 from dpserve.engine.runner import RequestRejected, Runner, RunnerRequest, TokenUpdate
 from dpserve.limits import DEFAULT_ENGINE_STATS_LIMITS
 from dpserve.protocol import (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -154,3 +156,16 @@ def test_prompt_that_fills_the_context_is_rejected():
     with pytest.raises(RequestRejected, match="context of 4 tokens") as rejected:
         runner.add(RunnerRequest(0, [1, 2, 3, 4], SamplingParams()))
     assert rejected.value.code == "prompt_too_long"
+
+
+def test_a_fake_engine_process_starts_without_torch() -> None:
+    """What `dpserve engine --fake` imports holds no torch (seconds of start on a busy
+    machine): tests and benches start many fake engines, and the coordinator's queue timeout
+    must not run out while one registers."""
+    probe = (
+        "import sys; import dpserve.cli.engine, dpserve.engine.server, dpserve.engine.fake; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0, (
+        "the fake engine's process imports torch"
+    )

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dpserve.engine.layers.rotary import pair_rotary_dims
-from dpserve.engine.lora.adapter import AdapterError, AdapterLayout, ModuleShape, read_adapter
+from dpserve.engine.lora.adapter import AdapterLayout, ModuleShape, read_adapter
+from dpserve.engine.lora.serving import AdapterError
 from tests.lora_adapters import make_adapter
 
 HIDDEN, Q, KV, INNER, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 32, 128, 4, 2, 16

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine.lora.adapter import AdapterError
+from dpserve.engine.lora.serving import AdapterError
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams

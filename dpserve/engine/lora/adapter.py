@@ -28,6 +28,7 @@ import torch
 
 from dpserve.engine.layers.rotary import pair_rotary_dims
 from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta
+from dpserve.engine.lora.serving import AdapterError
 
 CONFIG_FILE: Final = "adapter_config.json"
 WEIGHTS_FILE: Final = "adapter_model.safetensors"
@@ -54,10 +55,6 @@ _UNSUPPORTED_SETTINGS: Final = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "use_qalora": "QA-LoRA (use_qalora)",
 }
-
-
-class AdapterError(ValueError):
-    """An adapter directory this engine cannot run; the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+class AdapterError(ValueError):
+    """An adapter directory this engine cannot run; the message says which and why. (Here,
+    not beside the loader in ``adapter``: the engine server catches it, and must not import
+    torch for that — a fake engine starts without it.)"""
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterReport:
     """An engine's adapters: every registered one with whether it is loaded in a slot and its
@@ -33,7 +39,7 @@ class AdapterReport:
 class ServesAdapters(Protocol):
     def load_adapter(self, name: str, path: str) -> None:
         """Register (and load, if a slot allows) adapter ``name`` from directory ``path``;
-        ``lora.adapter.AdapterError`` saying why it cannot."""
+        ``AdapterError`` saying why it cannot."""
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter ``name``; ``KeyError`` if unknown, ``AdapterError`` while in use."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dpserve.engine.lora.adapter import AdapterError, AdapterLayout, read_adapter
+from dpserve.engine.lora.adapter import AdapterLayout, read_adapter
 from dpserve.engine.lora.delta import AdapterWeights
+from dpserve.engine.lora.serving import AdapterError
 from dpserve.limits import DEFAULT_LORA_LIMITS
 
 log = logging.getLogger(__name__)
