@@ -61,6 +61,47 @@ def test_rotate_and_write_kv_equals_torch(heads: int, kv_heads: int, head_dim: i
 
 
 @needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 48)])
+def test_rotate_and_write_kv_with_the_head_norm_equals_the_norm_then_torch(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Qwen3's q/k RMSNorm fused into the kernel: the same queries and pool as ``head_norm_``
+    on the query and key heads, then the torch rotation and write."""
+    from dpserve.engine.layers.norm import head_norm_
+
+    generator = torch.Generator().manual_seed(head_dim + 1)
+    tokens, positions_known, block_size, blocks = 7, 64, 8, 4
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=generator) * 3
+    query_norm = torch.rand(head_dim, generator=generator) + 0.5
+    key_norm = torch.rand(head_dim, generator=generator) + 0.5
+    angles = torch.rand(positions_known, 1, head_dim // 2, generator=generator) * 6.3
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.randint(0, positions_known, (tokens,), generator=generator)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+
+    expected_qkv, expected_pool = qkv.clone(), pool.clone()
+    head_norm_(expected_qkv[:, :q_size].view(tokens, heads, head_dim), query_norm, 1e-6)
+    head_norm_(
+        expected_qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim), key_norm, 1e-6
+    )
+    rotate_in_place(
+        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
+        rotation.index_select(0, positions),
+    )
+    written = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
+    expected_pool.view(2, -1, kv_heads, head_dim)[:, slots] = written.transpose(0, 1)
+
+    pairs = torch.view_as_real(rotation).view(positions_known, -1, 2)
+    cpu_kernels.rotate_and_write_kv(
+        qkv, pairs, positions, slots, pool, heads, kv_heads, (query_norm, key_norm, 1e-6)
+    )
+    torch.testing.assert_close(qkv, expected_qkv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, expected_pool, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 2, 16, 4), (6, 2, 48, 8)],

@@ -308,12 +308,25 @@ def rotate_and_write_kv(
     kv_pair: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> None:
     """RoPE on the query and key heads of ``qkv`` ``[tokens, (heads + 2 kv_heads) * dim]`` (in
     RoPE-pair order) in place, by ``rotation_pairs`` ``[positions, dim / 2, 2]`` (cos, sin),
-    then each token's key and value written to its slot of ``kv_pair``."""
+    then each token's key and value written to its slot of ``kv_pair``. ``head_norms`` (query
+    weight, key weight, eps; ``[dim]`` in RoPE pair order): each query and key head is
+    RMS-normalised first, in the same pass (Qwen3)."""
+    query_norm, key_norm, eps = head_norms if head_norms is not None else (None, None, 0.0)
     torch.ops.dpserve_cpu.rotate_and_write_kv(
-        qkv, rotation_pairs, positions, slot_mapping, kv_pair, num_heads, num_kv_heads
+        qkv,
+        rotation_pairs,
+        positions,
+        slot_mapping,
+        kv_pair,
+        num_heads,
+        num_kv_heads,
+        query_norm,
+        key_norm,
+        eps,
     )
 
 

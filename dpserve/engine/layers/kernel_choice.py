@@ -6,7 +6,7 @@ model, and read by the layers through ``KernelChoice`` (no layer asks the device
 | linear, <= N rows | cuBLAS                       | ``decode_matmul``    | oneDNN or torch   |
 | linear, more rows | cuBLAS                       | oneDNN (``linear``)  | oneDNN or torch   |
 | RMSNorm           | torch                        | ``cpu_kernels``      | torch             |
-| q/k RMSNorm       | torch, per head              | torch, per head      | torch, per head   |
+| q/k RMSNorm       | in the RoPE kernel (*)       | in the RoPE kernel   | torch, per head   |
 | RoPE + KV write   | ``triton_layer_ops``         | ``cpu_kernels``      | complex product   |
 | SiLU x up         | ``triton_layer_ops``         | oneDNN epilogues     | torch             |
 | mixture of experts| ``triton_moe``               | ``moe``: by expert   | ``moe``: by expert|
@@ -20,6 +20,7 @@ count (``linear.small_batch_rows``, up to ``linear.SMALL_BATCH_MAX_ROWS``) and l
 ``Linear`` takes it when built. Without the C++ kernels the same rows may run torch's dense
 ``F.linear`` instead, where that measures faster than oneDNN.
 
+(*) For power-of-two head sizes; otherwise torch, per head, before the kernel.
 "CUDA" means Triton imports and its kernels compile there (``triton_layer_ops.available``,
 ``attention.decode_attention_backend``); otherwise the CUDA column falls back to torch op by op.
 "CPU, fp32" means the C++ kernels built on this machine (``cpu_kernels.usable``); without a

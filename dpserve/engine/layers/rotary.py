@@ -145,11 +145,13 @@ class RotaryKVWrite:
         kv_pair: torch.Tensor,
         head_norms: HeadNorms | None = None,
     ) -> None:
-        """RoPE and the KV write, after ``head_norms`` where given (fused into the Triton
-        kernel where it can be, else in place first)."""
+        """RoPE and the KV write, after ``head_norms`` where given (fused into the C++ or
+        Triton kernel where it can be, else in place first)."""
         fused_norms = None
         if head_norms is not None:
-            if self.glue == "triton" and triton_layer_ops.fuses_head_norm(self.head_dim):
+            if self.glue == "cpu" or (
+                self.glue == "triton" and triton_layer_ops.fuses_head_norm(self.head_dim)
+            ):
                 fused_norms = (head_norms.query, head_norms.key, head_norms.eps)
             else:
                 self._norm_heads(qkv, head_norms)
@@ -162,6 +164,7 @@ class RotaryKVWrite:
                 kv_pair,
                 self.num_heads,
                 self.num_kv_heads,
+                fused_norms,
             )
         elif tokens.rotation is None or tokens.write_index is None:
             triton_layer_ops.rotate_and_write_kv(

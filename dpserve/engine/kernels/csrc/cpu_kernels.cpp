@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -49,9 +50,13 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
 // RoPE on the query and key heads of each token's qkv row, in place, then the token's key and
 // value copied to its slot of the layer's pool. Heads are in RoPE-pair order (dimension 2i and
 // 2i + 1 rotate together); rotation[position] holds (cos, sin) per pair.
+// With q_norm and k_norm (Qwen3's per-head RMSNorm, weights [head_dim] in RoPE pair order),
+// each query and key head is normalised first, in the same pass: as torch's rms_norm in fp32,
+// x * (1 / sqrt(mean(x^2) + eps)) then times the weight.
 void rotate_and_write_kv(at::Tensor qkv, const at::Tensor& rotation, const at::Tensor& positions,
                          const at::Tensor& slots, at::Tensor kv_pair, int64_t num_heads,
-                         int64_t num_kv_heads) {
+                         int64_t num_kv_heads, const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm, double eps) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && kv_pair.scalar_type() == at::kFloat);
   TORCH_CHECK(rotation.scalar_type() == at::kFloat && rotation.is_contiguous());
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong);
@@ -70,6 +75,18 @@ void rotate_and_write_kv(at::Tensor qkv, const at::Tensor& rotation, const at::T
   const int64_t* slot = slots.contiguous().data_ptr<int64_t>();
   float* keys = kv_pair.data_ptr<float>();
   float* values = keys + pool_slots * slot_width;
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  const float* query_weight = nullptr;
+  const float* key_weight = nullptr;
+  if (q_norm.has_value()) {
+    for (const at::Tensor* weight : {&*q_norm, &*k_norm}) {
+      TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
+                  weight->numel() == head_dim);
+    }
+    query_weight = q_norm->data_ptr<float>();
+    key_weight = k_norm->data_ptr<float>();
+  }
+  const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t token = begin; token < end; ++token) {
       TORCH_CHECK(position[token] >= 0 && position[token] < max_position, "position out of range");
@@ -78,6 +95,15 @@ void rotate_and_write_kv(at::Tensor qkv, const at::Tensor& rotation, const at::T
       const float* turn = table + position[token] * half * 2;
       for (int64_t head = 0; head < num_heads + num_kv_heads; ++head) {
         float* pairs = row + head * head_dim;
+        if (query_weight != nullptr) {
+          const float* weight = head < num_heads ? query_weight : key_weight;
+          float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+          for (int64_t i = 0; i < head_dim; ++i) squares += pairs[i] * pairs[i];
+          const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(head_dim) + epsilon);
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) pairs[i] = pairs[i] * inverse * weight[i];
+        }
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = pairs[2 * i], x2 = pairs[2 * i + 1];
@@ -276,7 +302,8 @@ TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def(
       "rotate_and_write_kv(Tensor(a!) qkv, Tensor rotation, Tensor positions, Tensor slots, "
-      "Tensor(b!) kv_pair, int num_heads, int num_kv_heads) -> ()");
+      "Tensor(b!) kv_pair, int num_heads, int num_kv_heads, Tensor? q_norm, Tensor? k_norm, "
+      "float eps) -> ()");
   m.def(
       "decode_attention(Tensor query, Tensor kv_pair, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> Tensor");
