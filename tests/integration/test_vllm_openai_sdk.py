@@ -1,6 +1,8 @@
-"""The OpenAI SDK suite (``test_openai_sdk``) against ``dpserve serve --backend vllm``: the same
-tests, on the tiny Llama vLLM's CPU build runs (head size 64), its engine vLLM's core. Its
-fixtures ``tiny_model_path`` and ``tiny_serve_url`` are this module's."""
+"""The OpenAI SDK suite (``test_openai_sdk``) and the lm-evaluation-harness test
+(``test_lm_eval``: every choice's log-likelihood equal to transformers') against ``dpserve serve
+--backend vllm``: the same tests, on the tiny Llama vLLM's CPU build runs (head size 64), its
+engine vLLM's core. Their fixtures ``tiny_model_path`` and ``tiny_serve_url`` are this
+module's."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import serving
+from tests.integration.test_lm_eval import (  # collected here again, against vLLM
+    test_lm_eval_scores_a_local_multiple_choice_task_with_exact_loglikelihoods,
+)
 from tests.integration.test_openai_sdk import (  # the suite, collected here again
     client,
     test_a_streamed_choice_has_the_stop_tokens_logprob_last,
@@ -33,6 +38,7 @@ __all__ = [
     "test_best_of_and_penalties",
     "test_completions_echo_prompt_logprobs_and_prompt_lists",
     "test_guided_choice_counts_the_stop_token",
+    "test_lm_eval_scores_a_local_multiple_choice_task_with_exact_loglikelihoods",
     "test_n_choices_each_with_its_index_and_greedy_choice_0_equals_one_request",
     "test_parse_returns_a_pydantic_object",
     "test_streamed_logprobs",
