@@ -15,12 +15,12 @@ after them: vLLM gets prompt + resume tokens as its prompt and the tokens left t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from dpserve.block_hash import BlockHash, extra_keys
@@ -32,6 +32,7 @@ from dpserve.engine.vllm.engine_args import VllmOptions, engine_args
 from dpserve.engine.vllm.kv_events import CollectedEvents, KVEventTranslator
 from dpserve.engine.vllm.sampling import vllm_sampling_params
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
+from dpserve.model_loading import cache_dir
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
 
@@ -48,13 +49,16 @@ class VllmRunner:
     ) -> None:
         answer_vllm_version()
         # vLLM's sampler compiles a few functions with torch's inductor (the sampled token's
-        # rank among the log-probs, for any batch size). Into a cache of this install's own,
-        # never the machine-wide /tmp/torchinductor_<user> (set, not defaulted: torch writes the
-        # variable into its process's environment when it first looks up its cache, so a parent
-        # that ran torch hands its own default down), and without inductor's precompiled
-        # header, which lives in /tmp whatever the cache: one left there broken made every
-        # compile fail ("'at::vec' has not been declared") and killed the engine's worker.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(sys.prefix) / "torchinductor")
+        # rank among the log-probs, for any batch size). Into a cache of this install's own
+        # (under dpserve's writable cache, keyed by the install's prefix: an image's /opt/venv
+        # is read-only), never the machine-wide /tmp/torchinductor_<user> (set, not defaulted:
+        # torch writes the variable into its process's environment when it first looks up its
+        # cache, so a parent that ran torch hands its own default down), and without
+        # inductor's precompiled header, which lives in /tmp whatever the cache: one left there
+        # broken made every compile fail ("'at::vec' has not been declared") and killed the
+        # engine's worker.
+        install = hashlib.sha256(sys.prefix.encode()).hexdigest()[:16]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor" / install)
         os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
         from transformers import AutoTokenizer
         from vllm.renderers import renderer_from_config
