@@ -142,8 +142,13 @@ vllm_wheels_key="$(hash_of "$TORCH_SPEC" "$VLLM_SPEC" @pyproject.toml setuptools
 vllm_key="$(hash_of "$project_key" "$vllm_wheels_key")"
 vllm_archive="$(archive_for runtime-vllm-cpu "$vllm_key")"
 
+# The vLLM CPU image (4.5 GB, ~6 min cold) only for its cluster e2e, which is opt-in
+# (DPSERVE_E2E_VLLM=1, tests/e2e/test_cluster_vllm.py says why).
+build_vllm=0
+if [[ "${DPSERVE_E2E_VLLM:-0}" == 1 && ! -f "$vllm_archive" ]]; then build_vllm=1; fi
+
 if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive" \
-      || ! -f "$vllm_archive" ]]; then
+      || "$build_vllm" == 1 ]]; then
   # A staged context: the project's sources as they are now, plus the wheels.
   mkdir -p "$CONTEXT/images/wheels"
   rsync -a --delete --exclude __pycache__ "$ROOT/pyproject.toml" "$ROOT/README.md" \
@@ -173,7 +178,7 @@ if [[ ! -f "$operator_archive" || ! -f "$runtime_archive" || ! -f "$tiny_archive
   # `make vllm`); torchvision / torchaudio / torchcodec come along and the image removes them.
   # Every manylinux tag up to bookworm's glibc (2.36; pip matches --platform tags exactly):
   # llguidance 1.7's only wheel is manylinux_2_31.
-  if [[ ! -f "$CONTEXT/images/vllm-wheels/.key-$vllm_wheels_key" ]]; then
+  if [[ "$build_vllm" == 1 && ! -f "$CONTEXT/images/vllm-wheels/.key-$vllm_wheels_key" ]]; then
     log "downloading the wheels the vLLM image installs"
     rm -rf "$CONTEXT/images/vllm-wheels" && mkdir -p "$CONTEXT/images/vllm-wheels"
     platforms=(--platform linux_x86_64 --platform manylinux1_x86_64 --platform manylinux2010_x86_64
@@ -216,7 +221,7 @@ if [[ ! -f "$tiny_archive" ]]; then
   save "$TINY_TAG" runtime-tiny "$tiny_key"
 fi
 
-if [[ ! -f "$vllm_archive" ]]; then
+if [[ "$build_vllm" == 1 ]]; then
   bud images/Dockerfile.runtime-vllm-cpu "$VLLM_TAG"
   save "$VLLM_TAG" runtime-vllm-cpu "$vllm_key"
 fi
