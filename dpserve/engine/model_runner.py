@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from dpserve.block_hash import BlockHash, extra_keys
+from dpserve.block_hash import BlockHash
 from dpserve.engine.backend import Backend
 from dpserve.engine.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -51,7 +51,7 @@ from dpserve.engine.sample.grammar import (
     advance,
     failure,
 )
-from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
+from dpserve.engine.sequences import Sequence, decode_new_tokens
 from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.model_loading import load_model_and_tokenizer, pick_device_and_dtype, resolve_model
 from dpserve.protocol import ErrorCode
@@ -312,26 +312,9 @@ class ModelRunner:
     def add(self, request: RunnerRequest) -> None:
         self._validate(request)
         params = request.params
-        prompt_length = len(request.prompt_tokens)
-        if params.ignore_eos:
-            stop_ids: frozenset[int] = frozenset()
-        elif params.termination_id is not None:
-            stop_ids = frozenset({params.termination_id})
-        else:
-            stop_ids = self.eos_token_ids
-        sequence = Sequence(
-            request=request,
-            params=params,
-            max_generated=min(params.num_tokens_to_generate, self.context_size - prompt_length),
-            stop_ids=stop_ids,
-            tokens=list(request.resume_tokens),
-            emitted=len(request.resume_tokens),
-            cache_extra=extra_keys(params.cache_salt, params.lora_name),
+        sequence = Sequence.arriving(
+            request, self.eos_token_ids, self.context_size, self._text_tokenizer
         )
-        if params.stop_strings:
-            sequence.stop_text = StopText.start(
-                self._text_tokenizer, request.resume_tokens, params.stop_strings
-            )
         if len(sequence.tokens) >= sequence.max_generated:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
         elif params.guided:

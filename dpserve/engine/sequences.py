@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dpserve.block_hash import extra_keys
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer, push_each, released_texts
@@ -215,6 +216,41 @@ class Sequence:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_tokens)
         self.resumed = len(self.request.resume_tokens)
+
+    @classmethod
+    def arriving(
+        cls,
+        request: RunnerRequest,
+        eos_token_ids: frozenset[int],
+        context_size: int,
+        text_tokenizer: BatchTokenizer,
+    ) -> Sequence:
+        """A request's sequence as a runner (ours or vLLM's) takes it in: its stop ids (none
+        with ignore_eos, else its termination_id or the model's EOS), its tokens clamped to
+        the context, the resume tokens already had, its prefix-cache keys, and its stop
+        strings' text."""
+        params = request.params
+        if params.ignore_eos:
+            stop_ids: frozenset[int] = frozenset()
+        elif params.termination_id is not None:
+            stop_ids = frozenset({params.termination_id})
+        else:
+            stop_ids = eos_token_ids
+        room = context_size - len(request.prompt_tokens)
+        sequence = cls(
+            request=request,
+            params=params,
+            max_generated=min(params.num_tokens_to_generate, room),
+            stop_ids=stop_ids,
+            tokens=list(request.resume_tokens),
+            emitted=len(request.resume_tokens),
+            cache_extra=extra_keys(params.cache_salt, params.lora_name),
+        )
+        if params.stop_strings:
+            sequence.stop_text = StopText.start(
+                text_tokenizer, request.resume_tokens, params.stop_strings
+            )
+        return sequence
 
     @property
     def request_id(self) -> int:

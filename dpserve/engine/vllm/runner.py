@@ -23,10 +23,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from dpserve.block_hash import BlockHash, extra_keys
+from dpserve.block_hash import BlockHash
 from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
-from dpserve.engine.sequences import Sequence, StopText
+from dpserve.engine.sequences import Sequence
 from dpserve.engine.vllm.distribution import answer_vllm_version, installed_vllm_version
 from dpserve.engine.vllm.engine_args import VllmOptions, engine_args
 from dpserve.engine.vllm.kv_events import CollectedEvents, KVEventTranslator
@@ -121,26 +121,9 @@ class VllmRunner:
     def add(self, request: RunnerRequest) -> None:
         self._validate(request)
         params = request.params
-        prompt_length = len(request.prompt_tokens)
-        if params.ignore_eos:
-            stop_ids: frozenset[int] = frozenset()
-        elif params.termination_id is not None:
-            stop_ids = frozenset({params.termination_id})
-        else:
-            stop_ids = self.eos_token_ids
-        sequence = Sequence(
-            request=request,
-            params=params,
-            max_generated=min(params.num_tokens_to_generate, self.context_size - prompt_length),
-            stop_ids=stop_ids,
-            tokens=list(request.resume_tokens),
-            emitted=len(request.resume_tokens),
-            cache_extra=extra_keys(params.cache_salt),
+        sequence = Sequence.arriving(
+            request, self.eos_token_ids, self.context_size, self._text_tokenizer
         )
-        if params.stop_strings:
-            sequence.stop_text = StopText.start(
-                self._text_tokenizer, request.resume_tokens, params.stop_strings
-            )
         left = sequence.max_generated - len(sequence.tokens)
         if left <= 0:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
