@@ -44,11 +44,9 @@ def _never_stopping(hf: Any) -> Any:
     return hf
 
 
-def greedy_reference(
-    model: Path, prompts: list[list[int]], max_new_tokens: int
-) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' ``generate`` (greedy, fp32, never stopping early) for each prompt: the
-    tokens and each one's log-prob."""
+def _greedy_generator(model: Path, max_new_tokens: int) -> tuple[Any, Any]:
+    """The model (fp32, never stopping early) and a greedy generation config that returns
+    each step's logits."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -61,6 +59,17 @@ def greedy_reference(
         output_logits=True,
         return_dict_in_generate=True,
     )
+    return hf, config
+
+
+def greedy_reference(
+    model: Path, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' ``generate`` (greedy, fp32, never stopping early) for each prompt: the
+    tokens and each one's log-prob."""
+    import torch
+
+    hf, config = _greedy_generator(model, max_new_tokens)
     tokens, logprobs = [], []
     with torch.no_grad():
         for prompt in prompts:
@@ -86,17 +95,8 @@ def clear_greedy_prompts(
     model has near-ties on some paths; a test that compares two engines' greedy streams token
     for token needs paths on which every correct implementation agrees."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    hf = _never_stopping(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval())
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    hf, config = _greedy_generator(model, max_new_tokens)
     chosen: list[list[int]] = []
     continuations: list[list[int]] = []
     with torch.no_grad():
