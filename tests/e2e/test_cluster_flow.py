@@ -376,6 +376,9 @@ class ScaleStep:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self.commanded_at = 0.0
+        # The deployment's generation when the command was given: a Ready written for it (or
+        # one written before and delivered late by the watch) is not the command's Ready.
+        self.generation_before: Any = None
         self._events_before: set[tuple[str, int]] = set()
 
     def __enter__(self) -> ScaleStep:
@@ -407,6 +410,7 @@ class ScaleStep:
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
         ready.wait(10)  # the watch's initial ADDED: the status before the command
+        self.generation_before = self.records[-1][1][0] if self.records else None
         self.commanded_at = time.time()
         return self
 
@@ -443,9 +447,12 @@ class ScaleStep:
         events = [e for key, e in self._events() if key not in self._events_before]
         lines = [self._line(at, state) for at, state in self.records]
         lines += [f"event {e.get('type')} {e.get('reason')}: {e.get('message')}" for e in events]
+        # The command's Ready: written for the generation it made (observed == generation), with
+        # every engine it asks for registered.
         ready_at = next(
             (at for at, state in self.records
-             if at >= self.commanded_at and state[2] == "Ready" and state[3] == state[1]),
+             if at >= self.commanded_at and state[0] != self.generation_before
+             and state[7] == state[0] and state[2] == "Ready" and state[3] == state[1]),
             None,
         )  # fmt: skip
         if self.registered_at is not None and ready_at is not None:

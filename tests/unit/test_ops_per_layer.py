@@ -9,6 +9,7 @@ import pytest
 
 from bench.ops_per_layer import count_decode_ops_per_layer
 from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV
 
 MAX_OPS_PER_LAYER = 12
 
@@ -26,6 +27,11 @@ def test_a_decode_step_costs_at_most_12_operations_per_layer(
     if kernels and not cpu_kernels.available():
         pytest.skip("the CPU kernels did not build here (no C++ compiler)")
     monkeypatch.setattr(cpu_kernels, "usable", lambda tensor: kernels)
+    # Which path a small decode step's linears take is otherwise measured once per process
+    # (``linear.small_batch_rows``): where that probe picks the small-batch path and the kernels
+    # are off, the dense ``F.linear`` runs with no fused epilogue. Pinned: torch's path is
+    # oneDNN's fused primitives, the kernels' path is the decode kernel.
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "8" if kernels else "0")
     count = count_decode_ops_per_layer(tiny_model_path, batch=4, context=21)
     assert 0 < count.compute <= MAX_OPS_PER_LAYER, str(count)
     # The counter sees the real work: projections, attention and the cache write are there.

@@ -42,8 +42,29 @@ def outcomes(runner: ModelRunner, **kwargs: Any) -> dict[int, tuple[Any, ...]]:
 
 
 def _summary(outcome: Outcome) -> tuple[Any, ...]:
-    logprobs = [round(value, 4) for value in outcome.logprobs]
-    return outcome.tokens, logprobs, outcome.finish
+    return outcome.tokens, _LogProbs(outcome.logprobs), outcome.finish
+
+
+class _LogProbs(tuple[float, ...]):
+    """Log-probs that compare equal within ``LOGPROB_TOLERANCE``: an overlapped step can hold a
+    row the sequential one does not (a sequence whose stop is only known once the step before
+    it is read), and a step's row count picks its linears' kernel (``linear.small_batch_rows``:
+    the decode kernel up to 8 rows, oneDNN beyond), whose sums round apart by ~1e-5."""
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, tuple)
+            and len(self) == len(other)
+            and all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(self, other, strict=True))
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+LOGPROB_TOLERANCE = 1e-4
 
 
 def test_overlap_is_on_only_where_asked(tiny_model_path: Path) -> None:
