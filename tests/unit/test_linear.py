@@ -144,7 +144,8 @@ def test_the_measurement_picks_a_row_count_the_small_path_takes(
 def test_under_a_memory_limit_nothing_is_kept_twice(
     limit: str, limited: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A container's limit was sized for one copy of the weights (cgroup v2's file here)."""
+    """A container's limit was sized for one copy of the weights (cgroup v2's file here):
+    nothing is measured there."""
     (tmp_path / "memory.max").write_text(limit + "\n")
     monkeypatch.setattr(linear_module, "_CGROUP_LIMIT_FILES", (tmp_path / "memory.max",))
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
@@ -156,6 +157,43 @@ def test_under_a_memory_limit_nothing_is_kept_twice(
         assert small_batch_rows(torch.float32) == expected
         monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "1")  # the setting decides anywhere
         assert small_batch_rows(torch.float32) == 1
+    finally:
+        linear_module._under_memory_limit.cache_clear()
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels did not build here")
+def test_under_a_memory_limit_the_kernel_s_copy_is_the_only_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a limit, with the decode kernel built, a weight is held once: in the kernel's
+    pages, which oneDNN runs from unpacked for larger batches; every variant at every row
+    count still equals torch's."""
+    (tmp_path / "memory.max").write_text(str(1 << 30) + "\n")
+    monkeypatch.setattr(linear_module, "_CGROUP_LIMIT_FILES", (tmp_path / "memory.max",))
+    monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
+    linear_module._under_memory_limit.cache_clear()
+    try:
+        generator = torch.Generator().manual_seed(7)
+        weight = torch.randn(24, 40, generator=generator)
+        bias = torch.randn(24, generator=generator)
+        linear = Linear(weight.clone(), bias.clone())
+        assert linear.one_copy and linear.decode_kernel
+        assert linear.small_rows == SMALL_BATCH_MAX_ROWS
+        assert linear.weight is linear.dense and not linear.weight.is_mkldnn
+        tolerance = {"rtol": 1e-5, "atol": 1e-5}
+        for rows in (0, 1, 3, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1, 37):
+            x = torch.randn(rows, 40, generator=generator)
+            other = torch.randn(rows, 24, generator=generator)
+            plain = functional.linear(x, weight, bias)
+            torch.testing.assert_close(linear(x), plain, **tolerance)
+            torch.testing.assert_close(linear.silu(x), functional.silu(plain), **tolerance)
+            torch.testing.assert_close(linear.times(x, other), plain * other, **tolerance)
+            torch.testing.assert_close(linear.plus(x, other), plain + other, **tolerance)
+        # The setting still decides, with both copies.
+        monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "2")
+        both = Linear(weight.clone(), bias.clone())
+        assert not both.one_copy and both.small_rows == 2 and both.weight.is_mkldnn
     finally:
         linear_module._under_memory_limit.cache_clear()
 

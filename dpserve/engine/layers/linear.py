@@ -28,9 +28,13 @@ copy of the weights: for the kernel one in 2 MB pages (``cpu_kernels.huge_page_c
 SmolLM2-135M step of one sequence took 25 CPU ms against 33 with the 4 KB pages of its memory-mapped
 file), so the fp32 weights are held twice; for ``F.linear`` SmolLM2's stay memory-mapped from its
 file (RSS +48 MB, for the fused QKV matrices), while weights converted at load are kept twice. So
-not under a memory limit (a container's cgroup), which was sized for one copy: there nothing is
-measured and nothing kept. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
-never).
+not under a memory limit (a container's cgroup), which was sized for one copy: there each weight is
+held once. With the decode kernel that one copy is the kernel's, in 2 MB pages: steps of up to
+``SMALL_BATCH_MAX_ROWS`` rows run the kernel and larger ones run oneDNN from the same unpacked
+weight, its epilogues still fused (``keeps_one_copy``; oneDNN unpacked took 1.04-1.4x the packed
+primitive's time at 9-512 rows, the kernel beat both at 1-8: SmolLM2-135M's shapes, one thread,
+Zen 4, BENCHMARKS.md). Without the kernel the one copy is oneDNN's packed one, nothing measured.
+``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never), and keeps both.
 """
 
 from __future__ import annotations
@@ -121,6 +125,18 @@ def small_batch_rows_setting() -> int | None:
     return int(value)
 
 
+def keeps_one_copy(weight: torch.Tensor) -> bool:
+    """Whether a ``Linear`` of ``weight`` holds it once, as the decode kernel's copy in 2 MB
+    pages that oneDNN also runs from, unpacked, for larger batches: under a memory limit where
+    the kernel serves ``weight`` and ``SMALL_BATCH_ROWS_ENV`` is not set."""
+    return (
+        uses_onednn(weight)
+        and small_batch_rows_setting() is None
+        and _under_memory_limit()
+        and cpu_kernels.usable(weight)
+    )
+
+
 def small_batch_kernel() -> str:
     """What runs the small batches of fp32 CPU linears: ``"decode_matmul"`` (the C++ kernel,
     where it is built) or ``"dense"`` (torch's ``F.linear``)."""
@@ -145,8 +161,9 @@ def _under_memory_limit() -> bool:
             continue
         if text.isdigit() and int(text) < machine:
             log.info(
-                "a memory limit of %d MiB is set (%s): small CPU decode steps run through oneDNN, "
-                "with one copy of the weights (%s=N to decide otherwise)",
+                "a memory limit of %d MiB is set (%s): the CPU weights are held once, in the "
+                "decode kernel's pages where it is built (oneDNN runs larger steps from them "
+                "unpacked), else packed for oneDNN (%s=N keeps both copies)",
                 int(text) >> 20,
                 path,
                 SMALL_BATCH_ROWS_ENV,
@@ -235,13 +252,21 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.onednn = uses_onednn(weight)
+        # Whether ``dense`` is the only copy, which oneDNN also runs from (``keeps_one_copy``).
+        self.one_copy = keeps_one_copy(weight)
         # Activations of at most this many rows go through ``dense`` (see the module docstring).
-        self.small_rows = small_batch_rows(weight.dtype) if self.onednn else 0
+        self.small_rows = (
+            SMALL_BATCH_MAX_ROWS
+            if self.one_copy
+            else small_batch_rows(weight.dtype)
+            if self.onednn
+            else 0
+        )
         # Whether those run the C++ decode kernel (else torch's F.linear on ``dense``).
         self.decode_kernel = bool(self.small_rows) and cpu_kernels.usable(weight)
-        # The weight as torch's own matmul reads it: the weight itself without oneDNN, a second
-        # copy beside the packed one where small batches use it (in huge pages for the decode
-        # kernel: ``cpu_kernels.huge_page_copy``), else None.
+        # The weight as torch's own matmul reads it: the weight itself without oneDNN, a copy
+        # where small batches use it (in huge pages for the decode kernel:
+        # ``cpu_kernels.huge_page_copy``), else None.
         self.dense: torch.Tensor | None = (
             weight
             if not self.onednn
@@ -251,9 +276,14 @@ class Linear:
             if self.small_rows
             else None
         )
-        # The packed copy is oneDNN's opaque tensor.
+        # What oneDNN runs from: its opaque packed copy, or ``dense`` itself where that is the
+        # only copy; the weight itself without oneDNN.
         self.weight: torch.Tensor = (
-            torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.onednn else weight
+            weight
+            if not self.onednn
+            else self.dense
+            if self.one_copy and self.dense is not None
+            else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         )
         self.bias = bias
 
