@@ -31,10 +31,11 @@ file (RSS +48 MB, for the fused QKV matrices), while weights converted at load a
 not under a memory limit (a container's cgroup), which was sized for one copy: there each weight is
 held once. With the decode kernel that one copy is the kernel's, in 2 MB pages: steps of up to
 ``SMALL_BATCH_MAX_ROWS`` rows run the kernel and larger ones run oneDNN from the same unpacked
-weight, its epilogues still fused (``keeps_one_copy``; oneDNN unpacked took 1.04-1.4x the packed
-primitive's time at 9-512 rows, the kernel beat both at 1-8: SmolLM2-135M's shapes, one thread,
-Zen 4, BENCHMARKS.md). Without the kernel the one copy is oneDNN's packed one, nothing measured.
-``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0: never), and keeps both.
+weight, its epilogues still fused (``keeps_one_copy``; SmolLM2-135M's shapes, one thread, Zen 4,
+BENCHMARKS.md: oneDNN unpacked took 1.04-1.41x the packed primitive's time at 4-512 rows, and the
+kernel less than unpacked oneDNN at 4-8 rows; at 1-3 the engine pads oneDNN to 4). Without the
+kernel the one copy is oneDNN's packed one, nothing measured. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N``
+sets the count instead, anywhere (0: never), and keeps both.
 """
 
 from __future__ import annotations
