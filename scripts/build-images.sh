@@ -143,7 +143,7 @@ vllm_key="$(hash_of "$project_key" "$vllm_wheels_key")"
 vllm_archive="$(archive_for runtime-vllm-cpu "$vllm_key")"
 
 # The vLLM CPU image (4.5 GB, ~6 min cold) only for its cluster e2e, which is opt-in
-# (DPSERVE_E2E_VLLM=1, tests/e2e/test_cluster_vllm.py says why).
+# (DPSERVE_E2E_VLLM=1, set by .ci/run; tests/e2e/test_cluster_vllm.py).
 build_vllm=0
 if [[ "${DPSERVE_E2E_VLLM:-0}" == 1 && ! -f "$vllm_archive" ]]; then build_vllm=1; fi
 
