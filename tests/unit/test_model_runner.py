@@ -811,3 +811,26 @@ def test_llama_family_variants_match_generate_through_preemption_and_prefix_hits
         expected = torch.log_softmax(logits[len(prompts[i]) - 1 :].float(), -1)
         expected_logprobs = expected.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
         assert outcomes[i].logprobs == pytest.approx(expected_logprobs.tolist(), abs=1e-4)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_the_paged_model_keeps_no_view_of_the_weights_file(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Once converted, nothing holds the safetensors file's memory map (a view of it kept the
+    whole file resident: ``layers.linear.resident``). A copy of the model, so that no other
+    test's loaded model maps the same path."""
+    import gc
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model_dir)
+    weights = sorted(str(path) for path in model_dir.glob("*.safetensors"))
+    assert weights
+    runner = ModelRunner(str(model_dir), device="cpu", backend="paged")
+    gc.collect()
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if any(line.endswith(path) for path in weights)]  # fmt: skip
+    assert not mapped, mapped
+    runner.add(RunnerRequest(0, [5, 6, 7], SamplingParams(temperature=0.0)))
+    assert runner.step() is not None  # still computes from its own copies

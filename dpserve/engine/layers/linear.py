@@ -367,6 +367,15 @@ def _unit_stride_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def resident(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` detached, in memory of its own where it is on the CPU. A weight read from a
+    safetensors file is a view of the file's memory map, and one such view kept after the model
+    is converted keeps the whole mapping resident: SmolLM2-135M's embedding and norms held
+    513 MiB of its file in RSS (file-backed) for 113 MiB of their own (issue 33)."""
+    weight = weight.detach()
+    return weight.clone() if weight.device.type == "cpu" else weight
+
+
 def detached_weights(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A transformers ``nn.Linear``'s weight and bias, detached (the arguments of ``Linear``)."""
     bias = linear.bias

@@ -24,7 +24,7 @@ from torch.nn import functional
 
 from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
-from dpserve.engine.layers.linear import Linear, detached_weights
+from dpserve.engine.layers.linear import Linear, detached_weights, resident
 from dpserve.engine.layers.mlp import FeedForward, GatedMLP
 from dpserve.engine.layers.norm import row_norm
 from dpserve.engine.layers.rotary import (
@@ -113,9 +113,9 @@ class PagedLlama:
         self.eps = float(config.rms_norm_eps)
         self.context_size = int(config.max_position_embeddings)
         decoder = model.model
-        self.embedding = decoder.embed_tokens.weight.detach()
+        self.embedding = resident(decoder.embed_tokens.weight)
         self.dtype, self.device = self.embedding.dtype, self.embedding.device
-        self.norm = decoder.norm.weight.detach()
+        self.norm = resident(decoder.norm.weight)
         # The embedding itself when tied; prepacked for oneDNN it becomes a copy (the lookup
         # needs the dense table), which is what makes the vocabulary projection fast.
         self.lm_head = Linear(model.lm_head.weight.detach())
@@ -159,12 +159,12 @@ class PagedLlama:
     def convert_layer(self, layer: Any) -> LlamaLayer:
         """One transformers decoder layer's weights, converted (then the layer is dropped)."""
         return LlamaLayer(
-            input_norm=layer.input_layernorm.weight.detach(),
+            input_norm=resident(layer.input_layernorm.weight),
             qkv=Linear(
                 *fused_qkv(layer.self_attn, self.num_heads, self.num_kv_heads, self.head_dim)
             ),
             o_proj=Linear(*detached_weights(layer.self_attn.o_proj)),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
+            post_norm=resident(layer.post_attention_layernorm.weight),
             mlp=self.convert_mlp(layer.mlp),
         )
 
