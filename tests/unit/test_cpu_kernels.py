@@ -34,25 +34,59 @@ def test_rms_norm_equals_torch(rows: int, cols: int) -> None:
     torch.testing.assert_close(cpu_kernels.rms_norm(hidden, weight, 1e-5), expected)
 
 
+def _rope_case(
+    generator: torch.Generator,
+    tokens: int,
+    positions_known: int,
+    blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random rotations (complex), token positions, distinct pool slots and a KV pool."""
+    angles = torch.rand(positions_known, 1, head_dim // 2, generator=generator) * 6.3
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    positions = torch.randint(0, positions_known, (tokens,), generator=generator)
+    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
+    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+    return rotation, positions, slots, pool
+
+
+def _torch_rotate_and_write(
+    qkv: torch.Tensor,
+    pool: torch.Tensor,
+    rotation: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
+    """What the kernel does, in torch: rotate the query and key heads in place, then write each
+    token's key and value to its slot of ``pool``."""
+    tokens = qkv.shape[0]
+    rotate_in_place(
+        qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, -1, 2),
+        rotation.index_select(0, positions),
+    )
+    written = qkv[:, heads * head_dim :].view(tokens, 2, kv_heads, head_dim)
+    pool.view(2, -1, kv_heads, head_dim)[:, slots] = written.transpose(0, 1)
+
+
 @needs_kernels
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_rotate_and_write_kv_equals_torch(heads: int, kv_heads: int, head_dim: int) -> None:
     generator = torch.Generator().manual_seed(head_dim)
     tokens, positions_known, block_size, blocks = 11, 300, 16, 8
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
-    angles = torch.rand(positions_known, 1, head_dim // 2, generator=generator) * 6.3
-    rotation = torch.polar(torch.ones_like(angles), angles)
-    positions = torch.randint(0, positions_known, (tokens,), generator=generator)
-    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
-    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+    rotation, positions, slots, pool = _rope_case(
+        generator, tokens, positions_known, blocks, block_size, kv_heads, head_dim
+    )
 
     expected_qkv, expected_pool = qkv.clone(), pool.clone()
-    rotate_in_place(
-        expected_qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, -1, 2),
-        rotation.index_select(0, positions),
+    _torch_rotate_and_write(
+        expected_qkv, expected_pool, rotation, positions, slots, heads, kv_heads, head_dim
     )
-    written = expected_qkv[:, heads * head_dim :].view(tokens, 2, kv_heads, head_dim)
-    expected_pool.view(2, -1, kv_heads, head_dim)[:, slots] = written.transpose(0, 1)
 
     pairs = torch.view_as_real(rotation).view(positions_known, -1, 2)
     cpu_kernels.rotate_and_write_kv(qkv, pairs, positions, slots, pool, heads, kv_heads)
@@ -75,23 +109,18 @@ def test_rotate_and_write_kv_with_the_head_norm_equals_the_norm_then_torch(
     qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=generator) * 3
     query_norm = torch.rand(head_dim, generator=generator) + 0.5
     key_norm = torch.rand(head_dim, generator=generator) + 0.5
-    angles = torch.rand(positions_known, 1, head_dim // 2, generator=generator) * 6.3
-    rotation = torch.polar(torch.ones_like(angles), angles)
-    positions = torch.randint(0, positions_known, (tokens,), generator=generator)
-    slots = torch.randperm(blocks * block_size, generator=generator)[:tokens]
-    pool = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=generator)
+    rotation, positions, slots, pool = _rope_case(
+        generator, tokens, positions_known, blocks, block_size, kv_heads, head_dim
+    )
 
     expected_qkv, expected_pool = qkv.clone(), pool.clone()
     head_norm_(expected_qkv[:, :q_size].view(tokens, heads, head_dim), query_norm, 1e-6)
     head_norm_(
         expected_qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim), key_norm, 1e-6
     )
-    rotate_in_place(
-        expected_qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, -1, 2),
-        rotation.index_select(0, positions),
+    _torch_rotate_and_write(
+        expected_qkv, expected_pool, rotation, positions, slots, heads, kv_heads, head_dim
     )
-    written = expected_qkv[:, q_size:].view(tokens, 2, kv_heads, head_dim)
-    expected_pool.view(2, -1, kv_heads, head_dim)[:, slots] = written.transpose(0, 1)
 
     pairs = torch.view_as_real(rotation).view(positions_known, -1, 2)
     cpu_kernels.rotate_and_write_kv(
