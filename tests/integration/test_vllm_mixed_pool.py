@@ -67,7 +67,12 @@ async def test_streams_move_between_a_dpserve_and_a_vllm_engine(
         assert [tokens for tokens, _ in whole] == expected, "both backends give the greedy tokens"
 
         # dpserve's engine dies: its streams go on on vLLM's.
-        assert await streams_killed_mid_way(client, prompts, _sigkill(dpserve_engine)) == whole
+        assert (
+            await streams_killed_mid_way(
+                client, prompts, _sigkill(dpserve_engine), victim=DPSERVE_RANK
+            )
+            == whole
+        )
         status = await client.get_status()
         moved = status["counters"].get("redispatched", 0)
         assert moved > 0, status["counters"]
@@ -76,7 +81,10 @@ async def test_streams_move_between_a_dpserve_and_a_vllm_engine(
         # on dpserve's.
         spawn_dpserve_engine(processes, port, DPSERVE_RANK, model)
         await wait_for_engines(client, 2, within=60)
-        assert await streams_killed_mid_way(client, prompts, _sigkill(vllm_engine)) == whole
+        assert (
+            await streams_killed_mid_way(client, prompts, _sigkill(vllm_engine), victim=VLLM_RANK)
+            == whole
+        )
         status = await client.get_status()
         assert status["counters"]["redispatched"] > moved, status["counters"]
     finally:

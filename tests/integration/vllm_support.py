@@ -140,20 +140,43 @@ async def stream_greedy(
 
 
 async def streams_killed_mid_way(
-    client: InferenceClient, prompts: list[list[int]], kill: Callable[[], Awaitable[None]]
+    client: InferenceClient,
+    prompts: list[list[int]],
+    kill: Callable[[], Awaitable[None]],
+    victim: int | None = None,
 ) -> list[tuple[list[int], str]]:
     """Every prompt streamed at once, and ``kill`` (an engine) once each stream has a few
-    chunks (or ended)."""
+    chunks (or ended). With ``victim`` (the rank ``kill`` ends), once that engine holds streams
+    and as many streams are under way (a few chunks, not ended): two backends differ in speed,
+    and the faster one's streams can end before the slower one's have a few chunks."""
     chunks = [0] * len(prompts)
     streams = [
         asyncio.create_task(stream_greedy(client, p, chunks, i)) for i, p in enumerate(prompts)
     ]
     deadline = time.monotonic() + 60
-    while not all(count >= 3 or task.done() for count, task in zip(chunks, streams, strict=True)):
+    while not await _time_to_kill(client, chunks, streams, victim):
         assert time.monotonic() < deadline, chunks
         await asyncio.sleep(0.01)
     await kill()
     return await asyncio.gather(*streams)
+
+
+async def _time_to_kill(
+    client: InferenceClient,
+    chunks: list[int],
+    streams: list[asyncio.Task[tuple[list[int], str]]],
+    victim: int | None,
+) -> bool:
+    if victim is None:
+        return all(count >= 3 or task.done() for count, task in zip(chunks, streams, strict=True))
+    under_way = sum(
+        1 for count, task in zip(chunks, streams, strict=True) if count >= 3 and not task.done()
+    )
+    if under_way == 0:
+        return False
+    status = await asyncio.wait_for(client.get_status(), 10)
+    held = [e["outstanding"] for e in status["engine_list"] if e["rank"] == victim]
+    return bool(held) and 0 < held[0] <= under_way
 
 
 def spawn_vllm_engine(
