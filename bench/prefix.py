@@ -1,6 +1,7 @@
 """Prefix caching and cache-aware routing: round-robin vs least-outstanding vs prefix-aware.
 
     python bench/prefix.py [--skip-real] [--skip-fake] [--quick]
+    python bench/prefix.py --skip-fake --backend vllm     # the real engines are vLLM's
 
 One run, three parts (results in BENCHMARKS.md):
 
@@ -16,6 +17,12 @@ One run, three parts (results in BENCHMARKS.md):
    engine does, with a prefill cost per uncached token): prefix-aware's hit rate against an
    oracle that knows every engine's cache (it sends each request, in the same order, to the
    engine holding the longest prefix of it), and the coordinator's CPU per routed request.
+
+With ``--backend vllm`` parts 1 and 2 run ``dpserve serve --backend vllm`` (vLLM's CPU build from
+its own install, ``make vllm``; ``--vllm-python``): the same workloads and pools, blocks of 32
+tokens (vLLM's CPU attention takes multiples of 32), float32 as dpserve's engine, eager, and a
+context of twice the system prompt (vLLM refuses a pool smaller than one request of the
+model's whole context).
 
 Reported per run: TTFT p50/p90, output tok/s, prompt tokens actually prefilled (the engines'
 own counters), cache hit rate (cached / prompt tokens, as the engines reported them per
@@ -48,7 +55,33 @@ from tests.integration.runtime import free_port  # noqa: E402
 
 DPSERVE = str(Path(sys.executable).with_name("dpserve"))
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
-BLOCK = 16
+BLOCK = 16  # the fake engines' blocks
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The real engines: dpserve's own, or vLLM's (``flags`` added to ``dpserve serve``)."""
+
+    name: str
+    block: int
+    flags: tuple[str, ...] = ()
+
+
+DPSERVE_BACKEND = Backend("dpserve", BLOCK)
+
+
+def vllm_backend(python: str, max_model_len: int | None) -> Backend:
+    flags = ["--backend", "vllm", "--engine-python", python, "--vllm-arg=--enforce-eager"]
+    if max_model_len is not None:
+        flags.append(f"--vllm-arg=--max-model-len={max_model_len}")
+    return Backend("vllm", 32, tuple(flags))
+
+
+def default_vllm_python() -> str:
+    found = sorted(Path.home().glob(".cache/dpserve/vllm/*/venv/bin/python"))
+    return str(found[-1]) if found else ""
+
+
 VOCAB = (100, 40_000)  # token ids valid for SmolLM2 (49,152) and the fake engine
 
 
@@ -218,9 +251,10 @@ async def measure(client: InferenceClient, policy: str, name: str, rate: float, 
 class Stack:
     """``dpserve serve`` (real engines) or a coordinator and fake engines, insecure loopback."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: Backend = DPSERVE_BACKEND) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.port = free_port()
+        self.backend = backend
 
     def serve(self, engines: int, policy: str, extra: list[str]) -> None:
         self.processes.append(
@@ -238,7 +272,8 @@ class Stack:
                     "--routing",
                     policy,
                     "--block-size",
-                    str(BLOCK),
+                    str(self.backend.block),
+                    *self.backend.flags,
                     *extra,
                 ],
                 stdout=subprocess.DEVNULL,
@@ -318,7 +353,9 @@ async def real_engines(
     system_len: int,
     rates: list[float],
     policies: tuple[str, ...] = POLICIES,
+    vllm_python: str | None = None,
 ) -> list[dict[str, Any]]:
+    backend = DPSERVE_BACKEND if vllm_python is None else vllm_backend(vllm_python, 2 * system_len)
     shared = SharedPrefix(
         groups=4, per_group=per_group, system_len=system_len, question_len=16, output_len=8
     )
@@ -330,7 +367,7 @@ async def real_engines(
     rates = rates[:1] if quick else rates
     results = []
     for policy in policies:
-        stack = Stack()
+        stack = Stack(backend)
         stack.serve(2, policy, extra)
         try:
             client = await stack.client(2)
@@ -339,11 +376,11 @@ async def real_engines(
                 prompts = shared.prompts(seed=10 + index)
                 body = drive_shared(client, prompts, rate, shared.output_len, seed=index)
                 run = await measure(client, policy, "shared_prefix", rate, body)
-                results.append(run.summary())
+                results.append(run.summary() | {"backend": backend.name})
                 print(json.dumps(results[-1]), flush=True)
             body = drive_multi_turn(client, chats, 0.2, seed=99)
             run = await measure(client, policy, "multi_turn", 0.2, body)
-            results.append(run.summary())
+            results.append(run.summary() | {"backend": backend.name})
             print(json.dumps(results[-1]), flush=True)
             client.stop()
         finally:
@@ -351,13 +388,14 @@ async def real_engines(
     return results
 
 
-async def one_engine_on_off() -> list[dict[str, Any]]:
+async def one_engine_on_off(vllm_python: str | None = None) -> list[dict[str, Any]]:
+    backend = DPSERVE_BACKEND if vllm_python is None else vllm_backend(vllm_python, 2048)
     rng = random.Random(5)
     system = tokens(rng, 1000)
     prompts = [system + tokens(rng, 24) for _ in range(4)]
     results = []
     for label, extra in (("cache off", ["--no-prefix-caching"]), ("cache on", [])):
-        stack = Stack()
+        stack = Stack(backend)
         stack.serve(1, "prefix-aware", extra)
         try:
             client = await stack.client(1)
@@ -372,7 +410,12 @@ async def one_engine_on_off() -> list[dict[str, Any]]:
             stack.stop()
         # The first request computes the prefix either way: the rest show the cache.
         results.append(
-            {"run": label, "ttft_first": ttfts[0], "ttft_p50_rest": percentile(ttfts[1:], 0.5)}
+            {
+                "backend": backend.name,
+                "run": label,
+                "ttft_first": ttfts[0],
+                "ttft_p50_rest": percentile(ttfts[1:], 0.5),
+            }
         )
         print(json.dumps(results[-1]), flush=True)
     return results
@@ -456,20 +499,32 @@ async def main() -> None:
         default=",".join(POLICIES),
         help="the real engines' policies, comma-separated (default: all three)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("dpserve", "vllm"),
+        default="dpserve",
+        help="the real engines' backend (the fake engines are dpserve's either way)",
+    )
+    parser.add_argument("--vllm-python", default=default_vllm_python(), help="vLLM's install")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
+    vllm_python = None
+    if args.backend == "vllm":
+        if not args.vllm_python or not Path(args.vllm_python).exists():
+            parser.error("--backend vllm: no vLLM install (run `make vllm`, or --vllm-python)")
+        vllm_python = args.vllm_python
     results: dict[str, Any] = {}
     if not args.skip_fake:
         results["fake"] = await fake_engines(args.quick)
     if not args.skip_real:
         if not args.skip_one_engine:
-            results["one_engine"] = await one_engine_on_off()
+            results["one_engine"] = await one_engine_on_off(vllm_python)
         rates = [float(rate) for rate in args.rates.split(",")]
         policies = tuple(args.policies.split(","))
         if not set(policies) <= set(POLICIES):
             parser.error(f"--policies: each one of {', '.join(POLICIES)}")
         results["real"] = await real_engines(
-            args.quick, args.per_group, args.system_len, rates, policies
+            args.quick, args.per_group, args.system_len, rates, policies, vllm_python
         )
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))

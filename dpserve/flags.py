@@ -160,8 +160,9 @@ def backend_flags_error(args: argparse.Namespace) -> str | None:
 
 
 def add_lora_flags(parser: argparse.ArgumentParser) -> None:
-    """LoRA adapters of dpserve's own engine (``engine.lora``), as vLLM spells them."""
-    group = parser.add_argument_group("LoRA adapters (dpserve's engine; docs/lora.md)")
+    """LoRA adapters (dpserve's engine: ``engine.lora``; vLLM's: its own LoRA support), as
+    vLLM spells them."""
+    group = parser.add_argument_group("LoRA adapters (either backend; docs/lora.md)")
     group.add_argument(
         "--enable-lora",
         action="store_true",
@@ -219,8 +220,6 @@ def lora_flags_error(args: argparse.Namespace) -> str | None:
     wanted = args.enable_lora or args.lora_modules
     if wanted and args.fake:
         return "--enable-lora / --lora-modules need a model (not --fake)"
-    if wanted and args.backend == "vllm":
-        return "the vLLM backend takes its own LoRA flags: pass them with --vllm-arg"
     return None
 
 

@@ -799,13 +799,6 @@ def _parse_adapters(
         if engine.max_loras is not None:
             spec.fail("spec.engine.maxLoras", "is for spec.adapters, which is not set")
         return None
-    if engine.backend != DPSERVE_BACKEND:
-        # vLLM's --lora-modules is vllm serve's front-end flag, which dpserve's front does not
-        # run (vllm_args refuses it), and its engine core takes adapters per request only.
-        spec.fail(
-            "spec.adapters",
-            f"needs backend {DPSERVE_BACKEND} (spec.engine.backend is {engine.backend})",
-        )
     roots = [root for root in (
         model_volume.mount_path if model_volume is not None else None,
         ADAPTER_MOUNT_PATH if volume_claim is not None else None,

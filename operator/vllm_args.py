@@ -138,9 +138,8 @@ SET_BY_DPSERVE: Final[dict[str, str]] = {
 }
 # Flags of `vllm serve`'s front, not of its engine: dpserve's HTTP front stands in its place.
 NOT_OFFERED: Final[dict[str, str]] = {
-    "--lora-modules": "LoRA adapters by model name are vllm serve's front-end feature, which "
-    "dpserve's front does not have yet (--enable-lora, --max-loras and --max-lora-rank are "
-    "taken)",
+    "--lora-modules": "list the adapters in spec.adapters (dpserve loads them into vLLM's "
+    "engine and routes by them)",
 }
 # Every --data-parallel-* flag (rank, address, RPC port, ...): data parallelism is dpserve's.
 _DATA_PARALLEL_PREFIX = "--data-parallel-"

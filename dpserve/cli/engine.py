@@ -232,8 +232,11 @@ def _vllm_runner(args: argparse.Namespace) -> Runner:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_caching=not args.no_prefix_caching,
+        enable_lora=bool(args.enable_lora or args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         eager=args.no_cuda_graphs,
         threads=args.torch_threads,
         extra=tuple(args.vllm_args),
     )
-    return VllmRunner(options, flags.constraint_limits(args))
+    return VllmRunner(options, flags.constraint_limits(args), flags.lora_modules(args))

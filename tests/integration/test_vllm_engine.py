@@ -174,6 +174,7 @@ async def test_a_repeated_prompt_is_found_in_the_prefix_cache_as_predicted(
     first = await vllm_client.add_request(prompt, params)
     await asyncio.sleep(1.5)  # the KV events reach the coordinator with the next turn
     second = await vllm_client.add_request(prompt, params)
+    await asyncio.sleep(1.5)  # a heartbeat with the engine's figures once it runs nothing
     status = await vllm_client.get_status()
     vllm_client.stop()
     assert first.cached_tokens == 0
@@ -183,6 +184,10 @@ async def test_a_repeated_prompt_is_found_in_the_prefix_cache_as_predicted(
     assert routing["predicted_cached_tokens"] == routing["actual_cached_tokens"] >= 96
     stats = status["engine_list"][0]["stats"]
     assert stats["backend_vllm"] == 1 and stats["block_size"] == 32
+    # The prompt's 3 cached blocks sit in vLLM's free queue, evictable but not empty: the
+    # router's room on this engine is the free blocks less those (and less any other test's).
+    assert stats["kv_cached_blocks"] >= 3
+    assert 0 < stats["kv_empty_blocks"] <= stats["kv_free_blocks"] - 3, stats
 
 
 async def test_cancel_pause_and_suspend(vllm_client: InferenceClient) -> None:

@@ -78,10 +78,6 @@ def test_adapters_from_the_model_volume_and_the_adapter_volume() -> None:
         ({"engine": {"maxLoras": 2}}, "spec.engine.maxLoras: is for spec.adapters"),
         ({"adapterVolume": {"claimName": "x"}}, "spec.adapterVolume: is for spec.adapters"),
         (
-            {"adapters": [], "engine": {"backend": "vllm"}},
-            "spec.adapters: needs backend dpserve (spec.engine.backend is vllm)",
-        ),
-        (
             {
                 "adapters": [],
                 "adapterVolume": {"claimName": "x"},
@@ -134,6 +130,14 @@ def test_engines_serve_adapters_whenever_the_list_is_present() -> None:
     assert "--enable-lora" in command and "--max-loras" not in command
     command = engine_container(parsed(adapters=[], engine={"maxLoras": 3}))["command"]
     assert command[command.index("--max-loras") + 1] == "3"
+
+
+def test_vllm_engines_serve_adapters_too() -> None:
+    command = engine_container(parsed(adapters=[], engine={"backend": "vllm", "maxLoras": 2}))[
+        "command"
+    ]
+    assert "--backend" in command and command[command.index("--backend") + 1] == "vllm"
+    assert "--enable-lora" in command and command[command.index("--max-loras") + 1] == "2"
 
 
 def test_editing_the_list_changes_no_pod_template() -> None:

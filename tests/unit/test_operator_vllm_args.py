@@ -97,7 +97,7 @@ def test_both_spellings_give_one_form_in_the_order_given() -> None:
         (["--enforce-eager", "yes"], "[1]: 'yes' is not a flag"),
         (["--speculative-config", "{}"], "[0]: --speculative-config is not an allowed vLLM flag"),
         (["-q", "fp8"], "[0]: -q is not an allowed vLLM flag; allowed: --quantization,"),
-        (["--lora-modules", "sql=/adapters/sql"], "[0]: --lora-modules is not offered: LoRA"),
+        (["--lora-modules", "sql=/adapters/sql"], "[0]: --lora-modules is not offered: list the"),
     ],
 )
 def test_bad_values_and_unknown_flags_are_refused_by_index(items: list[str], message: str) -> None:

@@ -32,9 +32,10 @@ class VllmOptions:
     dpserve's engine and transformers compute there) and the model's own dtype elsewhere.
     ``block_size``: tokens per KV block, None for vLLM's default. ``kv_cache_bytes``: the KV
     pool (default on CPU: dpserve's, 1 GiB; on GPUs: from ``gpu_memory_utilization``).
-    ``eager``: no CUDA graphs and no torch.compile (vLLM's ``--enforce-eager``). ``threads``:
-    compute threads per tensor-parallel rank on CPU (None: vLLM binds its own). ``extra``:
-    vLLM's own engine flags, passed through last.
+    ``enable_lora``, ``max_loras``, ``max_lora_rank``: vLLM's LoRA support, as dpserve's engine
+    spells them. ``eager``: no CUDA graphs and no torch.compile (vLLM's ``--enforce-eager``).
+    ``threads``: compute threads per tensor-parallel rank on CPU (None: vLLM binds its own).
+    ``extra``: vLLM's own engine flags, passed through last.
     """
 
     model: str
@@ -46,6 +47,9 @@ class VllmOptions:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     prefix_caching: bool = True
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     eager: bool = False
     threads: int | None = None
     extra: tuple[str, ...] = field(default_factory=tuple)
@@ -79,6 +83,12 @@ def vllm_command_line(options: VllmOptions, *, on_cpu: bool) -> list[str]:
         line += ["--enable-prefix-caching", "--kv-events-config", json.dumps(events)]
     else:
         line.append("--no-enable-prefix-caching")
+    if options.enable_lora:
+        line.append("--enable-lora")
+        if options.max_loras is not None:
+            line += ["--max-loras", str(options.max_loras)]
+        if options.max_lora_rank is not None:
+            line += ["--max-lora-rank", str(options.max_lora_rank)]
     if options.eager:
         line.append("--enforce-eager")
     line += ["--structured-outputs-config", json.dumps({"backend": STRUCTURED_OUTPUT_BACKEND})]

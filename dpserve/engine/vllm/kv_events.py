@@ -2,11 +2,12 @@
 
 vLLM hashes its blocks its own way (its hash function, its extra keys), so its hashes mean
 nothing to dpserve's coordinator. But each ``BlockStored`` carries what dpserve's hash is made
-of: the blocks' token ids, the parent block, and per block the extra keys (the request's
-``cache_salt`` for a prompt's first block). ``KVEventTranslator`` recomputes dpserve's chained
-hash (``dpserve.block_hash``) from them, remembers which of ours each of vLLM's hashes is, and
-turns ``BlockRemoved`` / ``AllBlocksCleared`` into the matching dpserve events. The
-coordinator's prefix index then predicts what vLLM's cache holds, as for dpserve's engine.
+of: the blocks' token ids, the parent block, per block the extra keys (the request's
+``cache_salt`` for a prompt's first block) and the LoRA adapter's name. ``KVEventTranslator``
+recomputes dpserve's chained hash (``dpserve.block_hash``) from them, remembers which of ours
+each of vLLM's hashes is, and turns ``BlockRemoved`` / ``AllBlocksCleared`` into the matching
+dpserve events. The coordinator's prefix index then predicts what vLLM's cache holds, as for
+dpserve's engine.
 
 The events are read by their class names and fields, not their classes, so this module needs
 no vLLM to import (``CollectedEvents`` is what vLLM's scheduler publishes them to).
@@ -46,14 +47,15 @@ class CollectedEvents:
         return None
 
 
-def _salt_of(keys: Sequence[Any] | None) -> str | None:
-    """The cache_salt among one block's extra keys (vLLM puts a LoRA name first, then
-    multimodal (identifier, offset) pairs, the salt, prompt-embedding digests). dpserve
-    requests carry neither LoRA nor multimodal input, so its one string is the salt."""
-    if not keys:
-        return None
-    salts = [key for key in keys if isinstance(key, str)]
-    return salts[-1] if salts else None
+def _salt_of(keys: Sequence[Any] | None, lora_name: str | None) -> str | None:
+    """The cache_salt among one block's extra keys: vLLM puts the LoRA adapter's name first
+    (when the request names one), then multimodal (identifier, offset) pairs, the salt, and
+    prompt-embedding digests. dpserve requests carry no multimodal input or embeddings, so
+    the one string after the adapter's name is the salt."""
+    strings = [key for key in keys or () if isinstance(key, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[-1] if strings else None
 
 
 class KVEventTranslator:
@@ -103,7 +105,9 @@ class KVEventTranslator:
         vllm_parent = event.parent_block_hash
         if vllm_parent is None:
             parent = ROOT_HASH
-            extra = extra_keys(_salt_of(event.extra_keys[0] if event.extra_keys else None))
+            lora_name = getattr(event, "lora_name", None)
+            first_keys = event.extra_keys[0] if event.extra_keys else None
+            extra = extra_keys(_salt_of(first_keys, lora_name), lora_name)
         elif vllm_parent in self._ours:
             parent = self._ours[vllm_parent]
             extra = self._extra[parent]

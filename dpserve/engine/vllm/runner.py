@@ -11,6 +11,11 @@ A request that finishes by those rules is aborted in vLLM before its next step.
 
 A re-dispatched request (``resume_tokens``: another engine generated them and died) continues
 after them: vLLM gets prompt + resume tokens as its prompt and the tokens left to generate.
+
+LoRA adapters (vLLM's ``--enable-lora``): registered by name (``load_adapter``, at start from
+``--lora-modules`` or at run time), each one a ``LoRARequest`` with an id of its own that goes
+with every request naming it; vLLM keeps up to ``--max-loras`` of them in its batch slots and
+loads the others from their directories when a request needs them.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import itertools
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from dpserve.block_hash import BlockHash
 from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.lora.serving import AdapterError, AdapterReport
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence
 from dpserve.engine.vllm.distribution import answer_vllm_version, installed_vllm_version
@@ -40,12 +48,17 @@ log = logging.getLogger(__name__)
 
 TopEntry = tuple[int, float]
 
+_NO_ADAPTERS = "this engine serves no LoRA adapters (start it with --enable-lora)"
+
 
 class VllmRunner:
     """Continuous batching by vLLM over one model (``options``: ``engine_args.VllmOptions``)."""
 
     def __init__(
-        self, options: VllmOptions, limits: RequestLimits = DEFAULT_REQUEST_LIMITS
+        self,
+        options: VllmOptions,
+        limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+        lora_modules: Mapping[str, str] | None = None,
     ) -> None:
         answer_vllm_version()
         # vLLM's sampler compiles a few functions with torch's inductor (the sampled token's
@@ -104,6 +117,10 @@ class VllmRunner:
         self._steps = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._lora = config.lora_config  # None: no adapters
+        self._adapters: dict[str, Any] = {}  # name -> its vLLM LoRARequest
+        self._adapter_ids = itertools.count(1)  # vLLM's adapter ids start at 1
+        self._adapter_names_served: set[str] = set()
         log.info(
             "vLLM %s serving %s: tensor parallel %d, context %d, block size %d, max_num_seqs %d, "
             "prefix caching %s",
@@ -115,6 +132,10 @@ class VllmRunner:
             self.max_num_seqs,
             "on" if self._translator is not None else "off",
         )
+        if lora_modules and self._lora is None:
+            raise ValueError("--lora-modules needs vLLM's LoRA support (--enable-lora)")
+        for name, path in (lora_modules or {}).items():
+            self.load_adapter(name, path)
 
     # ---------------------------------------------------------------------------- requests
 
@@ -132,9 +153,14 @@ class VllmRunner:
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens + request.resume_tokens}
         if params.cache_salt:
             prompt["cache_salt"] = params.cache_salt
+        adapter = None if params.lora_name is None else self._adapters[params.lora_name]
         try:
             core_request = self._inputs.process_inputs(
-                vllm_id, prompt, vllm_sampling_params(params, left), self._tasks
+                vllm_id,
+                prompt,
+                vllm_sampling_params(params, left),
+                self._tasks,
+                lora_request=adapter,
             )
         except ValueError as exc:  # vLLM's own validation (VLLMValidationError is one)
             raise RequestRejected(
@@ -166,6 +192,8 @@ class VllmRunner:
                 ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.vocab_size}) for this model"
             )
         params = request.params
+        if params.lora_name is not None:
+            self._check_adapter(params.lora_name)
         constraint = params.guided_json or params.guided_regex or "".join(params.guided_choice)
         if len(constraint.encode()) > self._limits.max_constraint_bytes:
             raise RequestRejected(
@@ -278,6 +306,80 @@ class VllmRunner:
                     list(zip(ids[1:], map(float, values[1:]), strict=True))
                 )
 
+    # ------------------------------------------------------------------------ LoRA adapters
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register adapter ``name`` from directory ``path`` and load it in vLLM, which checks
+        it (``AdapterError`` with vLLM's reason). One registered under that name already is
+        replaced, unless requests still run on it."""
+        if self._lora is None:
+            raise AdapterError(_NO_ADAPTERS)
+        directory = Path(path)
+        if not (directory / "adapter_config.json").is_file():
+            raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json")
+        previous = self._adapters.get(name)
+        if previous is not None:
+            self._refuse_while_in_use(name, "replaced")
+        from vllm.lora.request import LoRARequest
+
+        adapter = LoRARequest(name, next(self._adapter_ids), str(directory))
+        try:
+            self._client.add_lora(adapter)
+        except Exception as exc:  # vLLM's loader raises what its checks find (ValueError, ...)
+            raise AdapterError(f"adapter {name!r}: vLLM could not load {path}: {exc}") from None
+        if previous is not None:
+            self._client.remove_lora(previous.lora_int_id)
+        self._adapters[name] = adapter
+        # vLLM keys cached blocks by the adapter's name, not its weights: blocks cached under
+        # a name served before hold what other weights computed, and no request may find them.
+        if name in self._adapter_names_served and self._translator is not None:
+            self._core.reset_prefix_cache()
+        self._adapter_names_served.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name`` (``KeyError`` if unknown, ``AdapterError`` while in use)."""
+        if self._lora is None or name not in self._adapters:
+            raise KeyError(name)
+        self._refuse_while_in_use(name, "unloaded")
+        self._client.remove_lora(self._adapters.pop(name).lora_int_id)
+
+    def adapter_report(self) -> AdapterReport | None:
+        if self._lora is None:
+            return None
+        running_ids = {request.request_id for request in self._core.scheduler.running}
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        for request_id, sequence in self._live.items():
+            name = sequence.params.lora_name
+            if name is not None:
+                vllm_id = self._vllm_ids[request_id]
+                (running if vllm_id in running_ids else waiting)[name] += 1
+        loaded = self._client.list_loras()
+        return AdapterReport(
+            int(self._lora.max_loras),
+            {
+                name: (adapter.lora_int_id in loaded, running[name], waiting[name])
+                for name, adapter in sorted(self._adapters.items())
+            },
+        )
+
+    def _check_adapter(self, name: str) -> None:
+        if self._lora is None:
+            raise RequestRejected(ErrorCode.BAD_REQUEST, _NO_ADAPTERS)
+        if name not in self._adapters:
+            known = ", ".join(sorted(self._adapters)) or "none"
+            raise RequestRejected(
+                ErrorCode.BAD_REQUEST,
+                f"unknown LoRA adapter {name!r} on this engine (loaded: {known})",
+            )
+
+    def _refuse_while_in_use(self, name: str, what: str) -> None:
+        users = sum(1 for s in self._live.values() if s.params.lora_name == name)
+        if users:
+            raise AdapterError(
+                f"adapter {name!r} cannot be {what} while {users} request(s) run on it"
+            )
+
     # ------------------------------------------------------------------------------ stats
 
     def _note_stats(self, stats: Any) -> None:
@@ -307,6 +409,7 @@ class VllmRunner:
         }
         if self._translator is not None:
             numbers["kv_cached_blocks"] = len(self._translator.snapshot())
+            numbers["kv_empty_blocks"] = _empty_blocks(pool)
         return numbers
 
     # ------------------------------------------------------------------------ prefix cache
@@ -389,3 +492,14 @@ def _eos_token_ids(tokenizer: Any, model: str) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
+
+
+def _empty_blocks(pool: Any) -> int:
+    """Free blocks of vLLM's pool that hold no cached content: what it can allocate without
+    evicting (the prefix-aware router's room on this engine). vLLM keeps cached blocks in its
+    free queue until it reuses them, so its free count alone overstates that room. One pass
+    over the pool's blocks once a heartbeat: about 1 ms for 10,000 blocks (10 ms for 100,000)."""
+    cached_free = sum(
+        1 for block in pool.blocks if not block.ref_cnt and block.block_hash is not None
+    )
+    return max(0, int(pool.get_num_free_blocks()) - cached_free)
