@@ -192,6 +192,7 @@ class LocalDeployment:
                 engine += ["--step-delay", str(self.step_delay)]
             if not self.fake and self.backend == "vllm":
                 engine += self._vllm_engine_flags()
+                engine += self.lora_args
             elif not self.fake:
                 threads = self.threads_per_engine()
                 if cores and self.torch_threads is None:

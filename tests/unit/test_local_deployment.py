@@ -238,3 +238,17 @@ def test_engines_get_the_structured_output_limits_serve_was_given() -> None:
     args = build_parser().parse_args(engine.args[engine.args.index("engine") :])
     assert flags.constraint_limits(args).max_constraint_bytes == 1234
     assert flags.constraint_limits(args).constraint_compile_timeout == 2.5
+
+
+@pytest.mark.parametrize("backend", ["dpserve", "vllm"])
+def test_engines_of_either_backend_get_the_lora_flags_serve_was_given(backend: str) -> None:
+    run = Supervised()
+    run.deployment.fake = False
+    run.deployment.backend = backend
+    run.deployment.lora_args = ("--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x")
+    run.deployment.children.clear()
+    run.deployment.start_processes()
+    engine = next(c for c in run.deployment.children if c.name == "engine 0")
+    args = build_parser().parse_args(engine.args[engine.args.index("engine") :])
+    assert (args.backend, args.enable_lora, args.max_loras) == (backend, True, 2)
+    assert flags.lora_modules(args) == {"a": "/x"}
