@@ -38,7 +38,12 @@ from dpserve.engine.defaults import (
 )
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.lora.serving import AdapterError, AdapterReport
+from dpserve.engine.lora.serving import (
+    NO_ADAPTERS,
+    AdapterError,
+    AdapterReport,
+    unknown_adapter,
+)
 from dpserve.engine.lora.slots import LoraSlots
 from dpserve.engine.models.registry import unsupported_reason
 from dpserve.engine.paged.backend import PagedBackend, PagedConfig
@@ -295,16 +300,14 @@ class ModelRunner:
             return (
                 "LoRA adapters need the paged backend; this model runs on the transformers fallback"
             )
-        return "this engine serves no LoRA adapters (start it with --enable-lora)"
+        return NO_ADAPTERS
 
     def _check_adapter(self, name: str) -> None:
         if self.adapters is None:
             raise RequestRejected(ErrorCode.BAD_REQUEST, self._no_adapters())
         if name not in self.adapters.paths:
-            known = ", ".join(self.adapters.names()) or "none"
             raise RequestRejected(
-                ErrorCode.BAD_REQUEST,
-                f"unknown LoRA adapter {name!r} on this engine (loaded: {known})",
+                ErrorCode.BAD_REQUEST, unknown_adapter(name, self.adapters.names())
             )
 
     # ---------------------------------------------------------------------------- requests

@@ -5,6 +5,7 @@ heartbeat, so that the front knows which ``model`` names exist and /metrics can 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -13,6 +14,16 @@ class AdapterError(ValueError):
     """An adapter directory this engine cannot run; the message says which and why. (Here,
     not beside the loader in ``adapter``: the engine server catches it, and must not import
     torch for that — a fake engine starts without it.)"""
+
+
+# What either runner (dpserve's engine, vLLM's) answers a request or a load it cannot serve.
+NO_ADAPTERS = "this engine serves no LoRA adapters (start it with --enable-lora)"
+
+
+def unknown_adapter(name: str, known: Iterable[str]) -> str:
+    """The refusal of a request naming an adapter this engine has not registered."""
+    listed = ", ".join(sorted(known)) or "none"
+    return f"unknown LoRA adapter {name!r} on this engine (loaded: {listed})"
 
 
 @dataclass(frozen=True, slots=True)

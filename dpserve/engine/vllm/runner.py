@@ -32,7 +32,12 @@ from typing import Any
 
 from dpserve.block_hash import BlockHash
 from dpserve.engine.kv_events import KVEvent
-from dpserve.engine.lora.serving import AdapterError, AdapterReport
+from dpserve.engine.lora.serving import (
+    NO_ADAPTERS,
+    AdapterError,
+    AdapterReport,
+    unknown_adapter,
+)
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.engine.sequences import Sequence
 from dpserve.engine.vllm.distribution import answer_vllm_version, installed_vllm_version
@@ -47,8 +52,6 @@ from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
 log = logging.getLogger(__name__)
 
 TopEntry = tuple[int, float]
-
-_NO_ADAPTERS = "this engine serves no LoRA adapters (start it with --enable-lora)"
 
 
 class VllmRunner:
@@ -313,7 +316,7 @@ class VllmRunner:
         it (``AdapterError`` with vLLM's reason). One registered under that name already is
         replaced, unless requests still run on it."""
         if self._lora is None:
-            raise AdapterError(_NO_ADAPTERS)
+            raise AdapterError(NO_ADAPTERS)
         directory = Path(path)
         if not (directory / "adapter_config.json").is_file():
             raise AdapterError(f"adapter {name!r}: {path} has no adapter_config.json")
@@ -365,13 +368,9 @@ class VllmRunner:
 
     def _check_adapter(self, name: str) -> None:
         if self._lora is None:
-            raise RequestRejected(ErrorCode.BAD_REQUEST, _NO_ADAPTERS)
+            raise RequestRejected(ErrorCode.BAD_REQUEST, NO_ADAPTERS)
         if name not in self._adapters:
-            known = ", ".join(sorted(self._adapters)) or "none"
-            raise RequestRejected(
-                ErrorCode.BAD_REQUEST,
-                f"unknown LoRA adapter {name!r} on this engine (loaded: {known})",
-            )
+            raise RequestRejected(ErrorCode.BAD_REQUEST, unknown_adapter(name, self._adapters))
 
     def _refuse_while_in_use(self, name: str, what: str) -> None:
         users = sum(1 for s in self._live.values() if s.params.lora_name == name)
