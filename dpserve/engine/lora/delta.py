@@ -3,8 +3,11 @@
 A step mixes requests of several adapters and of the base model: its rows are grouped by
 adapter once per step (``StepAdapters``), and every adapted projection of every layer adds, for
 each group, two small matmuls (shrink to the rank, expand to the projection's width) to the
-base projection's output. Rows of the base model are left alone. This is the torch path (CPU,
-and CUDA for now): a step with adapter rows runs eagerly on CUDA, outside the CUDA graphs.
+base projection's output. Rows of the base model are left alone. The stacked form runs on CUDA
+as two Triton kernels (``kernels.triton_lora``: shrink and expand over each row's own adapter,
+after Punica's SGMV/BGMV); everything else is the torch path (CPU; on CUDA the grouped form, and
+the stacked form without Triton). A step with adapter rows runs eagerly on CUDA, outside the
+CUDA graphs.
 
 The weights are ``AdapterWeights``: per layer, per projection (``qkv``, ``o_proj``,
 ``gate_up``, ``down_proj``), A ``[r, in]`` and B ``[out, r]`` with the scale folded into B, the
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import torch
+
+from dpserve.engine.kernels import triton_layer_ops, triton_lora
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +59,11 @@ class StackedDelta:
     b: torch.Tensor
     owner: torch.Tensor  # [R] int64
     key: tuple[tuple[int, int], ...]  # (adapter index, rank) runs: equal keys, equal masks
+    # For the CUDA kernels, per adapter of the stack: its first column and its rank (0 where
+    # the projection is not in that adapter), int32; and the largest rank.
+    starts: torch.Tensor
+    ranks: torch.Tensor
+    max_rank: int
 
 
 # Adapters together, by their total rank, at most: every row is multiplied by every adapter's
@@ -79,15 +89,22 @@ class _Stack:
                     if module in w.layers[layer]
                 ]
                 key = tuple((index, delta.a.shape[0]) for index, delta in parts)
+                device = parts[0][1].a.device
                 owner = torch.tensor(
-                    [index for index, rank in key for _ in range(rank)],
-                    device=parts[0][1].a.device,
+                    [index for index, rank in key for _ in range(rank)], device=device
                 )
+                starts, ranks, start = [0] * len(adapters), [0] * len(adapters), 0
+                for index, rank in key:
+                    starts[index], ranks[index] = start, rank
+                    start += rank
                 modules[module] = StackedDelta(
                     torch.cat([delta.a for _, delta in parts]),
                     torch.cat([delta.b for _, delta in parts], dim=1),
                     owner,
                     key,
+                    torch.tensor(starts, dtype=torch.int32, device=device),
+                    torch.tensor(ranks, dtype=torch.int32, device=device),
+                    max(ranks),
                 )
             self.layers.append(modules)
 
@@ -115,7 +132,11 @@ class StepAdapters:
       of row indices, or None when the adapter has every row (then nothing is gathered);
     * stacked (``stack``, with ``row_adapter``: each row's adapter index, -1 for the base
       model): one shrink and one expand per projection for all adapters at once, each row's
-      other columns masked to zero.
+      other columns masked to zero; on CUDA the Triton kernels (``kernels.triton_lora``),
+      which multiply each row by its own adapter's columns only.
+
+    The grouped form (adapters whose ranks together pass ``STACK_MAX_RANK``, or one adapter
+    for every row: then nothing is gathered) stays on torch on CUDA too.
     """
 
     groups: tuple[tuple[AdapterWeights, torch.Tensor | None], ...] = ()
@@ -145,6 +166,18 @@ class StepAdapters:
         if delta is None:
             return
         rows = self.row_adapter.shape[0]  # decode steps may be padded past them
+        if _kernels_on(x.device):
+            triton_lora.add_delta(
+                x,
+                out,
+                delta.a,
+                delta.b,
+                self.row_adapter,
+                delta.starts,
+                delta.ranks,
+                delta.max_rank,
+            )
+            return
         mask = self._masks.get(delta.key)
         if mask is None:
             mask = (self.row_adapter.unsqueeze(1) == delta.owner.unsqueeze(0)).to(x.dtype)
@@ -154,6 +187,11 @@ class StepAdapters:
 
     def for_layer(self, layer: int) -> LayerAdapters:
         return LayerAdapters(self, layer)
+
+
+def _kernels_on(device: torch.device) -> bool:
+    """Whether the stacked delta runs as the Triton kernels: on CUDA, where Triton is."""
+    return device.type == "cuda" and triton_layer_ops.available(device)
 
 
 @dataclass(frozen=True, slots=True)
