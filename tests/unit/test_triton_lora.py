@@ -35,7 +35,11 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 
 
 def adapter(
-    seed: int, rank: int, shapes: dict[str, tuple[int, int]], dtype: torch.dtype
+    seed: int,
+    rank: int,
+    shapes: dict[str, tuple[int, int]],
+    dtype: torch.dtype,
+    device: str = "cpu",
 ) -> AdapterWeights:
     """One layer's random deltas, ``shapes``: module -> (out, in), scaled so that the shrunk
     rows and the delta are of about one."""
@@ -44,7 +48,7 @@ def adapter(
     for module, (out_features, in_features) in shapes.items():
         a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
         b = torch.randn(out_features, rank, generator=generator) / rank**0.5
-        modules[module] = ModuleDelta(a.to(dtype), b.to(dtype))
+        modules[module] = ModuleDelta(a.to(device, dtype), b.to(device, dtype))
     return AdapterWeights(f"adapter-{seed}", "", rank, [modules])
 
 
@@ -60,11 +64,13 @@ def by_rows(
     return update
 
 
-def stacked_step(adapters: list[AdapterWeights], row_slots: list[int]) -> StepAdapters:
+def stacked_step(
+    adapters: list[AdapterWeights], row_slots: list[int], device: str = "cpu"
+) -> StepAdapters:
     """The stacked form of the step, all of ``adapters`` in the stack (``row_slots`` index
     them), as ``group_rows`` builds it (which would group one adapter's single row instead)."""
     stack = delta._stack_of(tuple(adapters))
-    return StepAdapters(stack=stack, row_adapter=torch.tensor(row_slots))
+    return StepAdapters(stack=stack, row_adapter=torch.tensor(row_slots, device=device))
 
 
 def test_the_stack_gives_each_adapter_its_columns_and_rank() -> None:
