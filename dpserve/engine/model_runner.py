@@ -38,6 +38,7 @@ from dpserve.engine.defaults import (
 )
 from dpserve.engine.hf_backend import HFBackend
 from dpserve.engine.kv_events import KVEvent
+from dpserve.engine.layers.weight_format import DEFAULT_WEIGHT_FORMAT, WeightFormatRefused, checked
 from dpserve.engine.lora.serving import (
     NO_ADAPTERS,
     AdapterError,
@@ -83,6 +84,9 @@ class ModelRunner:
     "auto" is bf16 on CUDA, fp32 on CPU. ``gguf_file`` loads a GGUF file inside
     ``model_path_or_id`` directly. ``prefix_caching``: share the KV blocks of equal prompt
     prefixes between requests (paged backend only; ``paged.block_pool.BlockPool``).
+    ``cpu_weights``: how a CPU model's projection weights are held, fp32 / bf16 / int8
+    (``layers.weight_format``; not fp32: CPU, fp32 model, paged backend, else
+    ``WeightFormatRefused``).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class ModelRunner:
         max_loras: int = DEFAULT_LORA_LIMITS.max_loras,
         max_lora_rank: int = DEFAULT_LORA_LIMITS.max_lora_rank,
         lora_modules: Mapping[str, str] | None = None,
+        cpu_weights: str = DEFAULT_WEIGHT_FORMAT,
     ) -> None:
         if (max_num_seqs is not None and max_num_seqs < 1) or backend not in BACKENDS:
             raise ValueError(
@@ -121,6 +126,7 @@ class ModelRunner:
         self._gguf_file = gguf_file
         self._attn_implementation = attn_implementation
         self.device, self.dtype = pick_device_and_dtype(device, dtype)
+        self.cpu_weights = checked(cpu_weights, device_type=self.device.type, dtype=self.dtype)
         if self.device.type == "cuda" and self.device.index is not None:
             # Streams, CUDA graphs and Triton launches follow the current device.
             torch.cuda.set_device(self.device)
@@ -150,6 +156,7 @@ class ModelRunner:
                 cuda_graphs=cuda_graphs,
                 overlap=overlap,
                 prefix_caching=prefix_caching,
+                weight_format=self.cpu_weights,
             ),
         )
         self.max_num_seqs: int = self.backend.max_num_seqs
@@ -217,6 +224,12 @@ class ModelRunner:
             paged_backend = PagedBackend(model, paged)
             self.model = paged_backend.model
             return paged_backend
+        if paged.weight_format != DEFAULT_WEIGHT_FORMAT:
+            raise WeightFormatRefused(
+                f"--cpu-weights {paged.weight_format} needs the paged backend; "
+                f"{self.model_path} runs on the transformers fallback"
+                + (f" ({reason})" if reason is not None else "")
+            )
         if backend == "auto":
             log.warning(
                 "%s: serving through the transformers fallback (no paged KV cache, no CUDA "

@@ -364,11 +364,16 @@ def decode_matmul(
     other: torch.Tensor | None = None,
     epilogue: int = EPILOGUE_NONE,
     isa: int = ISA_AUTO,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a few rows of ``x`` ``[rows, k]``, ``weight`` ``[n, k]``
-    contiguous, each weight row read once for all rows; then ``silu`` of it, or it times or
-    plus ``other`` ``[rows, n]`` (``epilogue``). A new ``[rows, n]`` tensor."""
-    out: torch.Tensor = torch.ops.dpserve_cpu.decode_matmul(x, weight, bias, other, epilogue, isa)
+    """``x @ weight.T (+ bias)`` for a few fp32 rows of ``x`` ``[rows, k]``, ``weight``
+    ``[n, k]`` contiguous, each weight row read once for all rows; then ``silu`` of it, or it
+    times or plus ``other`` ``[rows, n]`` (``epilogue``). A new fp32 ``[rows, n]`` tensor.
+    ``weight`` is fp32, bf16, or int8 with fp32 ``scales`` ``[n]`` (the product is then
+    ``x @ (weight * scales[:, None]).T``, summed in fp32: ``layers.weight_format``)."""
+    out: torch.Tensor = torch.ops.dpserve_cpu.decode_matmul(
+        x, weight, bias, other, epilogue, isa, scales
+    )
     return out
 
 

@@ -36,6 +36,23 @@ BENCHMARKS.md: oneDNN unpacked took 1.04-1.41x the packed primitive's time at 4-
 kernel less than unpacked oneDNN at 4-8 rows; at 1-3 the engine pads oneDNN to 4). Without the
 kernel the one copy is oneDNN's packed one, nothing measured. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N``
 sets the count instead, anywhere (0: never), and keeps both.
+
+With a lower-precision weight format (``weight_format``: ``dpserve engine --cpu-weights bf16`` or
+``int8``, never the default) only the bf16 or int8 copy is kept, in 2 MB pages where the decode
+kernel serves it: steps of up to ``SMALL_BATCH_MAX_ROWS`` rows run the kernel on it (a half or a
+quarter of fp32's bytes streamed), larger ones a library path from the same copy, their
+epilogues as separate torch operations. Which library path was measured (SmolLM2-135M's shapes,
+16-512 rows, one thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine):
+``aten._weight_int8pack_mm`` takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms
+against 0.28 for 16 rows of the 1536x576 projection), so int8 is widened to fp32 a tile of
+``_DEQUANT_TILE_ROWS`` weight rows at a time (the tile stays in cache) and multiplied by
+``F.linear``: 1.0-1.4x oneDNN fp32's time. bf16 is widened the same way (1.0-1.1x fp32's time).
+``F.linear`` in bf16 took 0.5x fp32's time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to
+AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the activations and its
+output to bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU: ``aten::mm.dtype`` is
+CUDA-only): every projection's output and the logits to 8 significant bits, a logit of 15 off by up
+to 0.03, and prefill's numbers unlike decode's. So both formats keep fp32 activations and outputs
+everywhere; the weight's rounding is the only approximation.
 """
 
 from __future__ import annotations
@@ -51,6 +68,14 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.layers.weight_format import (
+    DEFAULT_WEIGHT_FORMAT,
+    WeightFormat,
+    dequantize,
+    quantize_int8_per_channel,
+    to_bf16,
+    weight_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +100,9 @@ _PROBE_SHAPE = (2048, 1024)
 _PROBE_BYTES = 192 << 20
 _DENSE_MARGIN = 0.85
 _PROBE_ROUNDS = 5
+# Weight rows widened to fp32 at a time on a low-precision weight's large-step path: 512 x
+# SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, about a core's L2 (module docstring).
+_DEQUANT_TILE_ROWS = 512
 
 
 @functools.cache
@@ -248,10 +276,25 @@ def _measured_small_batch_rows(threads: int) -> int:
 
 
 class Linear:
-    """``x @ weight.T + bias`` over ``[rows, in_features]`` activations, plus fused variants."""
+    """``x @ weight.T + bias`` over ``[rows, in_features]`` activations, plus fused variants.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    ``weight_format`` other than fp32 (a float32 CPU weight only): the weight is held as bf16,
+    or as int8 with per-row ``scales``, and nothing else (module docstring)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT,
+    ) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.weight_format: WeightFormat = weight_format
+        # int8's per-row scales (``weight_format``); None for the other formats.
+        self.scales: torch.Tensor | None = None
+        self.bias = bias
+        if weight_format != DEFAULT_WEIGHT_FORMAT:
+            self._hold_low_precision(weight, weight_format)
+            return
         self.onednn = uses_onednn(weight)
         # Whether ``dense`` is the only copy, which oneDNN also runs from (``keeps_one_copy``).
         self.one_copy = keeps_one_copy(weight)
@@ -286,7 +329,37 @@ class Linear:
             if self.one_copy and self.dense is not None
             else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         )
-        self.bias = bias
+
+    def _hold_low_precision(self, weight: torch.Tensor, weight_format: WeightFormat) -> None:
+        """Only the bf16 or int8 copy (and int8's scales), for the decode kernel where it is
+        built (huge pages), the library path for the rest (``_low_precision``)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(
+                f"weight format {weight_format} converts float32 CPU weights, not "
+                f"{weight.dtype} on {weight.device.type}"
+            )
+        if weight_format == "bf16":
+            stored = to_bf16(weight)
+        else:
+            stored, self.scales = quantize_int8_per_channel(weight)
+        self.onednn = False
+        self.one_copy = True
+        self.decode_kernel = cpu_kernels.available()
+        setting = small_batch_rows_setting()
+        self.small_rows = (
+            (SMALL_BATCH_MAX_ROWS if setting is None else setting) if self.decode_kernel else 0
+        )
+        self.dense = cpu_kernels.huge_page_copy(stored) if self.decode_kernel else stored
+        self.weight = self.dense
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the weight as held for the small batches (fp32: the dense copy, else
+        the packed one), with int8's scales; the bias not counted."""
+        held = self.dense if self.dense is not None else self.weight
+        if held.is_mkldnn:  # opaque: its element count is the weight's
+            return self.out_features * self.in_features * held.element_size()
+        return weight_bytes(held, self.scales)
 
     def _packed(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through the prepacked oneDNN primitive: every row count but 1 to
@@ -308,6 +381,8 @@ class Linear:
             self.bias,
             None if other is None else _unit_stride_rows(other),
             epilogue,
+            cpu_kernels.ISA_AUTO,
+            self.scales,
         )
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:
@@ -324,7 +399,15 @@ class Linear:
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.dense is not None
+        if self.weight_format != DEFAULT_WEIGHT_FORMAT:
+            return self._low_precision(x)
         return functional.linear(x, self.dense, self.bias)
+
+    def _low_precision(self, x: torch.Tensor) -> torch.Tensor:
+        """A low-precision weight's product off the decode kernel, in fp32, widened in tiles
+        (module docstring)."""
+        assert self.dense is not None
+        return tiled_dequantized_linear(x, self.dense, self.scales, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed(x):
@@ -355,10 +438,28 @@ class Linear:
             return self._onednn_binary(x, residual, "add")
         if self._kernel(x):
             return self._decode(x, cpu_kernels.EPILOGUE_ADD, residual)
-        if self.bias is None and x.dim() == 2:
+        if self.bias is None and x.dim() == 2 and self.weight_format == DEFAULT_WEIGHT_FORMAT:
             assert self.dense is not None
             return torch.addmm(residual, x, self.dense.t())
         return self._dense(x).add_(residual)
+
+
+def tiled_dequantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ dequantize(weight, scales).T (+ bias)`` in fp32, ``_DEQUANT_TILE_ROWS`` weight rows
+    widened at a time, so that no fp32 copy of the whole weight is ever made."""
+    rows = x.reshape(-1, x.shape[-1])
+    out_features = int(weight.shape[0])
+    out = rows.new_empty(rows.shape[0], out_features)
+    if rows.shape[0] > 0:
+        for start in range(0, out_features, _DEQUANT_TILE_ROWS):
+            stop = min(out_features, start + _DEQUANT_TILE_ROWS)
+            tile = dequantize(weight[start:stop], None if scales is None else scales[start:stop])
+            out[:, start:stop] = functional.linear(
+                rows, tile, None if bias is None else bias[start:stop]
+            )
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def _unit_stride_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch.nn import functional
 from dpserve.engine.kernels import triton_layer_ops
 from dpserve.engine.layers.kernel_choice import KernelChoice
 from dpserve.engine.layers.linear import Linear, detached_weights, fused_weights, uses_onednn
+from dpserve.engine.layers.weight_format import DEFAULT_WEIGHT_FORMAT, WeightFormat
 
 
 class ProjectionDelta(Protocol):
@@ -32,18 +33,21 @@ class GatedMLP:
 
     With oneDNN the gate and up projections stay separate so SiLU and the product ride in
     their epilogues (three operations in all); otherwise they are one fused matmul followed
-    by SiLU and a product, one Triton kernel where the glue is Triton (CUDA)."""
+    by SiLU and a product, one Triton kernel where the glue is Triton (CUDA). ``weight_format``:
+    how the three weights are held (``Linear``)."""
 
-    def __init__(self, mlp: Any, kernels: KernelChoice) -> None:
+    def __init__(
+        self, mlp: Any, kernels: KernelChoice, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT
+    ) -> None:
         self.fused = kernels.triton_layers
         if uses_onednn(mlp.gate_proj.weight):
-            self.gate: Linear | None = Linear(*detached_weights(mlp.gate_proj))
-            self.up: Linear | None = Linear(*detached_weights(mlp.up_proj))
+            self.gate: Linear | None = Linear(*detached_weights(mlp.gate_proj), weight_format)
+            self.up: Linear | None = Linear(*detached_weights(mlp.up_proj), weight_format)
             self.gate_up: Linear | None = None
         else:
             self.gate = self.up = None
-            self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj))
-        self.down = Linear(*detached_weights(mlp.down_proj))
+            self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj), weight_format)
+        self.down = Linear(*detached_weights(mlp.down_proj), weight_format)
 
     def plus(
         self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta | None = None

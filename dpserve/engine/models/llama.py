@@ -16,6 +16,8 @@ Subclasses (``qwen3``) change a layer's conversion and its attention input, noth
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +38,12 @@ from dpserve.engine.layers.rotary import (
     rope_rotation,
 )
 from dpserve.engine.layers.step_attention import AttentionLayout, StepAttention
+from dpserve.engine.layers.weight_format import DEFAULT_WEIGHT_FORMAT, ELEMENT_BYTES, WeightFormat
 from dpserve.engine.lora.adapter import AdapterLayout, ModuleShape
 from dpserve.engine.lora.delta import StepAdapters
 from dpserve.engine.models.base import ForwardBatch, warm_up_batch
+
+log = logging.getLogger(__name__)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -96,7 +101,7 @@ class PagedLlama:
 
     unsupported_reason = staticmethod(unsupported_reason)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT) -> None:
         reason = type(self).unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"not a supported {type(self).__name__} model: {reason}")
@@ -118,7 +123,10 @@ class PagedLlama:
         self.norm = resident(decoder.norm.weight)
         # The embedding itself when tied; prepacked for oneDNN it becomes a copy (the lookup
         # needs the dense table), which is what makes the vocabulary projection fast.
-        self.lm_head = Linear(model.lm_head.weight.detach())
+        # How every projection's weight is held (``layers.weight_format``; the embedding and
+        # norms stay as loaded): the vocabulary projection's too, a copy when tied.
+        self.weight_format: WeightFormat = weight_format
+        self.lm_head = self.linear(model.lm_head.weight.detach())
         self.vocab_size = self.lm_head.out_features
         self.kernels: KernelChoice = choose_kernels(self.embedding)
         self.rotation = rope_rotation(
@@ -138,6 +146,40 @@ class PagedLlama:
         for index in range(len(decoder.layers)):
             self.layers.append(self.convert_layer(decoder.layers[index]))
             decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
+        if weight_format != DEFAULT_WEIGHT_FORMAT:
+            held = self.projection_bytes()
+            as_fp32 = sum(
+                linear.out_features * linear.in_features * ELEMENT_BYTES[DEFAULT_WEIGHT_FORMAT]
+                for linear in self.projections()
+            )
+            log.info(
+                "CPU projection weights held as %s: %.1f MB (%.1f MB as fp32); the embedding "
+                "and norms stay fp32",
+                weight_format,
+                held / 1e6,
+                as_fp32 / 1e6,
+            )
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        """A projection of this model, its weight held in the model's weight format."""
+        return Linear(weight, bias, self.weight_format)
+
+    def projections(self) -> list[Linear]:
+        """Every ``Linear`` of the model: each layer's (its MLP's too) and the lm_head."""
+        found: list[Linear] = [self.lm_head]
+        for layer in self.layers:
+            for part in (layer, layer.mlp):
+                values = (
+                    [getattr(part, field.name) for field in dataclasses.fields(part)]
+                    if dataclasses.is_dataclass(part)
+                    else list(vars(part).values())
+                )
+                found += [value for value in values if isinstance(value, Linear)]
+        return found
+
+    def projection_bytes(self) -> int:
+        """The bytes the projections' weights take as held (``Linear.nbytes``)."""
+        return sum(linear.nbytes for linear in self.projections())
 
     @property
     def glue(self) -> str:
@@ -160,17 +202,17 @@ class PagedLlama:
         """One transformers decoder layer's weights, converted (then the layer is dropped)."""
         return LlamaLayer(
             input_norm=resident(layer.input_layernorm.weight),
-            qkv=Linear(
+            qkv=self.linear(
                 *fused_qkv(layer.self_attn, self.num_heads, self.num_kv_heads, self.head_dim)
             ),
-            o_proj=Linear(*detached_weights(layer.self_attn.o_proj)),
+            o_proj=self.linear(*detached_weights(layer.self_attn.o_proj)),
             post_norm=resident(layer.post_attention_layernorm.weight),
             mlp=self.convert_mlp(layer.mlp),
         )
 
     def convert_mlp(self, mlp: Any) -> FeedForward:
         """A layer's feed-forward block: the gated MLP in Llama."""
-        return GatedMLP(mlp, self.kernels)
+        return GatedMLP(mlp, self.kernels, self.weight_format)
 
     def adapter_layout(self) -> AdapterLayout:
         """Which projections of each layer a LoRA adapter may adapt, as PEFT names and sees

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from dpserve.engine.layers.weight_format import DEFAULT_WEIGHT_FORMAT, WeightFormat
 from dpserve.engine.models.base import PagedModel
 from dpserve.engine.models.llama import PagedLlama
 from dpserve.engine.models.mixtral import PagedMixtral
@@ -41,9 +42,10 @@ def unsupported_reason(model: Any) -> str | None:
     return found.unsupported_reason(model)
 
 
-def build(model: Any) -> PagedModel:
-    """The paged model for ``model`` (which ``unsupported_reason`` accepted)."""
+def build(model: Any, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT) -> PagedModel:
+    """The paged model for ``model`` (which ``unsupported_reason`` accepted), its projection
+    weights held in ``weight_format`` (``layers.weight_format``)."""
     found = model_class(model)
     if found is None:
         raise ValueError(f"no paged model class: {unsupported_reason(model)}")
-    return found(model)
+    return found(model, weight_format)

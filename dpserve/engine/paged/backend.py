@@ -58,6 +58,7 @@ from dpserve.engine.layers.kv_cache import (
     num_blocks_for_budget,
 )
 from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
+from dpserve.engine.layers.weight_format import DEFAULT_WEIGHT_FORMAT, WeightFormat
 from dpserve.engine.lora.slots import LoraSlots
 from dpserve.engine.models import registry
 from dpserve.engine.models.base import ForwardBatch, PagedModel
@@ -84,6 +85,7 @@ class PagedConfig:
     cuda_graphs: bool = True
     overlap: bool | None = None  # None: on CUDA only (a CPU forward cannot run beside the host)
     prefix_caching: bool = True  # share full blocks of equal prefixes (``block_pool.BlockPool``)
+    weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT  # CPU projections' (layers.weight_format)
 
 
 @dataclass(slots=True)
@@ -133,7 +135,7 @@ class PagedBackend:
 
     def _build(self, model: Any) -> None:
         with torch.inference_mode():
-            self.model: PagedModel | None = registry.build(model)
+            self.model: PagedModel | None = registry.build(model, self.config.weight_format)
             shape = self.model.kv_cache_shape(self.config.block_size)
             num_blocks = self._pool_blocks(shape)
             self.cache: PagedKVCache | None = PagedKVCache(shape, num_blocks, self.device)

@@ -1,6 +1,9 @@
-// The decode step's matrix-vector products on CPU, fp32 (issue 33): out[r, n] = x[r] . w[n]
-// (+ bias[n]), then an epilogue, for a few activation rows x against a row-major weight w
-// [N, K]. Such a product is bound by how fast the weight streams from memory, so the weight is
+// The decode step's matrix-vector products on CPU (issue 33): out[r, n] = x[r] . w[n] (+ bias[n]),
+// then an epilogue, for a few fp32 activation rows x against a row-major weight w [N, K] held as
+// fp32, as bf16 (widened to fp32 in registers by a 16-bit shift) or as int8 with an fp32 scale
+// per output row (w[n, k] ~= q[n, k] * scale[n]: x . q summed in fp32, times scale[n], then the
+// bias and the epilogue; layers/weight_format.py quantizes). Accumulation is fp32 throughout, so
+// a lower-precision weight changes only the bytes streamed: 1/2 or 1/4 of fp32's. Such a product is bound by how fast the weight streams from memory, so the weight is
 // read from memory once for all rows of x:
 // - each weight row is read as one sequential stream, one row at a time, every activation row
 //   multiplied with it as it passes (measured on Zen 4, bench/decode_matmul.py: one stream read
@@ -11,7 +14,7 @@
 //   that the later groups read the tile from there, not from memory.
 // Threads split the output rows (torch's intra-op pool: the engine's thread count).
 //
-// One source, three instruction paths chosen at run time: AVX-512 and AVX2+FMA, each compiled
+// One source, three instruction paths chosen at run time, each for the three weight formats: AVX-512 and AVX2+FMA, each compiled
 // for its own target by function attributes (the file's own target is x86-64-v2, so the AVX2
 // path holds no AVX-512 instruction whichever CPU built it: it is the code an AVX2-only CPU
 // runs), and portable C++ elsewhere. Built and loaded with the other CPU kernels by
@@ -26,7 +29,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -41,6 +46,9 @@ namespace {
 enum Epilogue : int64_t { kNone = 0, kSilu = 1, kMul = 2, kAdd = 3 };
 // Which code computes the dot products (the values match cpu_kernels.py).
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+// How the weight is held, from its dtype: fp32, bf16 (as its 16 raw bits), int8 plus scales.
+enum Format : int { kF32 = 0, kBf16 = 1, kInt8 = 2, kFormats = 3 };
+using Bf16Bits = uint16_t;
 
 // Activation rows per pass over a weight row: their accumulators, the weight vector and an
 // activation vector fit AVX2's 16 registers.
@@ -51,14 +59,43 @@ constexpr int64_t kTile = 16;
 // moves on: far below any L2 (256 KB and up), beside the activation rows themselves.
 constexpr int64_t kL2TileBytes = 64 * 1024;
 
-// One group's operands: x rows `x_stride` floats apart, out rows `out_stride` apart.
+// One group's operands: x rows `x_stride` floats apart, out rows `out_stride` apart; w's
+// elements are of the format's type (float, Bf16Bits or int8_t), `scales` int8's [n] (else null).
 struct Problem {
   const float* x;
   int64_t x_stride;
-  const float* w;
+  const void* w;
+  const float* scales;
   int64_t k;
   float* out;
   int64_t out_stride;
+};
+
+// The finished dot product of weight row n: int8's times its row's scale.
+template <typename W>
+inline float scaled(const Problem& p, int64_t n, float sum) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    return sum * p.scales[n];
+  } else {
+    return sum;
+  }
+}
+
+// One weight element as fp32 (the portable path).
+inline float widen(float w) { return w; }
+inline float widen(Bf16Bits w) { return std::bit_cast<float>(static_cast<uint32_t>(w) << 16); }
+inline float widen(int8_t w) { return static_cast<float>(w); }
+
+// The last `tail` weights of a row, zero-padded to a whole vector: a masked load of bf16 or
+// int8 elements needs AVX-512BW (or none exists on AVX2), and the copy costs one short memcpy a
+// row. x's tail is loaded masked, zeros beyond it, so the padding adds nothing.
+template <typename W, int Lanes>
+struct PaddedTail {
+  alignas(64) W values[Lanes];
+  PaddedTail(const W* w, int64_t tail) {
+    std::memset(values, 0, sizeof(values));
+    std::memcpy(values, w, static_cast<size_t>(tail) * sizeof(W));
+  }
 };
 
 // exp(x) for x <= 0 (Cephes' expf, as in cpu_kernels.cpp): a simd loop vectorizes it.
@@ -79,16 +116,16 @@ inline float exp_nonpositive(float x) {
 
 // ---------------------------------------------------------------------------- portable path
 
-template <int R>
+template <typename W, int R>
 void dots_portable(const Problem& p, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const float* w = p.w + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.k;
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + r * p.x_stride;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < p.k; ++c) sum += w[c] * x[c];
-      p.out[r * p.out_stride + n] = sum;
+      for (int64_t c = 0; c < p.k; ++c) sum += widen(w[c]) * x[c];
+      p.out[r * p.out_stride + n] = scaled<W>(p, n, sum);
     }
   }
 }
@@ -97,26 +134,42 @@ void dots_portable(const Problem& p, int64_t begin, int64_t end) {
 
 // ------------------------------------------------------------------------------ AVX-512 path
 
-// Weight rows [begin, end) against R activation rows, 16 floats a step.
-template <int R>
-__attribute__((target("avx512f"))) void dots_avx512(const Problem& p, int64_t begin,
-                                                    int64_t end) {
+#define DPSERVE_AVX512 target("avx512f")
+
+// 16 weights as fp32: loaded, or widened from 16 bf16 (zero-extended to 32 bits, shifted into
+// the high half) or 16 int8 (sign-extended, converted).
+__attribute__((DPSERVE_AVX512)) inline __m512 widen16(const float* w) {
+  return _mm512_loadu_ps(w);
+}
+__attribute__((DPSERVE_AVX512)) inline __m512 widen16(const Bf16Bits* w) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+__attribute__((DPSERVE_AVX512)) inline __m512 widen16(const int8_t* w) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// Weight rows [begin, end) against R activation rows, 16 weights a step.
+template <typename W, int R>
+__attribute__((DPSERVE_AVX512)) void dots_avx512(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tail = p.k % 16, body = p.k - tail;
   const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
   for (int64_t n = begin; n < end; ++n) {
-    const float* w = p.w + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.k;
     __m512 acc[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < body; c += 16) {
-      const __m512 wv = _mm512_loadu_ps(w + c);
+      const __m512 wv = widen16(w + c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(p.x + r * p.x_stride + c), acc[r]);
       }
     }
-    if (tail != 0) {  // the last K % 16 columns, masked
-      const __m512 wv = _mm512_maskz_loadu_ps(mask, w + body);
+    if (tail != 0) {  // the last K % 16 columns: x masked, w zero-padded
+      const PaddedTail<W, 16> padded(w + body, tail);
+      const __m512 wv = widen16(padded.values);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + r * p.x_stride + body);
@@ -124,7 +177,9 @@ __attribute__((target("avx512f"))) void dots_avx512(const Problem& p, int64_t be
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; ++r) {
+      p.out[r * p.out_stride + n] = scaled<W>(p, n, _mm512_reduce_add_ps(acc[r]));
+    }
   }
 }
 
@@ -140,26 +195,38 @@ __attribute__((DPSERVE_AVX2)) inline float sum_lanes_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 0x55)));
 }
 
-// Weight rows [begin, end) against R activation rows, 8 floats a step (two per 64-byte line).
-template <int R>
+// 8 weights as fp32: loaded, or widened from 8 bf16 or 8 int8 (as widen16, on 256 bits).
+__attribute__((DPSERVE_AVX2)) inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }
+__attribute__((DPSERVE_AVX2)) inline __m256 widen8(const Bf16Bits* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+__attribute__((DPSERVE_AVX2)) inline __m256 widen8(const int8_t* w) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+
+// Weight rows [begin, end) against R activation rows, 8 weights a step.
+template <typename W, int R>
 __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tail = p.k % 8, body = p.k - tail;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t n = begin; n < end; ++n) {
-    const float* w = p.w + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.k;
     __m256 acc[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < body; c += 8) {
-      const __m256 wv = _mm256_loadu_ps(w + c);
+      const __m256 wv = widen8(w + c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x + r * p.x_stride + c), acc[r]);
       }
     }
-    if (tail != 0) {  // the last K % 8 columns, masked
-      const __m256 wv = _mm256_maskload_ps(w + body, mask);
+    if (tail != 0) {  // the last K % 8 columns: x masked, w zero-padded
+      const PaddedTail<W, 8> padded(w + body, tail);
+      const __m256 wv = widen8(padded.values);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_maskload_ps(p.x + r * p.x_stride + body, mask);
@@ -167,7 +234,9 @@ __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, in
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) p.out[r * p.out_stride + n] = sum_lanes_avx2(acc[r]);
+    for (int r = 0; r < R; ++r) {
+      p.out[r * p.out_stride + n] = scaled<W>(p, n, sum_lanes_avx2(acc[r]));
+    }
   }
 }
 
@@ -175,17 +244,23 @@ __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, in
 
 using Dots = void (*)(const Problem&, int64_t, int64_t);
 
-// A path's instantiations for 1 to kGroup rows.
+// A path's instantiations for each weight format and 1 to kGroup rows.
 struct Path {
-  Dots rows[kGroup];
+  Dots rows[kFormats][kGroup];
 };
 
-constexpr Path kPortablePath{{&dots_portable<1>, &dots_portable<2>, &dots_portable<3>,
-                              &dots_portable<4>}};
+// One path's table: `dots` instantiated for each format (in Format's order) and row count.
+#define DPSERVE_PATH(dots)                                                                  \
+  Path {                                                                                    \
+    {{&dots<float, 1>, &dots<float, 2>, &dots<float, 3>, &dots<float, 4>},                  \
+     {&dots<Bf16Bits, 1>, &dots<Bf16Bits, 2>, &dots<Bf16Bits, 3>, &dots<Bf16Bits, 4>},      \
+     {&dots<int8_t, 1>, &dots<int8_t, 2>, &dots<int8_t, 3>, &dots<int8_t, 4>}}              \
+  }
+
+constexpr Path kPortablePath = DPSERVE_PATH(dots_portable);
 #if DPSERVE_X86
-constexpr Path kAvx2Path{{&dots_avx2<1>, &dots_avx2<2>, &dots_avx2<3>, &dots_avx2<4>}};
-constexpr Path kAvx512Path{{&dots_avx512<1>, &dots_avx512<2>, &dots_avx512<3>,
-                            &dots_avx512<4>}};
+constexpr Path kAvx2Path = DPSERVE_PATH(dots_avx2);
+constexpr Path kAvx512Path = DPSERVE_PATH(dots_avx512);
 #endif
 
 bool cpu_has(Isa isa) {
@@ -251,15 +326,36 @@ void finish(float* out, int64_t out_stride, int64_t rows, int64_t begin, int64_t
   }
 }
 
-// x [rows, k] (rows may be strided), weight [n, k] contiguous, bias [n] or none, other
-// [rows, n] (rows may be strided) for kMul / kAdd. Returns [rows, n].
+// The weight's format from its dtype; int8 needs its scales, the others take none.
+Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+    case at::kBFloat16:
+      TORCH_CHECK(!scales.has_value(), "scales go with an int8 weight only");
+      return weight.scalar_type() == at::kFloat ? kF32 : kBf16;
+    case at::kChar:
+      TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
+                      scales->is_contiguous() && scales->numel() == weight.size(0),
+                  "an int8 weight needs float32 scales [n]");
+      return kInt8;
+    default:
+      TORCH_CHECK(false, "decode_matmul takes a float32, bfloat16 or int8 weight, not ",
+                  weight.scalar_type());
+  }
+  return kF32;  // not reached
+}
+
+// x [rows, k] float32 (rows may be strided), weight [n, k] contiguous (float32, bfloat16, or
+// int8 with float32 scales [n]), bias [n] or none, other [rows, n] (rows may be strided) for
+// kMul / kAdd. Returns [rows, n] float32.
 at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& other, int64_t epilogue, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "decode_matmul takes float32");
+                         const std::optional<at::Tensor>& other, int64_t epilogue, int64_t isa,
+                         const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_matmul takes float32 activations");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, k] with contiguous rows");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [n, k]");
+  const Format format = weight_format(weight, scales);
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, "x has ", k, " columns, the weight ", weight.size(1));
   TORCH_CHECK(epilogue >= kNone && epilogue <= kAdd, "unknown epilogue ", epilogue);
@@ -285,10 +381,13 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
   if (rows == 0 || n == 0) return out;
   const Epilogue kind = static_cast<Epilogue>(epilogue);
   const float* x_data = x.data_ptr<float>();
-  const float* w_data = weight.data_ptr<float>();
+  const void* w_data = weight.data_ptr();
+  const float* scale_data = format == kInt8 ? scales->data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  // Weight rows per L2 tile: every group of activation rows runs over it before the next.
-  const int64_t tile_rows = std::max<int64_t>(1, kL2TileBytes / (k * int64_t{sizeof(float)}));
+  // Weight rows per L2 tile, in the format's bytes: every group of activation rows runs over it
+  // before the next.
+  const int64_t tile_rows =
+      std::max<int64_t>(1, kL2TileBytes / std::max<int64_t>(1, k * weight.element_size()));
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
     const int64_t begin = tile_begin * kTile, end = std::min(n, tile_end * kTile);
@@ -296,9 +395,9 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
       const int64_t stop = std::min(end, start + tile_rows);
       for (int64_t first = 0; first < rows; first += kGroup) {
         const int64_t count = std::min(kGroup, rows - first);
-        const Problem group{x_data + first * x.stride(0), x.stride(0), w_data, k,
+        const Problem group{x_data + first * x.stride(0), x.stride(0), w_data, scale_data, k,
                             out_data + first * n, n};
-        path.rows[count - 1](group, start, stop);
+        path.rows[format][count - 1](group, start, stop);
       }
     }
     finish(out_data, n, rows, begin, end, bias_data, kind, other_data, other_stride);
@@ -316,7 +415,7 @@ bool decode_matmul_supports(int64_t isa) {
 TORCH_LIBRARY_FRAGMENT(dpserve_cpu, m) {
   m.def(
       "decode_matmul(Tensor x, Tensor weight, Tensor? bias, Tensor? other, int epilogue, "
-      "int isa) -> Tensor");
+      "int isa, Tensor? scales=None) -> Tensor");
   m.def("decode_matmul_supports(int isa) -> bool", &decode_matmul_supports);
 }
 

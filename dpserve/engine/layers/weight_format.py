@@ -1,0 +1,112 @@
+"""How the CPU engine holds its projection weights (``dpserve engine --cpu-weights``, issue 33):
+fp32 as loaded (the default), bf16, or int8 weight-only with one fp32 scale per output row.
+
+A CPU decode step of a few sequences is bound by how fast the weights stream from memory, so
+halving (bf16) or quartering (int8) their bytes shortens it; activations, accumulators, norms,
+attention and the embedding stay fp32, so the only approximation is the weight's rounding. The
+pure functions here make the low-precision copies; ``linear.Linear`` runs them (the C++ decode
+kernel for small steps, a library path for large ones) and keeps no fp32 copy beside them.
+
+- bf16: the fp32 weight rounded to nearest even (8 significant bits, 7 stored): a relative error
+  of at most 2**-8 per element.
+- int8: symmetric, per output row: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)``
+  in [-127, 127], so ``|q * scale - w| <= scale / 2`` per element. A row of zeros keeps scale 0
+  (its products are 0, as the row's are).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import torch
+
+WeightFormat = Literal["fp32", "bf16", "int8"]
+# The formats, the CLI's choices in this order; the default is the weights as loaded.
+WEIGHT_FORMATS: Final[tuple[WeightFormat, ...]] = ("fp32", "bf16", "int8")
+DEFAULT_WEIGHT_FORMAT: Final[WeightFormat] = "fp32"
+# int8's largest magnitude: symmetric, so -128 is never used and q and -q both exist.
+INT8_MAX: Final = 127
+# Bytes per weight element in each format (int8's scales, 4 bytes a row, come on top).
+ELEMENT_BYTES: Final[dict[WeightFormat, int]] = {"fp32": 4, "bf16": 2, "int8": 1}
+
+
+class WeightFormatRefused(ValueError):
+    """A lower-precision weight format asked for where it cannot be honoured (one line)."""
+
+
+def parse(name: str) -> WeightFormat | None:
+    """``name`` as a weight format, None where it names none."""
+    return next((known for known in WEIGHT_FORMATS if known == name), None)
+
+
+def to_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` rounded to bf16 (nearest even), contiguous."""
+    return weight.detach().to(torch.bfloat16).contiguous()
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)``: int8 ``[n, k]`` and fp32 ``[n]`` with ``q[n] * scales[n] ~= weight[n]``
+    (module docstring), computed in fp32 whatever ``weight``'s dtype."""
+    if weight.dim() != 2:
+        raise ValueError(f"a weight to quantize must be [n, k], got {tuple(weight.shape)}")
+    values = weight.detach().float()
+    scales = values.abs().amax(dim=1) / INT8_MAX
+    divisors = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(values / divisors[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight ``q`` and ``scales`` stand for (``quantize_int8_per_channel``'s inverse
+    up to rounding)."""
+    return q.float().mul_(scales[:, None])
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """A low-precision weight (bf16, or int8 with its ``scales``) as fp32; fp32 as it is."""
+    if weight.dtype == torch.int8:
+        if scales is None:
+            raise ValueError("an int8 weight needs its scales")
+        return dequantize_int8(weight, scales)
+    return weight.float()
+
+
+def weight_bytes(weight: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+    """The bytes a stored weight (and its scales) take."""
+    stored = weight.numel() * weight.element_size()
+    return stored + (0 if scales is None else scales.numel() * scales.element_size())
+
+
+def refusal(
+    weight_format: str, *, device_type: str, dtype: torch.dtype, backend: str = "dpserve"
+) -> str | None:
+    """Why ``weight_format`` cannot be honoured for an engine on ``device_type`` whose model
+    loads as ``dtype`` with ``backend`` (``flags.ENGINE_BACKENDS``); None where it can."""
+    if parse(weight_format) is None:
+        return f"--cpu-weights must be one of {', '.join(WEIGHT_FORMATS)} (got {weight_format!r})"
+    if weight_format == DEFAULT_WEIGHT_FORMAT:
+        return None
+    if backend != "dpserve":
+        return f"--cpu-weights {weight_format} needs dpserve's own engine, not --backend {backend}"
+    if device_type != "cpu":
+        return (
+            f"--cpu-weights {weight_format} is for CPU engines (this one runs on {device_type}, "
+            "with its own --dtype)"
+        )
+    if dtype != torch.float32:
+        return (
+            f"--cpu-weights {weight_format} converts float32 weights (this model loads as {dtype})"
+        )
+    return None
+
+
+def checked(
+    weight_format: str, *, device_type: str, dtype: torch.dtype, backend: str = "dpserve"
+) -> WeightFormat:
+    """``weight_format`` where ``refusal`` finds no reason against it; else
+    ``WeightFormatRefused`` with the reason."""
+    why = refusal(weight_format, device_type=device_type, dtype=dtype, backend=backend)
+    known = parse(weight_format)
+    if why is not None or known is None:
+        raise WeightFormatRefused(why)
+    return known
