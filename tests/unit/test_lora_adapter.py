@@ -199,21 +199,21 @@ def test_missing_and_damaged_files(good: Path, tmp_path: Path) -> None:
         read(pickled)
 
 
-def test_the_stacked_and_the_grouped_delta_agree(good: Path, tmp_path: Path) -> None:
-    """Steps of several adapters run stacked (one shrink and one expand for all, rows masked),
-    a step of one adapter on every row grouped: both add each row its own adapter's delta."""
-    from dpserve.engine.lora.delta import STACK_MAX_RANK, StepAdapters, group_rows
+def test_the_sorted_and_the_grouped_delta_agree(good: Path, tmp_path: Path) -> None:
+    """Steps of several adapters run sorted on CPU (each adapter's rows by its own A and B;
+    tests/unit/test_lora_sorted_rows.py checks each path), a step of one adapter on every row
+    grouped: both add each row its own adapter's delta."""
+    from dpserve.engine.lora.delta import StepAdapters, group_rows
 
     first = read(good)
     second = read(edited(good, tmp_path, {"lora_alpha": 3}))  # same A and B, other scale
     weights = {0: first, 2: second}
     row_slots = [2, -1, 0, 0, 2, -1]
     x = torch.randn(len(row_slots), HIDDEN)
-    stacked = group_rows(row_slots, weights, torch.device("cpu"))
-    assert stacked is not None and stacked.stack is not None
-    assert first.rank + second.rank <= STACK_MAX_RANK
+    mixed = group_rows(row_slots, weights, torch.device("cpu"))
+    assert mixed is not None and mixed.sorted_rows is not None
     out = torch.zeros(len(row_slots), Q + 2 * KV)
-    stacked.add(1, "qkv", x, out)
+    mixed.add(1, "qkv", x, out)
     for row, slot in enumerate(row_slots):
         alone = torch.zeros(1, Q + 2 * KV)
         if slot >= 0:
@@ -221,4 +221,4 @@ def test_the_stacked_and_the_grouped_delta_agree(good: Path, tmp_path: Path) -> 
         assert torch.allclose(out[row : row + 1], alone, atol=1e-5), row
     assert group_rows([-1, -1], weights, torch.device("cpu")) is None
     only = group_rows([0, 0], weights, torch.device("cpu"))
-    assert only is not None and only.stack is None and only.groups[0][1] is None
+    assert only is not None and only.sorted_rows is None and only.groups[0][1] is None

@@ -14,7 +14,7 @@ import torch
 
 from dpserve.engine.kernels import triton_layer_ops, triton_lora
 from dpserve.engine.lora import delta
-from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta, StepAdapters, group_rows
+from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta, StepAdapters
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
 pytest.importorskip("triton", reason=TRITON_MISSING)
@@ -69,7 +69,7 @@ def stacked_step(
 ) -> StepAdapters:
     """The stacked form of the step, all of ``adapters`` in the stack (``row_slots`` index
     them), as ``group_rows`` builds it (which would group one adapter's single row instead)."""
-    stack = delta._stack_of(tuple(adapters))
+    stack = delta._combination(delta._Stack, tuple(adapters))
     return StepAdapters(stack=stack, row_adapter=torch.tensor(row_slots, device=device))
 
 
@@ -80,9 +80,8 @@ def test_the_stack_gives_each_adapter_its_columns_and_rank() -> None:
         adapter(2, 16, {"qkv": shapes["qkv"]}, torch.float32),  # no o_proj
         adapter(3, 32, shapes, torch.float32),
     ]
-    step = group_rows([0, 1, 2, -1], dict(enumerate(adapters)), torch.device("cpu"))
-    assert step is not None and step.stack is not None  # the engine's stacked form
-    stack = step.stack
+    stack = stacked_step(adapters, [0, 1, 2, -1]).stack  # the engine's form on CUDA
+    assert stack is not None
     qkv, o_proj = stack.layers[0]["qkv"], stack.layers[0]["o_proj"]
     assert qkv.starts.tolist() == [0, 8, 24] and qkv.ranks.tolist() == [8, 16, 32]
     assert qkv.max_rank == 32 and qkv.starts.dtype == torch.int32

@@ -345,6 +345,27 @@ def decode_attention(
     return out
 
 
+# The columns of B whose non-zero rank rows ``lora_delta`` is told (csrc: kLoraSpanColumns).
+LORA_SPAN_COLUMNS = 64
+
+
+def lora_delta(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    spans: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+) -> None:
+    """``out[row] += x[row] @ a[i] @ b[i]`` in place for each row of ``rows`` (int64, adapter
+    by adapter; adapter ``i``'s run begins at ``starts[i]``), ``a`` ``[adapters, in, rank]``,
+    ``b`` ``[adapters, rank, width]`` (rank a multiple of 16), ``spans`` ``[adapters,
+    ceil(width / LORA_SPAN_COLUMNS), 2]`` the rank rows of ``b`` not all zero in each block of
+    columns (``lora.sorted_rows``)."""
+    torch.ops.dpserve_cpu.lora_delta(x, out, a, b, spans, rows, starts)
+
+
 # What ``decode_matmul`` does after the product (csrc/decode_matmul.cpp's Epilogue).
 EPILOGUE_NONE, EPILOGUE_SILU, EPILOGUE_MUL, EPILOGUE_ADD = range(4)
 # Which instruction path computes it (csrc/decode_matmul.cpp's Isa): the fastest this CPU

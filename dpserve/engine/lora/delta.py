@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 
 from dpserve.engine.kernels import triton_layer_ops, triton_lora
+from dpserve.engine.lora.sorted_rows import PaddedAdapters, SortedRows, sort_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +71,11 @@ class StackedDelta:
 # columns (the base rows' and other adapters' zeroed by a mask), which beats gathering and
 # scattering each adapter's rows while that product stays small next to the projection.
 STACK_MAX_RANK: Final = 128
-_STACKS_KEPT: Final = 8  # combinations of adapters whose stacked weights are kept
+_COMBINATIONS_KEPT: Final = 8  # combinations of adapters whose weights are kept together
 
 
 class _Stack:
-    """The stacked deltas of a combination of adapters, built once and kept for the next
-    steps of the same combination (most steps run the same adapters as the one before)."""
+    """The stacked deltas of a combination of adapters (kept by ``_combination``)."""
 
     def __init__(self, adapters: tuple[AdapterWeights, ...]) -> None:
         self.adapters = adapters  # held: the cache's key is their identities
@@ -109,19 +109,23 @@ class _Stack:
             self.layers.append(modules)
 
 
-_stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+_Combination = TypeVar("_Combination", _Stack, PaddedAdapters)
+_combinations: OrderedDict[tuple[object, ...], _Stack | PaddedAdapters] = OrderedDict()
 
 
-def _stack_of(adapters: tuple[AdapterWeights, ...]) -> _Stack:
-    key = tuple(id(weights) for weights in adapters)
-    stack = _stacks.get(key)
-    if stack is None:
-        stack = _stacks[key] = _Stack(adapters)
-        while len(_stacks) > _STACKS_KEPT:
-            _stacks.popitem(last=False)
-    else:
-        _stacks.move_to_end(key)
-    return stack
+def _combination(kind: type[_Combination], adapters: tuple[AdapterWeights, ...]) -> _Combination:
+    """The weights of ``adapters`` together as ``kind`` lays them out, built once and kept
+    for the steps that follow (most steps run the same adapters as the one before)."""
+    key = (kind, *(id(weights) for weights in adapters))
+    found = _combinations.get(key)
+    if isinstance(found, kind):
+        _combinations.move_to_end(key)
+        return found
+    built = kind(adapters)
+    _combinations[key] = built
+    while len(_combinations) > _COMBINATIONS_KEPT:
+        _combinations.popitem(last=False)
+    return built
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +139,15 @@ class StepAdapters:
       other columns masked to zero; on CUDA the Triton kernels (``kernels.triton_lora``),
       which multiply each row by its own adapter's columns only.
 
+    * sorted (``sorted_rows``, on CPU): each adapter's rows multiplied by its own A and B only
+      (``lora.sorted_rows``).
+
     The grouped form (adapters whose ranks together pass ``STACK_MAX_RANK``, or one adapter
     for every row: then nothing is gathered) stays on torch on CUDA too.
     """
 
     groups: tuple[tuple[AdapterWeights, torch.Tensor | None], ...] = ()
+    sorted_rows: SortedRows | None = None
     stack: _Stack | None = None
     row_adapter: torch.Tensor | None = None
     _masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)
@@ -147,6 +155,9 @@ class StepAdapters:
     def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add the delta of projection ``module`` of layer ``layer`` over input ``x`` to
         ``out`` (the base projection's output)."""
+        if self.sorted_rows is not None:
+            self.sorted_rows.add(layer, module, x, out)
+            return
         if self.stack is not None:
             self._add_stacked(layer, module, x, out)
             return
@@ -209,8 +220,9 @@ def group_rows(
     row_slots: list[int], weights_of: dict[int, AdapterWeights], device: torch.device
 ) -> StepAdapters | None:
     """The step's adapters from each row's slot (-1: the base model); None when no row has
-    an adapter (the step then runs exactly as without LoRA). Stacked while the adapters'
-    ranks together stay within ``STACK_MAX_RANK`` and not every row is one adapter's."""
+    an adapter (the step then runs exactly as without LoRA). Grouped when every row is one
+    adapter's; otherwise sorted on CPU, and elsewhere stacked while the adapters' ranks
+    together stay within ``STACK_MAX_RANK``."""
     rows_of: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
@@ -221,11 +233,17 @@ def group_rows(
     slots = sorted(rows_of)
     adapters = tuple(weights_of[slot] for slot in slots)
     one_for_all = len(slots) == 1 and len(rows_of[slots[0]]) == total
+    if not one_for_all and device.type == "cpu":
+        padded = _combination(PaddedAdapters, adapters)
+        return StepAdapters(
+            sorted_rows=sort_rows(padded, [rows_of[slot] for slot in slots], device)
+        )
     if not one_for_all and sum(weights.rank for weights in adapters) <= STACK_MAX_RANK:
         index_of = {slot: index for index, slot in enumerate(slots)}
         row_adapter = torch.tensor([index_of.get(slot, -1) for slot in row_slots])
         return StepAdapters(
-            stack=_stack_of(adapters), row_adapter=row_adapter.to(device, non_blocking=True)
+            stack=_combination(_Stack, adapters),
+            row_adapter=row_adapter.to(device, non_blocking=True),
         )
     groups = tuple(
         (
