@@ -162,6 +162,12 @@ class Register(NamedTuple):
     # of its turns in one message (an int: no field is a bool on the wire). Optional: added
     # after protocol version 1; an engine that leaves it off gets one ENGINE_REQUEST each.
     batched_requests: int = 0
+    # The LoRA adapters the engine loaded at run time (LOAD_ADAPTER; not its --lora-modules,
+    # which every engine started with those flags holds anyway), name -> directory: a
+    # restarted coordinator adopts those it does not know and sends them to engines that
+    # register later (coordinator.adapters checks them). None: none. Optional: added after
+    # protocol version 1.
+    adapters: dict[str, str] | None = None
 
 
 class RegisterAck(NamedTuple):

@@ -4,6 +4,11 @@ way sent to every engine that registers later (a restarted engine gets them back
 adapters each engine reports with its heartbeats are checked here (``check_adapter_report``)
 before STATUS shows them.
 
+A restarted coordinator does not know what was loaded through its predecessor; the engines do,
+and say so when they register again (REGISTER's ``adapters``, checked by
+``check_runtime_adapters``): what this coordinator does not know is adopted into ``loaded``, so
+that replacement and new engines get it too.
+
 Unlike control signals these change no control state: any number may be in flight at once,
 each under an id of the coordinator's own (clients' control ids may collide)."""
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +56,31 @@ def check_adapter_report(raw: object) -> dict[str, Any]:
         ):
             raise MalformedAdapterReport(f"adapter {name}: want [loaded, running, waiting]")
     return {"max_loras": max_loras, "adapters": dict(adapters)}
+
+
+def check_runtime_adapters(raw: object) -> dict[str, str]:
+    """An engine's REGISTER ``adapters``, ``{name: directory}`` of those it loaded at run time,
+    checked as a load through the API is (``MalformedAdapterReport`` otherwise)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise MalformedAdapterReport("adapters must be a map of name to directory")
+    limits = DEFAULT_LORA_LIMITS
+    if len(raw) > limits.max_registered_loras:
+        raise MalformedAdapterReport(f"adapters: {len(raw)} adapters is too many")
+    for name, path in raw.items():
+        try:
+            check_lora_name(name)
+        except InvalidSamplingParams as exc:
+            raise MalformedAdapterReport(str(exc)) from None
+        if not isinstance(path, str) or not path:
+            raise MalformedAdapterReport(f"adapter {name}: the directory must be a string")
+        if len(path) > limits.max_lora_path_chars:
+            raise MalformedAdapterReport(
+                f"adapter {name}: the directory has more than "
+                f"{limits.max_lora_path_chars} characters"
+            )
+    return dict(raw)
 
 
 @dataclass(slots=True)
@@ -120,10 +151,47 @@ class AdapterRelay:
             operation.errors.append(f"engine rank {engine.rank}: {ack.error}")
         self._maybe_finish(ack.control_id)
 
-    def engine_joined(self, identity: bytes) -> None:
-        """A new engine loads every adapter loaded through this coordinator."""
+    def engine_joined(self, engine: Engine, reported: Mapping[str, str] | None = None) -> None:
+        """A new engine loads every adapter loaded through this coordinator but those it
+        reports holding. ``reported``: the adapters it loaded at run time (REGISTER's, checked);
+        one this coordinator does not know was loaded through a coordinator before it (a
+        restart): it is adopted, and sent to the engines registered before this one."""
+        reported = reported or {}
+        for name, path in reported.items():
+            known = self.loaded.get(name)
+            if known is None:
+                self._adopt(engine, name, path)
+            elif known != path:
+                log.warning(
+                    "engine rank %d holds adapter %s from %s; keeping %s, the directory this "
+                    "coordinator knows",
+                    engine.rank,
+                    name,
+                    path,
+                    known,
+                )
         for name, path in self.loaded.items():
-            self.shared.transport.send(identity, protocol.encode(LoadAdapter(0, name, path)))
+            if name not in reported:  # one it holds under another directory: a load would fail
+                payload = protocol.encode(LoadAdapter(0, name, path))
+                self.shared.transport.send(engine.identity, payload)
+
+    def _adopt(self, reporter: Engine, name: str, path: str) -> None:
+        """Adapter ``name``, reported by an engine that registered, was loaded through a
+        coordinator before this one. The engines registered before it cannot hold it (it
+        would have been adopted from them, or loaded through this coordinator): they load
+        it now, as those that register later will."""
+        self.loaded[name] = path
+        others = [e for e in self.shared.registry.engines if e != reporter.identity]
+        log.info(
+            "adapter %s (%s) adopted from engine rank %d; loading it on %d other engine(s)",
+            name,
+            path,
+            reporter.rank,
+            len(others),
+        )
+        payload = protocol.encode(LoadAdapter(0, name, path))
+        for identity in others:
+            self.shared.transport.send(identity, payload)
 
     def engine_left(self, engine: Engine) -> None:
         for own_id, operation in list(self._operations.items()):

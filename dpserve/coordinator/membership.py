@@ -9,7 +9,12 @@ import logging
 import time
 
 from dpserve import protocol
-from dpserve.coordinator.adapters import AdapterRelay, MalformedAdapterReport, check_adapter_report
+from dpserve.coordinator.adapters import (
+    AdapterRelay,
+    MalformedAdapterReport,
+    check_adapter_report,
+    check_runtime_adapters,
+)
 from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.engine_stats import MalformedEngineStats, check_engine_stats
@@ -81,7 +86,7 @@ class Membership:
         )
 
     def on_register(self, identity: bytes, register: Register) -> None:
-        rank, capacity, instance, batched_requests = register
+        rank, capacity, instance, batched_requests, runtime_adapters = register
         if identity in self.shared.clients:
             raise ProtocolError("a client cannot register as an engine")
         if capacity < 1:
@@ -106,7 +111,7 @@ class Membership:
         )
         self._ack_register(identity)
         self.control.engine_joined(identity)
-        self.adapters.engine_joined(identity)
+        self.adapters.engine_joined(engine, self._runtime_adapters(engine, runtime_adapters))
         self._probe_rank(engine)
         self.dispatcher.dispatch_queued()
 
@@ -141,6 +146,15 @@ class Membership:
             )
             return
         self.shared.transport.send(identity, protocol.encode(HeartbeatAck(self.shared.instance_id)))
+
+    def _runtime_adapters(self, engine: Engine, raw: object) -> dict[str, str]:
+        """The adapters a registering engine loaded at run time; a malformed report is dropped
+        (the engine still registers: it is sent what this coordinator knows)."""
+        try:
+            return check_runtime_adapters(raw)
+        except MalformedAdapterReport as exc:
+            log.warning("engine rank %d: run-time adapters dropped: %s", engine.rank, exc)
+            return {}
 
     def _keep_adapters(self, engine: Engine, raw: object) -> None:
         try:

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -89,12 +90,13 @@ class EngineConnection:
         """Send one ``dpserve.protocol`` record."""
         self.socket.send(protocol.encode(record), zmq.NOBLOCK)
 
-    def register(self) -> bool:
+    def register(self, adapters: Mapping[str, str] | None = None) -> bool:
         """Send REGISTER if one is due; True when one went out. Call it as often as you like
         until registered: it sends once per connection to the coordinator, and never while
         nothing is connected (a DEALER queues what it cannot send, and the coordinator would
         get, and answer, every REGISTER queued while it was down). ``register_again`` makes
-        the next call send on the same connection. Raises ``EngineRefused`` once the
+        the next call send on the same connection. ``adapters``: the LoRA adapters loaded at
+        run time (name -> directory), for REGISTER. Raises ``EngineRefused`` once the
         coordinator refused the handshake: the engine could only wait forever, so it had
         better exit and show why."""
         self.check_handshake()
@@ -108,7 +110,15 @@ class EngineConnection:
             return False
         self._registered_on = self._connections
         self._register_sent = now
-        self.send(Register(self.rank, self.capacity, self.instance, batched_requests=1))
+        self.send(
+            Register(
+                self.rank,
+                self.capacity,
+                self.instance,
+                batched_requests=1,
+                adapters=dict(adapters) if adapters else None,
+            )
+        )
         return True
 
     def register_again(self) -> None:

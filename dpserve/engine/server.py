@@ -124,6 +124,9 @@ class EngineServer:
         self.handing_off = False
         self.handed_off = False
         self._held: dict[int, _Held] = {}
+        # The LoRA adapters loaded at run time (LOAD_ADAPTER), name -> directory, reported in
+        # every REGISTER: a restarted coordinator learns them back from its engines.
+        self.runtime_adapters: dict[str, str] = {}
         self._text = RequestText(runner)
         prepare_detokenizing(self._text.tokenizer)
         self._stream_dirty: set[int] = set()
@@ -223,7 +226,8 @@ class EngineServer:
             self.connection.register_again()
         now = time.monotonic()
         if not self.registered:
-            self.connection.register()  # sends only when one is due (one per connection)
+            # Sends only when one is due (one per connection).
+            self.connection.register(self.runtime_adapters)
             self._note_waiting(now)
         elif now - self._last_heartbeat >= self.heartbeat_interval:
             self.connection.send(
@@ -424,8 +428,10 @@ class EngineServer:
             try:
                 if isinstance(signal, LoadAdapter):
                     runner.load_adapter(signal.name, signal.path)
+                    self.runtime_adapters[signal.name] = signal.path
                 else:
                     runner.unload_adapter(signal.name)
+                    self.runtime_adapters.pop(signal.name, None)
             except KeyError:
                 error = f"no LoRA adapter {signal.name!r} is loaded"
             except AdapterError as exc:

@@ -1,20 +1,31 @@
 """LoRA adapters through ``dpserve serve`` and the OpenAI SDK: ``model=<adapter>`` runs the
 adapter (greedy tokens = transformers + peft on the merged model), ``models.list()`` lists it
-with its parent, adapters load and unload at run time, and an unknown one is a 404 naming it."""
+with its parent, adapters load and unload at run time, and an unknown one is a 404 naming it;
+and, with a coordinator and engines started apart, an adapter loaded at run time survives a
+coordinator restart for engines that start after it."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import signal
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from dpserve.client import InferenceClient
+from dpserve.sampling import SamplingParams
 from tests.integration.conftest import serving
+from tests.integration.runtime import Processes, free_port, wait_for_engines
+from tests.integration.test_runtime import FAST
 from tests.lora_adapters import make_adapter, merged_model, reference_greedy
 
 PROMPT = "The quick brown fox"
@@ -139,3 +150,66 @@ def test_metrics_count_requests_per_adapter(lora_url: str, client: openai.OpenAI
     info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert info and 'max_lora="2"' in info[0] and 'running_lora_adapters="' in info[0]
     assert 'dpserve_lora_adapter_loaded{adapter="adapter-a"} 1.0' in metrics
+
+
+# ------------------------------------------------- a coordinator restart keeps what was loaded
+
+
+async def _engine_with_adapter(client: Any, rank: int, name: str, within: float = 120.0) -> None:
+    """Wait until engine ``rank`` reports adapter ``name`` registered (its heartbeats)."""
+    deadline = time.monotonic() + within
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        status = await asyncio.wait_for(client.get_status(), 5)
+        for engine in status.get("engine_list", []):
+            held = (engine.get("adapters") or {}).get("adapters", {})
+            if engine["rank"] == rank and name in held:
+                return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"engine {rank} never reported {name}: {status.get('engine_list')}")
+
+
+async def test_a_restarted_coordinator_gives_new_engines_what_was_loaded_before(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter loaded at run time, then the coordinator killed and restarted: the engine
+    re-registers naming it, and an engine that starts after the restart loads it and serves it
+    (greedy output = what the adapter gave before the restart, not the base model's)."""
+    processes = Processes(tmp_path)
+    port = free_port()
+    engine = (
+        "--model", str(tiny_model_path), "--device", "cpu", "--enable-lora",
+        "--max-loras", "2", "--coordinator-timeout", "1",
+    )  # fmt: skip
+    prompt = AutoTokenizer.from_pretrained(tiny_model_path)(PROMPT)["input_ids"]
+    greedy = SamplingParams(num_tokens_to_generate=MAX_TOKENS, temperature=0, ignore_eos=True)
+    adapter = dataclasses.replace(greedy, lora_name="adapter-b")
+    try:
+        coordinator = processes.coordinator(port, *FAST)
+        processes.spawn("engine-0", "engine", "--coordinator", f"tcp://127.0.0.1:{port}",
+                        "--rank", "0", *engine)  # fmt: skip
+        async with InferenceClient(port, handshake_timeout=20) as client:
+            await wait_for_engines(client, 1, within=120)
+            error = await client.load_lora_adapter("adapter-b", str(adapters["adapter-b"]))
+            assert error is None
+            before = await asyncio.wait_for(client.add_request(prompt, adapter), 60)
+            base = await asyncio.wait_for(client.add_request(prompt, greedy), 60)
+            assert before.generated_tokens != base.generated_tokens
+        coordinator.send_signal(signal.SIGKILL)
+        coordinator.wait(10)
+        processes.coordinator(port, *FAST)
+        async with InferenceClient(port, handshake_timeout=20) as client:
+            await wait_for_engines(client, 1, within=60)  # engine 0, registered again
+            processes.spawn("engine-1", "engine", "--coordinator", f"tcp://127.0.0.1:{port}",
+                            "--rank", "1", *engine)  # fmt: skip
+            await wait_for_engines(client, 2, within=120)
+            await _engine_with_adapter(client, 1, "adapter-b")
+            # Engine 0 gone, the new engine answers the adapter's requests.
+            processes.started[1].send_signal(signal.SIGKILL)
+            await wait_for_engines(client, 1, within=30)
+            after = await asyncio.wait_for(client.add_request(prompt, adapter), 60)
+            assert after.engine_rank == 1
+            assert after.generated_tokens == before.generated_tokens
+        assert "adopted from engine rank 0" in processes.log(f"coordinator-{port}")
+    finally:
+        processes.cleanup()
