@@ -33,7 +33,7 @@ from dpserve.engine.cpus import numa_core_sets, usable_cores
 from dpserve.flags import CONSTRAINT_LIMITS, request_limit_flag
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.restarts import Deaths, RestartPolicy, describe_exit
-from dpserve.security import key_files, throwaway
+from dpserve.security import api_tokens, key_files, throwaway
 
 log = logging.getLogger("dpserve.serve")
 
@@ -98,9 +98,11 @@ class LocalDeployment:
     fake: bool = False  # fake engines: the whole stack without a model (tests, demos)
     kv_cache_args: tuple[str, ...] = ()  # the engines' KV-cache flags, as given to serve
     lora_args: tuple[str, ...] = ()  # the engines' LoRA flags (flags.lora_args)
+    # The engines' --cpu-weights (engine.layers.weight_format.flag_args; dpserve's engine only).
+    cpu_weights_args: tuple[str, ...] = ()
     routing: str | None = None  # the coordinator's --routing (None: its default)
     credentials: str | None = None  # CURVE keys directory for every process; None: plain ZMQ
-    api_keys: tuple[bytes, ...] | None = field(default=None, repr=False)  # HTTP bearer tokens
+    api_keys: api_tokens.ApiKeys | None = field(default=None, repr=False)  # HTTP bearer tokens
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
@@ -200,6 +202,7 @@ class LocalDeployment:
                 engine += ["--torch-threads", str(threads)]
                 engine += self.kv_cache_args
                 engine += self.lora_args
+                engine += self.cpu_weights_args
                 engine += _engine_limit_flags(self.limits)
             if self.max_num_seqs:
                 engine += ["--max-num-seqs", str(self.max_num_seqs)]

@@ -15,6 +15,7 @@ from dpserve import flags
 from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
+from dpserve.engine.layers import weight_format
 from dpserve.security import key_files
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ def add_parser(subparsers: Subcommands) -> None:
     )
     flags.add_constraint_limits(engine)
     flags.add_lora_flags(engine)
+    weight_format.add_flag(engine)
     add_credentials(engine)
     engine.set_defaults(func=run)
 
@@ -116,20 +118,38 @@ def run(args: argparse.Namespace) -> int:
     from dpserve.engine.server import EngineServer
 
     rank = resolve_rank(args.rank)
-    why = flags.backend_flags_error(args) or flags.lora_flags_error(args)
+    why = (
+        flags.backend_flags_error(args)
+        or flags.lora_flags_error(args)
+        or weight_format.flag_error(args)
+    )
     if why is not None:
         print(f"dpserve engine: {why}", file=sys.stderr)
         return 2
     if not args.fake and args.backend == "dpserve":
         # Before the model loads: a bad setting should not cost a load to find.
         from dpserve.engine.layers.linear import small_batch_rows_setting
+        from dpserve.model_loading import pick_device_and_dtype
 
         try:
             small_batch_rows_setting()
+            device, dtype = pick_device_and_dtype(engine_device(args.device, rank), args.dtype)
         except ValueError as exc:
             print(f"dpserve engine: {exc}", file=sys.stderr)
             return 2
-    runner = _runner(args, rank)
+        why = weight_format.refusal(args.cpu_weights, device_type=device.type, dtype=dtype)
+        if why is not None:
+            print(f"dpserve engine: {why}", file=sys.stderr)
+            return 2
+    try:
+        runner = _runner(args, rank)
+    except ValueError as exc:
+        # A format the model's backend cannot honour (the transformers fallback), found once
+        # the model is loaded: one line, as the checks above.
+        if not isinstance(exc, weight_format.WeightFormatRefused):
+            raise
+        print(f"dpserve engine: {exc}", file=sys.stderr)
+        return 2
     address = zmq_address(args.coordinator)
     try:
         keys = key_files.load_peer_keys(args.credentials, "engine") if args.credentials else None
@@ -210,6 +230,7 @@ def _runner(args: argparse.Namespace, rank: int) -> Runner:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_modules=flags.lora_modules(args),
+        cpu_weights=args.cpu_weights,
     )
 
 

@@ -16,6 +16,7 @@ from dpserve.cli.common import (
     api_keys,
 )
 from dpserve.coordinator.routing import RoutingPolicy
+from dpserve.engine.layers import weight_format
 from dpserve.security import key_files
 
 # Where `make vllm` put the Python of vLLM's own install (the Makefile sets it for the tests).
@@ -88,6 +89,7 @@ def add_parser(subparsers: Subcommands) -> None:
     flags.add_request_limits(serve)
     flags.add_http_limits(serve)
     flags.add_lora_flags(serve)
+    weight_format.add_flag(serve)
     serve.set_defaults(func=run)
 
 
@@ -104,7 +106,11 @@ def run(args: argparse.Namespace) -> int:
     if args.step_delay < 0:
         print("dpserve serve: --step-delay must not be negative", file=sys.stderr)
         return 2
-    why = flags.backend_flags_error(args) or flags.lora_flags_error(args)
+    why = (
+        flags.backend_flags_error(args)
+        or flags.lora_flags_error(args)
+        or weight_format.flag_error(args)
+    )
     if why is not None:
         print(f"dpserve serve: {why}", file=sys.stderr)
         return 2
@@ -135,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         torch_threads=args.torch_threads,
         kv_cache_args=_kv_cache_args(args),
         lora_args=flags.lora_args(args),
+        cpu_weights_args=weight_format.flag_args(args),
         fake=args.fake,
         step_delay=args.step_delay,
         backend=args.backend,

@@ -320,3 +320,92 @@ def test_an_engine_refuses_a_low_precision_format_on_another_dtype(tiny_model_pa
 
     with pytest.raises(WeightFormatRefused, match="float32"):
         ModelRunner(str(tiny_model_path), device="cpu", dtype="bfloat16", cpu_weights="bf16")
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+ENGINE = ["engine", "--model", "/no/such/model", "--coordinator", "tcp://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--backend", "vllm"], "needs dpserve's own engine, not --backend vllm"),
+        (["--device", "cuda"], "is for CPU engines (this one runs on cuda"),
+        (["--device", "cpu", "--dtype", "bfloat16"], "converts float32 weights"),
+    ],
+    ids=["vllm", "cuda", "bf16-model"],
+)
+def test_an_engine_refuses_a_format_it_cannot_honour_before_loading(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    """One line and exit status 2, before any model is read (the path does not exist)."""
+    from dpserve.cli import main
+
+    assert main([*ENGINE, "--cpu-weights", "int8", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpserve engine: --cpu-weights int8 ") and message in err
+    assert "\n" not in err
+
+
+def test_an_engine_refuses_a_format_without_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from dpserve.cli import main
+
+    assert main(["engine", "--fake", "--coordinator", "1", "--cpu-weights", "bf16"]) == 2
+    assert "--cpu-weights needs a model (not --fake)" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_format_with_vllm_and_passes_it_to_its_engines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dpserve.cli import build_parser, main
+    from tests.unit.test_local_deployment import Supervised
+
+    assert main(["serve", "--backend", "vllm", "--cpu-weights", "int8"]) == 2
+    assert "dpserve serve: --cpu-weights int8 needs dpserve's own engine" in capsys.readouterr().err
+    assert weight_format.flag_args(build_parser().parse_args(["serve"])) == ()
+    passed = weight_format.flag_args(build_parser().parse_args(["serve", "--cpu-weights", "int8"]))
+    assert passed == ("--cpu-weights", "int8")
+    for backend in ("dpserve", "vllm"):
+        run = Supervised()
+        run.deployment.fake = False
+        run.deployment.backend = backend
+        run.deployment.cpu_weights_args = passed
+        run.deployment.children.clear()
+        run.deployment.start_processes()
+        engine = next(c for c in run.deployment.children if c.name == "engine 0")
+        args = build_parser().parse_args(engine.args[engine.args.index("engine") :])
+        # vLLM's engines are never given it (serve refuses the pair before starting any).
+        assert args.cpu_weights == ("int8" if backend == "dpserve" else "fp32")
+
+
+@needs_kernels
+def test_the_avx2_and_portable_paths_hold_no_avx512_instruction() -> None:
+    """What an AVX2-only CPU runs: no zmm register, mask register or EVEX broadcast in any of
+    their functions, for any format, whichever CPU built the library."""
+    import re
+    import shutil
+    import subprocess
+
+    objdump = shutil.which("objdump")
+    if objdump is None or cpu_kernels._compiler() is None:
+        pytest.skip("needs objdump and this machine's own build of the kernels")
+    listing = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", str(cpu_kernels.build())],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    function = ""
+    seen: set[str] = set()
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line
+            continue
+        name = re.search(r"dots_(?:avx2|portable)<[^>]*>", function)
+        if name is not None:
+            seen.add(name.group(0))
+            assert not any(mark in line for mark in ("zmm", "%k", "{1to")), (function, line)
+    # Every format's instantiations are there (float, bf16's raw bits, int8).
+    for kind in ("float", "unsigned short", "signed char"):
+        assert any(name.endswith(f"<{kind}, 1>") for name in seen), (kind, sorted(seen))

@@ -16,9 +16,14 @@ kernel for small steps, a library path for large ones) and keeps no fp32 copy be
 
 from __future__ import annotations
 
-from typing import Final, Literal
+import argparse
+from typing import TYPE_CHECKING, Final, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that use it: the CLI builds its parsers from the names
+# and flag helpers below, and ``dpserve serve`` never loads torch itself.
 
 WeightFormat = Literal["fp32", "bf16", "int8"]
 # The formats, the CLI's choices in this order; the default is the weights as loaded.
@@ -41,12 +46,16 @@ def parse(name: str) -> WeightFormat | None:
 
 def to_bf16(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` rounded to bf16 (nearest even), contiguous."""
+    import torch
+
     return weight.detach().to(torch.bfloat16).contiguous()
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales)``: int8 ``[n, k]`` and fp32 ``[n]`` with ``q[n] * scales[n] ~= weight[n]``
     (module docstring), computed in fp32 whatever ``weight``'s dtype."""
+    import torch
+
     if weight.dim() != 2:
         raise ValueError(f"a weight to quantize must be [n, k], got {tuple(weight.shape)}")
     values = weight.detach().float()
@@ -64,6 +73,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """A low-precision weight (bf16, or int8 with its ``scales``) as fp32; fp32 as it is."""
+    import torch
+
     if weight.dtype == torch.int8:
         if scales is None:
             raise ValueError("an int8 weight needs its scales")
@@ -78,25 +89,34 @@ def weight_bytes(weight: torch.Tensor, scales: torch.Tensor | None = None) -> in
 
 
 def refusal(
-    weight_format: str, *, device_type: str, dtype: torch.dtype, backend: str = "dpserve"
+    weight_format: str,
+    *,
+    backend: str = "dpserve",
+    device_type: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Why ``weight_format`` cannot be honoured for an engine on ``device_type`` whose model
-    loads as ``dtype`` with ``backend`` (``flags.ENGINE_BACKENDS``); None where it can."""
+    """Why ``weight_format`` cannot be honoured by an engine of ``backend``
+    (``flags.ENGINE_BACKENDS``) on ``device_type`` whose model loads as ``dtype`` (either None:
+    not known yet, not checked); None where it can. One line, for the CLI."""
     if parse(weight_format) is None:
         return f"--cpu-weights must be one of {', '.join(WEIGHT_FORMATS)} (got {weight_format!r})"
     if weight_format == DEFAULT_WEIGHT_FORMAT:
         return None
     if backend != "dpserve":
         return f"--cpu-weights {weight_format} needs dpserve's own engine, not --backend {backend}"
-    if device_type != "cpu":
+    if device_type is not None and device_type != "cpu":
         return (
             f"--cpu-weights {weight_format} is for CPU engines (this one runs on {device_type}, "
             "with its own --dtype)"
         )
-    if dtype != torch.float32:
-        return (
-            f"--cpu-weights {weight_format} converts float32 weights (this model loads as {dtype})"
-        )
+    if dtype is not None:
+        import torch
+
+        if dtype != torch.float32:
+            return (
+                f"--cpu-weights {weight_format} converts float32 weights (this model loads as "
+                f"{dtype})"
+            )
     return None
 
 
@@ -110,3 +130,39 @@ def checked(
     if why is not None or known is None:
         raise WeightFormatRefused(why)
     return known
+
+
+# ------------------------------------------------------------------------ the CLI's flag
+# (here rather than in dpserve.flags, which the operator imports and which so may not import
+# the engine)
+
+FLAG = "--cpu-weights"
+
+
+def add_flag(parser: argparse.ArgumentParser) -> None:
+    """``--cpu-weights`` (``dpserve engine`` and ``dpserve serve``, which passes it on)."""
+    parser.add_argument(
+        FLAG,
+        dest="cpu_weights",
+        choices=WEIGHT_FORMATS,
+        default=DEFAULT_WEIGHT_FORMAT,
+        help="how a CPU engine holds its projection weights: fp32 as loaded, bf16, or int8 with "
+        "a scale per output row; decode steps stream a half or a quarter of the bytes, at a "
+        "small quality cost (bench/cpu_weights.py). dpserve's own engine, on CPU, with a "
+        "float32 model only (default: %(default)s)",
+    )
+
+
+def flag_error(args: argparse.Namespace) -> str | None:
+    """Why ``--cpu-weights`` cannot hold with the other flags (an engine checks its device and
+    dtype itself, once it knows them); None when it can."""
+    if args.cpu_weights != DEFAULT_WEIGHT_FORMAT and args.fake:
+        return f"{FLAG} needs a model (not --fake)"
+    return refusal(args.cpu_weights, backend=args.backend)
+
+
+def flag_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--cpu-weights`` as passed on to each engine: nothing for the default."""
+    if args.cpu_weights == DEFAULT_WEIGHT_FORMAT:
+        return ()
+    return (FLAG, args.cpu_weights)
