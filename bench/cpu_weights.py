@@ -197,6 +197,7 @@ class Result:
     nll: float
     tokens_scored: int
     greedy: list[list[int]]
+    small_rows: int  # decode steps of up to this many sequences run the decode kernel
     step_seconds: dict[int, float] = field(default_factory=dict)
 
 
@@ -273,7 +274,8 @@ def measure(
     paged = runner.backend.model
     weight_bytes = int(paged.projection_bytes()) if hasattr(paged, "projection_bytes") else 0
     nll, scored = _teacher_forced_nll(runner, text_tokens)
-    result = Result(weight_format, weight_bytes, nll, scored, _greedy(runner, prompts))
+    small_rows = int(getattr(getattr(paged, "lm_head", None), "small_rows", 0))
+    result = Result(weight_format, weight_bytes, nll, scored, _greedy(runner, prompts), small_rows)
     for batch in batches:
         result.step_seconds[batch] = _decode_step_seconds(runner, batch, steps, clock)
     runner.release()
@@ -338,9 +340,9 @@ def main() -> None:
     batch_columns = " | ".join(f"step ms, {batch} seq" for batch in args.batches)
     print(
         f"\n| format | weights MB | NLL/token | perplexity | ΔNLL vs fp32 | greedy tokens = fp32 "
-        f"| tokens before first diff | {batch_columns} |"
+        f"| tokens before first diff | kernel up to | {batch_columns} |"
     )
-    print("|---|" + "---:|" * (6 + len(args.batches)))
+    print("|---|" + "---:|" * (7 + len(args.batches)))
     for weight_format, result in results.items():
         share, prefix = _agreement(result.greedy, base.greedy)
         seconds, fp32_seconds = result.step_seconds, base.step_seconds
@@ -351,7 +353,7 @@ def main() -> None:
         print(
             f"| {weight_format} | {result.weight_bytes / 1e6:.0f} | {result.nll:.4f} | "
             f"{math.exp(result.nll):.3f} | {result.nll - base.nll:+.4f} | {share:.3f} | "
-            f"{prefix:.1f} of {GREEDY_TOKENS} | {steps} |"
+            f"{prefix:.1f} of {GREEDY_TOKENS} | {result.small_rows} seq | {steps} |"
         )
 
 

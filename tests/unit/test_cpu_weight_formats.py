@@ -115,20 +115,22 @@ def test_decode_matmul_of_a_low_precision_weight_equals_torch_on_its_dequantized
     bias = torch.randn(out_features, generator=generator)
     other = torch.randn(rows, out_features + 1, generator=generator)[:, :out_features]
     plain = x @ reference.T
-    expected = {
-        cpu_kernels.EPILOGUE_NONE: (None, None, plain),
-        cpu_kernels.EPILOGUE_SILU: (bias, None, functional.silu(plain + bias)),
-        cpu_kernels.EPILOGUE_MUL: (None, other, plain * other),
-        cpu_kernels.EPILOGUE_ADD: (bias, other, plain + bias + other),
-    }
-    for epilogue, (with_bias, with_other, wanted) in expected.items():
-        out = cpu_kernels.decode_matmul(
-            x, stored, with_bias, with_other, epilogue, isa, scales=scales
-        )
-        assert out.dtype == torch.float32 and out.shape == (rows, out_features)
-        # fp32 accumulation in vector order, not torch's: ~1e-6 relative on sums of K products
-        # (int8's products are ~127x larger before the scale, the same relative error).
-        torch.testing.assert_close(out, wanted, rtol=1e-4, atol=1e-5 * in_features**0.5)
+    for with_bias in (None, bias):
+        biased = plain if with_bias is None else plain + with_bias
+        expected = {
+            cpu_kernels.EPILOGUE_NONE: (None, biased),
+            cpu_kernels.EPILOGUE_SILU: (None, functional.silu(biased)),
+            cpu_kernels.EPILOGUE_MUL: (other, biased * other),
+            cpu_kernels.EPILOGUE_ADD: (other, biased + other),
+        }
+        for epilogue, (with_other, wanted) in expected.items():
+            out = cpu_kernels.decode_matmul(
+                x, stored, with_bias, with_other, epilogue, isa, scales=scales
+            )
+            assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+            # fp32 sums in vector order, not torch's: ~1e-6 relative on sums of K products
+            # (int8's products are ~127x larger before the scale: the same relative error).
+            torch.testing.assert_close(out, wanted, rtol=1e-4, atol=1e-5 * in_features**0.5)
 
 
 @needs_kernels

@@ -146,7 +146,7 @@ class PagedLlama:
         for index in range(len(decoder.layers)):
             self.layers.append(self.convert_layer(decoder.layers[index]))
             decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
-        if weight_format != DEFAULT_WEIGHT_FORMAT:
+        if self.device.type == "cpu":  # what --cpu-weights chose, and what it holds
             held = self.projection_bytes()
             as_fp32 = sum(
                 linear.out_features * linear.in_features * ELEMENT_BYTES[DEFAULT_WEIGHT_FORMAT]
