@@ -40,18 +40,18 @@ sets the count instead, anywhere (0: never), and keeps both.
 With a lower-precision weight format (``weight_format``: ``dpserve engine --cpu-weights bf16`` or
 ``int8``, never the default) only the bf16 or int8 copy is kept, in 2 MB pages where the decode
 kernel serves it: steps of up to ``SMALL_BATCH_MAX_ROWS`` rows run the kernel on it (a half or a
-quarter of fp32's bytes streamed), larger ones a library path from the same copy, their
-epilogues as separate torch operations. Which library path was measured (SmolLM2-135M's shapes,
-16-512 rows, one thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine):
-``aten._weight_int8pack_mm`` takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms
-against 0.28 for 16 rows of the 1536x576 projection), so int8 is widened to fp32 a tile of
-``_DEQUANT_TILE_ROWS`` weight rows at a time (the tile stays in cache) and multiplied by
-``F.linear``: 1.0-1.4x oneDNN fp32's time. bf16 is widened the same way (1.0-1.1x fp32's time).
-``F.linear`` in bf16 took 0.5x fp32's time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to
-AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the activations and its
-output to bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU: ``aten::mm.dtype`` is
-CUDA-only): every projection's output and the logits to 8 significant bits, a logit of 15 off by up
-to 0.03, and prefill's numbers unlike decode's. So both formats keep fp32 activations and outputs
+quarter of fp32's bytes streamed), larger ones a library path from the same copy, their epilogues as
+separate torch operations. Which library path was measured (SmolLM2-135M's shapes, 16-512 rows, one
+thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine): ``aten._weight_int8pack_mm``
+takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms against 0.28 for 16 rows of the
+1536x576 projection), so int8 is widened to fp32 a tile of ``_DEQUANT_TILE_ROWS`` weight rows at a
+time (a few MB: it stays in the last-level cache) and multiplied by ``F.linear``: 1.0-1.4x oneDNN
+fp32's time. bf16 is widened the same way (1.0-1.1x fp32's time). ``F.linear`` in bf16 took 0.5x
+fp32's time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to AVX2
+(``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the activations and its output to
+bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU: ``aten::mm.dtype`` has no CPU
+kernel): every projection's output and the logits to 8 significant bits, a logit of 15 off by up to
+0.03, and prefill's numbers unlike decode's. So both formats keep fp32 activations and outputs
 everywhere; the weight's rounding is the only approximation.
 """
 
@@ -101,7 +101,8 @@ _PROBE_BYTES = 192 << 20
 _DENSE_MARGIN = 0.85
 _PROBE_ROUNDS = 5
 # Weight rows widened to fp32 at a time on a low-precision weight's large-step path: 512 x
-# SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, about a core's L2 (module docstring).
+# SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
+# F.linear (measured as fast as widening the whole weight at once: module docstring).
 _DEQUANT_TILE_ROWS = 512
 
 
