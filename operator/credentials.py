@@ -10,12 +10,16 @@ generate``'s layout, see ``dpserve.security``) and keeps it in two Secrets it ow
     and ``client.key_secret`` + ``coordinator.key`` for its own HTTP front;
   - engines: ``engine.key_secret`` and ``coordinator.key``.
 
-  With ``spec.adapters`` the coordinator also gets ``admin.key_secret``: its front then
-  connects with the admin role, which loading and unloading adapters needs (the operator
-  keeps the adapters through that front). Otherwise nothing mounts the admin key pair.
-  Engines cannot read the coordinator's secret key.
+  The coordinator also gets the HTTP tokens: ``http-api-token`` (``--api-key-file``) and
+  ``http-admin-token`` (``--admin-api-key-file``), the only token its front takes for
+  loading and unloading LoRA adapters. With ``spec.adapters`` it also gets
+  ``admin.key_secret``: its front then connects with the admin role, which loading and
+  unloading adapters needs (the operator keeps the adapters through that front, with the
+  admin token). Otherwise nothing mounts the admin key pair. Engines cannot read the
+  coordinator's secret key.
 - ``<name>-client-credentials``: what people and jobs outside the cluster need
-  (``client.key[_secret]``, ``admin.key[_secret]``, ``coordinator.key``); mounted by nothing.
+  (``client.key[_secret]``, ``admin.key[_secret]``, ``coordinator.key`` and both HTTP
+  tokens); mounted by nothing.
   Extracted to a directory, it is a ``--credentials DIR`` for ``dpserve generate``/``http``.
 
 Deleting ``<name>-credentials`` rotates the keys: the operator generates new ones, rewrites
@@ -47,13 +51,16 @@ SECRET_FILE_MODE = 0o440
 _NAMES = (key_files.COORDINATOR, *key_files.ROLES)
 # The HTTP front's bearer token (``--api-key-file``), rotated with the keys.
 API_TOKEN_FILE = "http-api-token"
+# Its admin token (``--admin-api-key-file``): the only one that loads and unloads adapters.
+ADMIN_API_TOKEN_FILE = "http-admin-token"
 KEY_FILES = (
     *(f"{n}.key{suffix}" for n in _NAMES for suffix in ("", "_secret")),
     API_TOKEN_FILE,
+    ADMIN_API_TOKEN_FILE,
 )
 CLIENT_KEY_FILES = (
     "coordinator.key", "client.key", "client.key_secret", "admin.key", "admin.key_secret",
-    API_TOKEN_FILE,
+    API_TOKEN_FILE, ADMIN_API_TOKEN_FILE,
 )  # fmt: skip
 
 
@@ -76,8 +83,22 @@ def generate_key_files() -> dict[str, str]:
         public, secret = zmq.curve_keypair()
         files[f"{name}.key"] = key_files.key_file_text(public)
         files[f"{name}.key_secret"] = key_files.key_file_text(public, secret)
-    files[API_TOKEN_FILE] = secrets.token_urlsafe(32) + "\n"
+    files[API_TOKEN_FILE] = _token()
+    files[ADMIN_API_TOKEN_FILE] = _token()
     return files
+
+
+def _token() -> str:
+    return secrets.token_urlsafe(32) + "\n"
+
+
+def with_admin_token(files: Mapping[str, str]) -> dict[str, str] | None:
+    """``files`` with a new ``http-admin-token`` when they hold none (a key set generated
+    before the token existed: it is added, the keys kept, so upgrading the operator rotates
+    nothing); None when they hold one."""
+    if files.get(ADMIN_API_TOKEN_FILE, "").strip():
+        return None
+    return {**files, ADMIN_API_TOKEN_FILE: _token()}
 
 
 def public_key(text: str) -> str | None:
@@ -147,6 +168,7 @@ COORDINATOR_ITEMS: tuple[tuple[str, str], ...] = (
     ("client.key_secret", "client.key_secret"),
     ("coordinator.key", "coordinator.key"),
     (API_TOKEN_FILE, API_TOKEN_FILE),
+    (ADMIN_API_TOKEN_FILE, ADMIN_API_TOKEN_FILE),
 )
 # The coordinator's items with spec.adapters: its front picks the admin role when the admin
 # key pair is in its directory (``key_files.load_peer_keys``).

@@ -282,7 +282,13 @@ def _ensure_credentials(
     live = cluster.read("v1", "Secret", namespace, secret_name)
     files = credentials.decode_secret_data(live)
     if live is not None and credentials.valid_key_files(files):
-        return files, None
+        completed = credentials.with_admin_token(files)
+        if completed is None:
+            return files, None
+        desired = manifests.credentials_secret(name, namespace, completed)
+        kopf.adopt(desired, owner=body)
+        cluster.replace(replacement_for(desired, live))
+        return completed, f"added {credentials.ADMIN_API_TOKEN_FILE} to Secret/{secret_name}"
     files = credentials.generate_key_files()
     desired = manifests.credentials_secret(name, namespace, files)
     kopf.adopt(desired, owner=body)
@@ -623,7 +629,7 @@ def _sync_adapters(
     # With no engine registered there is nothing to load into: engines that register get
     # the adapters on the first tick after.
     if not todo.empty and reading.engines > 0:
-        token = _api_token(cluster, namespace, name)
+        token = _admin_token(cluster, namespace, name)
         if token is None:
             return  # reconcile creates the Secret
         done: list[str] = []
@@ -674,9 +680,10 @@ def _sync_adapters(
         patch.status["adapters"] = entries
 
 
-def _api_token(cluster: Cluster, namespace: str, name: str) -> str | None:
-    """The HTTP front's bearer token, from ``<name>-credentials`` (never logged)."""
+def _admin_token(cluster: Cluster, namespace: str, name: str) -> str | None:
+    """The HTTP front's admin token (the only one it takes for loading and unloading
+    adapters), from ``<name>-credentials`` (never logged)."""
     secret = cluster.read("v1", "Secret", namespace, credentials.credentials_secret_name(name))
-    text = credentials.decode_secret_data(secret).get(credentials.API_TOKEN_FILE, "")
+    text = credentials.decode_secret_data(secret).get(credentials.ADMIN_API_TOKEN_FILE, "")
     tokens = [line.strip() for line in text.splitlines() if line.strip()]
     return tokens[0] if tokens else None

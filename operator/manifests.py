@@ -108,7 +108,8 @@ def _metadata(name: str, namespace: str, object_name: str, component: str) -> di
 def coordinator_command(spec: DeploymentSpec) -> list[str]:
     # --data-parallel-size 0: do not wait for engines at start; they come and go with scaling.
     # --credentials: CURVE, keys from the mounted <name>-credentials Secret (its coordinator
-    # part); --api-key-file: HTTP /v1/* need the Secret's bearer token. The NetworkPolicy
+    # part); --api-key-file: HTTP /v1/* need the Secret's bearer token, and
+    # --admin-api-key-file: loading and unloading adapters need its admin token. The NetworkPolicy
     # stays as a second fence. --ready-without-engines: with autoscaling that may reach zero
     # engines, the coordinator is ready to take (and hold) requests with none.
     from_zero = spec.autoscaling is not None and spec.autoscaling.from_zero
@@ -117,6 +118,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--credentials", credentials.MOUNT_PATH,
         "--api-key-file", f"{credentials.MOUNT_PATH}/{credentials.API_TOKEN_FILE}",
+        "--admin-api-key-file", f"{credentials.MOUNT_PATH}/{credentials.ADMIN_API_TOKEN_FILE}",
         "--port", str(spec.coordinator.zmq_port),
         "--http-port", str(spec.coordinator.http_port),
         "--data-parallel-size", "0",

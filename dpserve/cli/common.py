@@ -32,8 +32,11 @@ def tokenizer_spec(tokenizer: str | None) -> str | None:
     return resolve_tokenizer(tokenizer)
 
 
-def api_keys(args: argparse.Namespace) -> tuple[bytes, ...] | None:
-    return api_tokens.load_api_keys(args.api_key_file) if args.api_key_file else None
+def api_keys(args: argparse.Namespace) -> api_tokens.ApiKeys | None:
+    """The HTTP front's tokens from --api-key-file and --admin-api-key-file; None: neither."""
+    api = api_tokens.load_api_keys(args.api_key_file) if args.api_key_file else ()
+    admin = api_tokens.load_api_keys(args.admin_api_key_file) if args.admin_api_key_file else ()
+    return api_tokens.ApiKeys(api, admin) if api or admin else None
 
 
 def client_keys(args: argparse.Namespace, address: str) -> key_files.PeerKeys | None:
@@ -76,6 +79,14 @@ def add_api_key_file(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(api_tokens.ENV_API_KEY_FILE),
         help="HTTP /v1/* require `Authorization: Bearer <a line of this file>` "
         f"(env {api_tokens.ENV_API_KEY_FILE})",
+    )
+    parser.add_argument(
+        "--admin-api-key-file",
+        metavar="PATH",
+        default=os.environ.get(api_tokens.ENV_ADMIN_API_KEY_FILE),
+        help="tokens (one a line) that may also call /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter; once any API key is configured, those need one of them "
+        f"(env {api_tokens.ENV_ADMIN_API_KEY_FILE})",
     )
 
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except key_files.CredentialsError as exc:
         print(f"dpserve http: {exc}", file=sys.stderr)
         return 2
-    if http_api_keys is None and not bind.is_loopback(args.host):
+    if (http_api_keys is None or not http_api_keys.api) and not bind.is_loopback(args.host):
         log.warning(
             "HTTP on %s without --api-key-file: anyone who can reach it can use it", args.host
         )

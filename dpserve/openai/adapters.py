@@ -28,6 +28,9 @@ REFRESH_SECONDS: Final = 1.0
 CHANGE_SECONDS: Final = 5.0
 LOAD_ENDPOINT: Final = "/v1/load_lora_adapter"
 UNLOAD_ENDPOINT: Final = "/v1/unload_lora_adapter"
+# The endpoints only an admin API token may call where the front has API keys
+# (security.api_tokens.ApiKeys): a load points every engine at a directory of its choosing.
+ADMIN_ENDPOINTS: Final = frozenset({LOAD_ENDPOINT, UNLOAD_ENDPOINT})
 
 Status = Callable[[], Awaitable[dict[str, Any] | None]]
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from dpserve.client import ClientError, InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.adapters import (
+    ADMIN_ENDPOINTS,
     LOAD_ENDPOINT,
     UNLOAD_ENDPOINT,
     AdapterDirectory,
@@ -270,9 +271,17 @@ def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
 API_KEY_HEADER: Final = "X-Api-Key"
 
 
-def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
-    """Require one of ``tokens`` on the API (``/v1/...``), as ``Authorization: Bearer`` or
-    ``X-Api-Key``; health and metrics stay open for probes and scrapers."""
+def _is_admin_endpoint(request: web.Request) -> bool:
+    """Whether the route the request matched is an admin endpoint: the route, not the raw
+    path, so that no spelling of a path reaches an admin handler unchecked."""
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical in ADMIN_ENDPOINTS
+
+
+def _bearer_auth(keys: api_tokens.ApiKeys) -> Middleware:
+    """Check the API (``/v1/...``) against ``keys`` (``ApiKeys.authorize`` decides), the token
+    as ``Authorization: Bearer`` or ``X-Api-Key``: 401 without one of them, 403 for an API
+    token on an admin endpoint. Health and metrics stay open for probes and scrapers."""
 
     @web.middleware
     async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -281,7 +290,14 @@ def _bearer_auth(tokens: tuple[bytes, ...]) -> Middleware:
             api_key = request.headers.get(API_KEY_HEADER)
             if authorization is None and api_key is not None:
                 authorization = f"Bearer {api_key}"
-            if not api_tokens.bearer_token_matches(authorization, tokens):
+            access = keys.authorize(authorization, admin_endpoint=_is_admin_endpoint(request))
+            if access is api_tokens.Access.NOT_ADMIN:
+                message = (
+                    "Loading and unloading LoRA adapters needs an admin API key "
+                    "(--admin-api-key-file); this key may use the rest of the API."
+                )
+                return HttpError.of(403, message, code="admin_api_key_required").response()
+            if access is api_tokens.Access.UNAUTHENTICATED:
                 message = (
                     "Incorrect API key provided."
                     if authorization
@@ -303,14 +319,15 @@ def create_app(
     tokenizer: BatchTokenizer,
     model_name: str,
     *,
-    api_keys: tuple[bytes, ...] | None = None,
+    api_keys: api_tokens.ApiKeys | None = None,
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
     guard: ConnectionGuard | None = None,
     hold_without_engines: bool = False,
 ) -> web.Application:
     """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
-    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``;
+    ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``,
+    and the admin endpoints 403 unless it is an admin token (``_bearer_auth``);
     ``guard`` is told when each request's handler starts and ends (``serve_http``);
     ``hold_without_engines``: /ready is 200 while the coordinator holds requests for want of
     an engine (``health.readiness``)."""
@@ -329,8 +346,9 @@ def create_app(
     )
     app.router.add_post(CHAT_ENDPOINT, front.counted(CHAT_ENDPOINT, front.chat_completions))
     app.router.add_get(MODELS_ENDPOINT, front.counted(MODELS_ENDPOINT, front.models))
-    # Admin work: behind the API keys like all of /v1, and the coordinator relays it only
-    # from a connection with the admin role (when it uses credentials).
+    # Admin work (ADMIN_ENDPOINTS): with API keys only an admin token may call them, and the
+    # coordinator relays them only from a connection with the admin role (when it uses
+    # credentials).
     app.router.add_post(LOAD_ENDPOINT, front.counted(LOAD_ENDPOINT, front.load_lora_adapter))
     app.router.add_post(UNLOAD_ENDPOINT, front.counted(UNLOAD_ENDPOINT, front.unload_lora_adapter))
     app.router.add_get("/health", front.live)

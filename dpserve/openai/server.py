@@ -16,7 +16,7 @@ from dpserve.client import InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.app import FRONT_KEY, create_app
 from dpserve.openai.connections import ConnectionGuard
-from dpserve.security import key_files
+from dpserve.security import api_tokens, key_files
 from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
 
 log = logging.getLogger("dpserve.openai")
@@ -32,7 +32,7 @@ class FrontConfig:
     port: int
     model_name: str
     credentials: key_files.PeerKeys | None = None  # CURVE keys for the coordinator
-    api_keys: tuple[bytes, ...] | None = dataclasses.field(default=None, repr=False)
+    api_keys: api_tokens.ApiKeys | None = dataclasses.field(default=None, repr=False)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     # /ready is 200 while requests are held for want of an engine (autoscaled from zero).

@@ -24,18 +24,22 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from aiohttp.test_utils import TestClient, TestServer
 
 from dpserve import protocol
 from dpserve.client import CoordinatorUnavailable, InferenceClient, RequestFailed
 from dpserve.engine.fake import fake_token
+from dpserve.openai import create_app
 from dpserve.protocol import ErrorCode, Header
 from dpserve.sampling import SamplingParams
-from dpserve.security import key_files, roles
+from dpserve.security import api_tokens, key_files, roles
+from dpserve.tokenizer import ByteTokenizer
 from tests.integration.runtime import DPSERVE, Processes, free_port, wait_for_engines
 
 pytestmark = pytest.mark.timeout(120)
 
 FAST = ("--heartbeat-timeout", "1.5")
+ADMIN_TOKEN = "admin-token-9876543210"
 
 
 def expected_tokens(prompt: str, count: int) -> list[int]:
@@ -502,9 +506,12 @@ def _http(url: str, token: str | None = None, body: dict | None = None) -> tuple
 
 @pytest.fixture
 def front(processes: Processes, port: int, keys: Path, tmp_path: Path) -> Iterator[str]:
-    """``dpserve coordinator --http-port --credentials --api-key-file`` and one engine."""
+    """``dpserve coordinator --http-port --credentials --api-key-file --admin-api-key-file``
+    and one engine."""
     token_file = tmp_path / "api-keys"
     token_file.write_text("# rotated weekly\nold-token-0123456789\nsecret-token-abcdef\n")
+    admin_file = tmp_path / "admin-api-keys"
+    admin_file.write_text(f"{ADMIN_TOKEN}\n")
     http_port = free_port()
     start_secure(
         processes,
@@ -515,6 +522,8 @@ def front(processes: Processes, port: int, keys: Path, tmp_path: Path) -> Iterat
         str(http_port),
         "--api-key-file",
         str(token_file),
+        "--admin-api-key-file",
+        str(admin_file),
     )
     base = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 60
@@ -555,3 +564,80 @@ def test_bearer_token_guards_the_api_but_not_health_or_metrics(front: str):
     assert status == 200
     assert "dpserve_limit_prompt_tokens 32768.0" in metrics
     assert "dpserve_limit_inflight_per_client 10000.0" in metrics
+
+
+LOAD = ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/adapters/a"})
+UNLOAD = ("/v1/unload_lora_adapter", {"lora_name": "a"})
+
+
+def test_only_the_admin_token_loads_and_unloads_adapters(front: str):
+    for endpoint, body in (LOAD, UNLOAD):
+        status, refused = _http(f"{front}{endpoint}", "secret-token-abcdef", body)
+        assert status == 403, refused
+        assert refused["error"]["code"] == "admin_api_key_required"
+        assert refused["error"]["type"] == "invalid_request_error"
+        assert "--admin-api-key-file" in refused["error"]["message"]
+        assert _http(f"{front}{endpoint}", None, body)[0] == 401
+        assert _http(f"{front}{endpoint}", "admin-token-987654321X", body)[0] == 401
+    # The admin token passes the front; the (fake) engine then has no LoRA support: a 400
+    # with its reason, from past the front's check.
+    status, answer = _http(f"{front}{LOAD[0]}", ADMIN_TOKEN, LOAD[1])
+    assert status == 400 and "serves no LoRA adapters" in str(answer), answer
+    # The admin token may use the rest of the API too.
+    assert _http(f"{front}/v1/models", ADMIN_TOKEN)[0] == 200
+
+
+async def _statuses(zmq_port: int, keys: api_tokens.ApiKeys, token: str | None) -> dict[str, int]:
+    """The front's status for each API path with ``keys`` configured and ``token`` sent (a
+    real aiohttp server and requests; the coordinator is real too)."""
+    client = InferenceClient(zmq_port, handshake_timeout=20)
+    await client.start()
+    try:
+        app = create_app(client, ByteTokenizer(), "m", api_keys=keys)
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        async with TestClient(TestServer(app)) as http:
+            found = {}
+            for endpoint, body in (LOAD, UNLOAD):
+                response = await http.post(endpoint, json=body, headers=headers)
+                found[endpoint] = response.status
+            found["/v1/models"] = (await http.get("/v1/models", headers=headers)).status
+            found["/metrics"] = (await http.get("/metrics")).status
+            return found
+    finally:
+        client.stop()
+
+
+async def test_the_admin_endpoints_need_an_admin_token_once_any_key_is_configured(
+    processes: Processes, port: int
+):
+    processes.coordinator(port, *FAST)
+    processes.fake_engine(port, 0)
+    plain_only = api_tokens.ApiKeys(api=(b"plain",))
+    admin_only = api_tokens.ApiKeys(admin=(b"root",))
+    both = api_tokens.ApiKeys(api=(b"plain",), admin=(b"root",))
+    load, unload, models = LOAD[0], UNLOAD[0], "/v1/models"
+    # An API token never loads; without an admin key configured nobody does through HTTP.
+    found = await _statuses(port, plain_only, "plain")
+    assert (found[load], found[unload], found[models]) == (403, 403, 200)
+    # With admin keys alone the rest of the API stays open, as without keys.
+    found = await _statuses(port, admin_only, None)
+    assert (found[load], found[unload], found[models], found["/metrics"]) == (401, 401, 200, 200)
+    found = await _statuses(port, both, "root")
+    assert found[load] not in (401, 403) and found[models] == 200  # past the front's check
+    found = await _statuses(port, both, "plain")
+    assert (found[load], found[unload], found[models]) == (403, 403, 200)
+    # No keys at all: as before, the front checks nothing (loopback; the coordinator's roles
+    # still apply).
+    client = InferenceClient(port, handshake_timeout=20)
+    await client.start()
+    try:
+        async with TestClient(TestServer(create_app(client, ByteTokenizer(), "m"))) as http:
+            response = await http.post(load, json=LOAD[1])
+            assert response.status not in (401, 403)
+    finally:
+        client.stop()
+
+
+def test_api_keys_are_never_shown():
+    keys = api_tokens.ApiKeys(api=(b"plain-secret",), admin=(b"admin-secret",))
+    assert "secret" not in repr(keys) and "secret" not in str(keys)

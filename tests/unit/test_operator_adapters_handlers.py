@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from kmock import Response
+from kmock import resource as kmock_resource
 
 from dpserve_operator import adapters, credentials, handlers
 from tests.unit.test_operator_handlers import (  # noqa: F401 (fixtures)
@@ -83,10 +84,10 @@ def add(api: Any, spec: dict[str, Any]) -> None:
     }  # fmt: skip
 
 
-def token(api: Any) -> str:
+def token(api: Any, file: str = credentials.ADMIN_API_TOKEN_FILE) -> str:
     secret = live(api, "v1/secrets", credentials.credentials_secret_name("demo"))
     assert secret is not None
-    return base64.b64decode(secret["data"][credentials.API_TOKEN_FILE]).decode().strip()
+    return base64.b64decode(secret["data"][file]).decode().strip()
 
 
 def entries(api: Any) -> list[dict[str, Any]]:
@@ -117,7 +118,8 @@ async def test_the_list_is_loaded_then_edited_through_the_front(api: Any) -> Non
             )
         )
     keys = {key for _, _, key in front.sent}
-    assert keys == {token(api)}, "every change carries the deployment's API token"
+    assert keys == {token(api)}, "every change carries the deployment's admin token"
+    assert token(api) != token(api, credentials.API_TOKEN_FILE)
     unloads = [body["lora_name"] for endpoint, body, _ in front.sent
                if endpoint == adapters.UNLOAD_ENDPOINT]  # fmt: skip
     assert sorted(unloads) == ["a", "b"]
@@ -158,3 +160,43 @@ async def test_nothing_is_sent_without_engines_or_without_adapters(api: Any) -> 
         front.engines = 1  # an engine registers: it gets the list
         await eventually(lambda: front.held == {"a": "/models/a"})
     assert handlers.ADAPTER_SYNC_SECONDS <= 2.0
+
+
+async def test_a_key_set_from_before_the_admin_token_gets_one_and_keeps_its_keys(
+    api: Any,
+) -> None:
+    """An operator upgrade: ``<name>-credentials`` holds a valid key set but no
+    ``http-admin-token``. The token is added, no key rotates, and the operator loads with it."""
+    files = credentials.generate_key_files()
+    del files[credentials.ADMIN_API_TOKEN_FILE]
+    name = credentials.credentials_secret_name("demo")
+    old = {key: base64.b64encode(text.encode()).decode() for key, text in files.items()}
+    api.objects[kmock_resource("v1/secrets"), NS, name] = {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": name, "namespace": NS, "resourceVersion": "1"}, "data": old,
+    }  # fmt: skip
+    replaced: list[dict[str, Any]] = []
+
+    def put(request: Any) -> Response:  # kmock has no PUT: keep what the operator sends
+        replaced.append(dict(request.data))
+        api.objects[kmock_resource("v1/secrets"), NS, name] = replaced[-1]
+        return Response(status=200, payload=replaced[-1])
+
+    api["put", f"/api/v1/namespaces/{NS}/secrets/{name}"] << put
+    front = FakeFront()
+    serve(api, front)
+    add(api, {"model": "m", "image": IMAGE, "modelVolume": MODELS,
+              "adapters": [{"name": "a", "path": "/models/a"}]})  # fmt: skip
+    async with operator_running():
+        await eventually(lambda: front.held == {"a": "/models/a"})
+    assert len(replaced) == 1, "the token is added once"
+    secret = live(api, "v1/secrets", name)
+    assert secret is not None
+    assert {key: secret["data"][key] for key in old} == old, "no key rotated"
+    admin = token(api)
+    assert admin and front.sent[0][2] == admin
+    client = live(api, "v1/secrets", credentials.client_secret_name("demo"))
+    assert client is not None
+    assert (
+        base64.b64decode(client["data"][credentials.ADMIN_API_TOKEN_FILE]).decode().strip() == admin
+    )

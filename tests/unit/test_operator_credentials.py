@@ -204,6 +204,32 @@ def test_the_coordinator_pod_gets_its_secret_key_and_the_allowed_keys(
     }
     # Its HTTP front connects with the client key (not admin: there is none).
     assert key_files.load_peer_keys(directory).role == "client"
+    # And takes both HTTP tokens, each from its file: the API token and the admin token
+    # that alone loads and unloads adapters.
+    (container,) = workloads(files)["coordinator"]["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    for flag, file in (
+        ("--api-key-file", credentials.API_TOKEN_FILE),
+        ("--admin-api-key-file", credentials.ADMIN_API_TOKEN_FILE),
+    ):
+        path = Path(command[command.index(flag) + 1])
+        assert path == Path(MOUNT) / file
+        assert (directory / file).read_text() == files[file]
+    tokens = {files[credentials.API_TOKEN_FILE], files[credentials.ADMIN_API_TOKEN_FILE]}
+    assert len(tokens) == 2
+
+
+def test_a_key_set_without_the_admin_token_gets_one_and_nothing_else_changes(
+    files: dict[str, str],
+) -> None:
+    assert credentials.with_admin_token(files) is None
+    older = {k: v for k, v in files.items() if k != credentials.ADMIN_API_TOKEN_FILE}
+    assert credentials.valid_key_files(older), "still a valid key set: not regenerated"
+    completed = credentials.with_admin_token(older)
+    assert completed is not None
+    token = completed.pop(credentials.ADMIN_API_TOKEN_FILE)
+    assert completed == older and len(token.strip()) >= 40
+    assert credentials.with_admin_token({**older, credentials.ADMIN_API_TOKEN_FILE: " \n"})
 
 
 def test_pod_templates_carry_the_public_key_hash(files: dict[str, str]) -> None:

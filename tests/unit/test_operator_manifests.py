@@ -154,7 +154,8 @@ def test_coordinator_deployment() -> None:
     assert coordinator["command"] == [
         "dpserve", "coordinator", "--host", "0.0.0.0",
         "--credentials", "/etc/dpserve/credentials",
-        "--api-key-file", "/etc/dpserve/credentials/http-api-token", "--port", "5555",
+        "--api-key-file", "/etc/dpserve/credentials/http-api-token",
+        "--admin-api-key-file", "/etc/dpserve/credentials/http-admin-token", "--port", "5555",
         "--http-port", "8000", "--data-parallel-size", "0",
         "--tokenizer", "smollm2-135m-instruct", "--routing", "prefix-aware",
     ]  # fmt: skip
@@ -476,7 +477,7 @@ CONTAINER = ("spec", "template", "spec", "containers", 0)
         ({"image": "ghcr.io/dpserve/runtime-cpu:0.2.0"}, ENGINES, (*CONTAINER, "image"),
          "ghcr.io/dpserve/runtime-cpu:0.2.0"),
         ({"model": "other/model"}, ENGINES, (*CONTAINER, "command", 9), "other/model"),
-        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 15), "other/model"),
+        ({"model": "other/model"}, COORDINATOR, (*CONTAINER, "command", 17), "other/model"),
         ({"coordinator": {"zmqPort": 7000}}, ENGINES, (*CONTAINER, "command", 3),
          "tcp://demo-coordinator.inference.svc:7000"),
         ({"coordinator": {"zmqPort": 7000}}, COORDINATOR_POLICY,
