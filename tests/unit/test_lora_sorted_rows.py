@@ -96,9 +96,13 @@ def test_every_row_gets_its_own_adapters_delta_on_each_path(module: str) -> None
             assert torch.allclose(got, expected[: len(ROW_SLOTS)], atol=1e-5, rtol=1e-4)
 
 
-def test_one_adapter_on_every_row_is_grouped_without_a_gather() -> None:
+def test_one_adapter_on_every_row_runs_the_kernel_or_grouped_without_a_gather() -> None:
     only = group_rows([5, 5], WEIGHTS, torch.device("cpu"))
-    assert only is not None and only.sorted_rows is None and only.groups[0][1] is None
+    assert only is not None
+    if cpu_kernels.available():
+        assert only.sorted_rows is not None and only.sorted_rows.kernel
+    else:
+        assert only.sorted_rows is None and only.groups[0][1] is None
     assert group_rows([-1, -1], WEIGHTS, torch.device("cpu")) is None
 
 

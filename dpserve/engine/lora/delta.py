@@ -24,7 +24,7 @@ from typing import Final, TypeVar
 import torch
 
 from dpserve.engine.kernels import triton_layer_ops, triton_lora
-from dpserve.engine.lora.sorted_rows import PaddedAdapters, SortedRows, sort_rows
+from dpserve.engine.lora.sorted_rows import PaddedAdapters, SortedRows, kernel_runs, sort_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,9 +220,10 @@ def group_rows(
     row_slots: list[int], weights_of: dict[int, AdapterWeights], device: torch.device
 ) -> StepAdapters | None:
     """The step's adapters from each row's slot (-1: the base model); None when no row has
-    an adapter (the step then runs exactly as without LoRA). Grouped when every row is one
-    adapter's; otherwise sorted on CPU, and elsewhere stacked while the adapters' ranks
-    together stay within ``STACK_MAX_RANK``."""
+    an adapter (the step then runs exactly as without LoRA). On CPU sorted, or grouped when
+    every row is one adapter's and the C++ kernel does not run (nothing is gathered then);
+    elsewhere grouped in that case, else stacked while the adapters' ranks together stay
+    within ``STACK_MAX_RANK``."""
     rows_of: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
         if slot >= 0:
@@ -233,7 +234,7 @@ def group_rows(
     slots = sorted(rows_of)
     adapters = tuple(weights_of[slot] for slot in slots)
     one_for_all = len(slots) == 1 and len(rows_of[slots[0]]) == total
-    if not one_for_all and device.type == "cpu":
+    if device.type == "cpu" and (not one_for_all or kernel_runs(adapters)):
         padded = _combination(PaddedAdapters, adapters)
         return StepAdapters(
             sorted_rows=sort_rows(padded, [rows_of[slot] for slot in slots], device)

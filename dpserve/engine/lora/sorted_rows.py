@@ -117,11 +117,17 @@ class SortedRows:
         out.index_add_(0, self.index, expanded.view(adapters * self.per_adapter, -1))
 
 
+def kernel_runs(adapters: tuple[AdapterWeights, ...]) -> bool:
+    """Whether ``SortedRows`` of these adapters runs the C++ kernel (fp32 on CPU, built)."""
+    sample = next(delta.a for layer in adapters[0].layers for delta in layer.values())
+    return cpu_kernels.usable(sample)
+
+
 def sort_rows(
     weights: PaddedAdapters, rows_of: list[list[int]], device: torch.device
 ) -> SortedRows:
     """``SortedRows`` for ``rows_of[i]``, the rows of adapter ``i`` of ``weights``."""
-    sample = next(delta.a for layer in weights.layers for delta in layer.values())
+    dtype = next(delta.a.dtype for layer in weights.layers for delta in layer.values())
     starts = [0]
     for rows in rows_of:
         starts.append(starts[-1] + len(rows))
@@ -134,10 +140,10 @@ def sort_rows(
         keep[start : start + len(rows)] = [1.0] * len(rows)
     return SortedRows(
         weights,
-        cpu_kernels.usable(sample),
+        kernel_runs(weights.adapters),
         torch.tensor([row for rows in rows_of for row in rows], dtype=torch.long),
         torch.tensor(starts, dtype=torch.long),
         torch.tensor(index, dtype=torch.long).to(device),
-        torch.tensor(keep, dtype=sample.dtype).view(len(rows_of), per_adapter, 1).to(device),
+        torch.tensor(keep, dtype=dtype).view(len(rows_of), per_adapter, 1).to(device),
         per_adapter,
     )
