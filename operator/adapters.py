@@ -6,7 +6,8 @@ every engine and sends what it loaded to engines that register later. The handle
 what the engines report (the front's ``/metrics``: ``dpserve_lora_adapter_loaded{adapter}``,
 one series per adapter an engine has registered, its value the engines holding it in a
 slot), ``plan`` the loads and unloads that make it ``spec.adapters``, send them, and write
-``status.adapters`` (``status_entries``).
+``status.adapters`` (``status_entries``), with the ranks holding each from the front's
+``/v1/lora_adapters`` (``read_ranks``; not from ``/metrics``, which has no rank label).
 
 The front reports names, not directories: the directory each adapter was last loaded from
 is remembered in ``status.adapters[].path``, so that an adapter whose path changed in the
@@ -25,6 +26,7 @@ from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .crd import STATUS_SCHEMA
 from .spec import Adapter
 
 LOADED_METRIC: Final = "dpserve_lora_adapter_loaded"
@@ -34,6 +36,12 @@ LOAD_FAILED: Final = "AdapterLoadFailed"
 UNLOAD_FAILED: Final = "AdapterUnloadFailed"
 CHANGED: Final = "AdaptersChanged"
 LOAD_ENDPOINT: Final = "/v1/load_lora_adapter"
+RANKS_ENDPOINT: Final = "/v1/lora_adapters"
+# The most ranks status.adapters[].ranks lists, the first ones ascending: the CRD's bound
+# (its status schema owns it, as crd.py says).
+MAX_LISTED_RANKS: Final[int] = STATUS_SCHEMA["properties"]["adapters"]["items"]["properties"][
+    "ranks"
+]["maxItems"]
 UNLOAD_ENDPOINT: Final = "/v1/unload_lora_adapter"
 # The front's error codes that mean the change is already in place.
 ALREADY_LOADED: Final = "lora_already_loaded"
@@ -137,14 +145,33 @@ def outcome(status: int, payload: Any) -> Outcome:
     return Outcome(False, f"{status}: {message}"[:MAX_ERROR_CHARS])
 
 
+def read_ranks(payload: Any) -> dict[str, list[int]]:
+    """name -> the ranks of the engines holding it, from the front's ``/v1/lora_adapters``;
+    ``MalformedAdapterMetrics`` for anything else."""
+    data = payload.get("data") if isinstance(payload, Mapping) else None
+    if not isinstance(data, list):
+        raise MalformedAdapterMetrics(f"{RANKS_ENDPOINT} answered {str(payload)[:200]}")
+    ranks: dict[str, list[int]] = {}
+    for entry in data:
+        name = entry.get("id") if isinstance(entry, Mapping) else None
+        held = entry.get("ranks") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str) or not isinstance(held, list):
+            raise MalformedAdapterMetrics(f"{RANKS_ENDPOINT}: bad entry {str(entry)[:200]}")
+        ranks[name] = sorted(r for r in held if type(r) is int and r >= 0)[:MAX_LISTED_RANKS]
+    return ranks
+
+
 def status_entries(
     wanted: Iterable[Adapter],
     reported: Mapping[str, int],
     errors: Mapping[str, str],
     loaded_from: Mapping[str, str],
+    ranks: Mapping[str, list[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """``status.adapters``: each wanted adapter, whether engines have it, in how many slots,
-    the directory it was loaded from, and the last error loading it (kept until it loads)."""
+    which engines (``ranks``, the first ``MAX_LISTED_RANKS``; left out when the front did not
+    say), the directory it was loaded from, and the last error loading it (kept until it
+    loads)."""
     entries: list[dict[str, Any]] = []
     for adapter in wanted:
         loaded = adapter.name in reported
@@ -154,6 +181,8 @@ def status_entries(
             "loaded": loaded,
             "loadedEngines": reported.get(adapter.name, 0),
         }
+        if ranks is not None:
+            entry["ranks"] = list(ranks.get(adapter.name, []))[:MAX_LISTED_RANKS]
         if adapter.name in errors:
             entry["error"] = errors[adapter.name]
         entries.append(entry)

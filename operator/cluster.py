@@ -321,6 +321,20 @@ class Cluster:
             extra_headers={API_KEY_HEADER: api_key},
         )
 
+    def coordinator_get(
+        self, namespace: str, service: str, port_name: str, endpoint: str, api_key: str
+    ) -> Any:
+        """GET the coordinator's HTTP ``endpoint`` (JSON) via the service proxy, the key as
+        for ``coordinator_post``; raises ``ApiError`` when it cannot be had."""
+        rbac.require("", "services/proxy", "get")
+        path = resource_path(
+            "v1", "services", namespace, f"{service}:{port_name}", f"proxy{endpoint}"
+        )
+        _, payload = self.request(
+            "GET", path, timeout=HEALTH_TIMEOUT, extra_headers={API_KEY_HEADER: api_key}
+        )
+        return payload
+
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Set an InferenceDeployment's engine count through its scale subresource (what an
         HPA or ``kubectl scale`` does): ``spec.dataParallelSize``."""

@@ -22,8 +22,9 @@
   decides;
 - ``spec.adapters`` changes, and every 2 s while it is set → ``sync_adapters``: read the
   adapters the engines report (the coordinator's ``/metrics``), load and unload through the
-  coordinator's HTTP front (service proxy, the deployment's API token) until they are
-  ``spec.adapters`` (``adapters.plan``), write ``status.adapters``; a failed load or unload
+  coordinator's HTTP front (service proxy, the deployment's admin token) until they are
+  ``spec.adapters`` (``adapters.plan``), write ``status.adapters`` (with the ranks holding
+  each, the front's ``/v1/lora_adapters``); a failed load or unload
   posts a warning event (once per distinct error). No pod restarts: the list is not in any
   pod template.
 
@@ -626,12 +627,12 @@ def _sync_adapters(
     for adapter_name in set(errors) & set(reported):
         del errors[adapter_name]
     todo = adapters.plan(spec.adapters, reported, loaded_from)
+    token = _admin_token(cluster, namespace, name)
+    if token is None:
+        return  # reconcile creates the Secret
     # With no engine registered there is nothing to load into: engines that register get
     # the adapters on the first tick after.
     if not todo.empty and reading.engines > 0:
-        token = _admin_token(cluster, namespace, name)
-        if token is None:
-            return  # reconcile creates the Secret
         done: list[str] = []
 
         def send(endpoint: str, payload: dict[str, str], reason: str, what: str) -> bool:
@@ -675,9 +676,28 @@ def _sync_adapters(
                 loaded_from[adapter.name] = adapter.path
         if done:
             kopf.info(body, reason=adapters.CHANGED, message="; ".join(done))
-    entries = adapters.status_entries(spec.adapters, reported, errors, loaded_from)
+    entries = adapters.status_entries(
+        spec.adapters, reported, errors, loaded_from, _ranks(cluster, namespace, service, token)
+    )
     if entries != [dict(entry) for entry in previous]:
         patch.status["adapters"] = entries
+
+
+def _ranks(
+    cluster: Cluster, namespace: str, service: str, token: str
+) -> dict[str, list[int]] | None:
+    """Which engines hold each adapter (the front's ``/v1/lora_adapters``, from the
+    coordinator's STATUS); None when the front did not say (the status then lists no ranks,
+    rather than stale ones)."""
+    try:
+        return adapters.read_ranks(
+            cluster.coordinator_get(
+                namespace, service, manifests.HTTP_PORT_NAME, adapters.RANKS_ENDPOINT, token
+            )
+        )
+    except (ApiError, adapters.MalformedAdapterMetrics) as error:
+        log.info("adapters of %s: no ranks: %s", service, error)
+        return None
 
 
 def _admin_token(cluster: Cluster, namespace: str, name: str) -> str | None:

@@ -28,6 +28,10 @@ REFRESH_SECONDS: Final = 1.0
 CHANGE_SECONDS: Final = 5.0
 LOAD_ENDPOINT: Final = "/v1/load_lora_adapter"
 UNLOAD_ENDPOINT: Final = "/v1/unload_lora_adapter"
+# dpserve's own: which engines (by rank) hold each adapter, from STATUS (the operator's
+# status.adapters[].ranks). Per-rank residency stays out of /metrics (a label per rank and
+# adapter is too many series).
+RANKS_ENDPOINT: Final = "/v1/lora_adapters"
 # The endpoints only an admin API token may call where the front has API keys
 # (security.api_tokens.ApiKeys): a load points every engine at a directory of its choosing.
 ADMIN_ENDPOINTS: Final = frozenset({LOAD_ENDPOINT, UNLOAD_ENDPOINT})
@@ -51,6 +55,26 @@ def adapters_of(status: dict[str, Any] | None) -> tuple[bool, dict[str, list[int
             total[1] += running
             total[2] += waiting
     return enabled, found
+
+
+def adapter_ranks(status: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per adapter an engine reports, sorted by name: the ranks of the engines that registered
+    it (``ranks``) and of those holding it in a slot (``loaded_ranks``), ascending."""
+    found: dict[str, tuple[set[int], set[int]]] = {}
+    for engine in (status or {}).get("engine_list", []):
+        rank = engine.get("rank")
+        if type(rank) is not int:
+            continue
+        for name, (loaded, _, _) in ((engine.get("adapters") or {}).get("adapters", {})).items():
+            registered, in_slot = found.setdefault(name, (set(), set()))
+            registered.add(rank)
+            if loaded:
+                in_slot.add(rank)
+    return [
+        {"id": name, "object": "lora_adapter", "ranks": sorted(registered),
+         "loaded_ranks": sorted(in_slot)}
+        for name, (registered, in_slot) in sorted(found.items())
+    ]  # fmt: skip
 
 
 class AdapterDirectory:

@@ -20,8 +20,10 @@ from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimi
 from dpserve.openai.adapters import (
     ADMIN_ENDPOINTS,
     LOAD_ENDPOINT,
+    RANKS_ENDPOINT,
     UNLOAD_ENDPOINT,
     AdapterDirectory,
+    adapter_ranks,
     change_adapter,
     parse_adapter_body,
 )
@@ -155,6 +157,16 @@ class HttpFront:
             for name in sorted(self.adapters.names)
         ]
         return web.json_response({"object": "list", "data": [base, *adapters]})
+
+    async def lora_adapter_ranks(self, request: web.Request, outcome: Outcome) -> web.Response:
+        """Which engines hold each adapter (``adapters.adapter_ranks``); 503 while the
+        coordinator does not answer."""
+        status = await self.coordinator_status()
+        if status is None:
+            return HttpError.of(
+                503, "the coordinator did not answer", code="coordinator_unavailable"
+            ).response()
+        return web.json_response({"object": "list", "data": adapter_ranks(status)})
 
     async def load_lora_adapter(self, request: web.Request, outcome: Outcome) -> web.Response:
         return await self._change_adapter(request, load=True)
@@ -351,6 +363,7 @@ def create_app(
     # credentials).
     app.router.add_post(LOAD_ENDPOINT, front.counted(LOAD_ENDPOINT, front.load_lora_adapter))
     app.router.add_post(UNLOAD_ENDPOINT, front.counted(UNLOAD_ENDPOINT, front.unload_lora_adapter))
+    app.router.add_get(RANKS_ENDPOINT, front.counted(RANKS_ENDPOINT, front.lora_adapter_ranks))
     app.router.add_get("/health", front.live)
     app.router.add_get("/livez", front.live)
     app.router.add_get("/ready", front.ready)

@@ -204,8 +204,11 @@ def adapter_list(names: list[str]) -> list[JSON]:
 
 
 def loaded(setup: Setup, names: list[str]) -> bool:
+    """Every one of ``names`` (in order) loaded, on the one engine (rank 0)."""
     entries = setup.status().get("adapters") or []
-    return [(e["name"], e.get("loaded")) for e in entries] == [(n, True) for n in names]
+    return [(e["name"], e.get("loaded"), e.get("ranks")) for e in entries] == [
+        (n, True, [0]) for n in names
+    ]
 
 
 def expected_text(model: Path, adapter: Path | None) -> str:
@@ -265,7 +268,7 @@ def test_two_adapters_from_the_volume_are_loaded(setup: Setup) -> None:
     wait_for(
         lambda: loaded(setup, ["lora-a", "lora-b"]),
         ADAPTER_TIMEOUT,
-        "status.adapters: lora-a and lora-b loaded",
+        "status.adapters: lora-a and lora-b loaded on rank 0",
         diagnostics=setup.diagnostics,
     )
     statefulset = setup.kubectl.json("get", "statefulset", f"{NAME}-engine", "-n", NAMESPACE)
@@ -285,6 +288,22 @@ def test_each_adapter_answers_as_its_merged_model(setup: Setup, tiny_model_path:
     for name, text in answers.items():
         assert text == expected_text(tiny_model_path, adapters / name), name
     assert len({base, *answers.values()}) == 3, (base, answers)
+
+
+def test_the_api_token_cannot_load_adapters(setup: Setup) -> None:
+    """Only the admin token (the operator's) loads and unloads; the API token gets a 403."""
+    body = {"lora_name": "lora-x", "lora_path": f"{MOUNT}/adapters/lora-a"}
+    with PortForward(setup.kubectl, NAMESPACE, f"svc/{NAME}-coordinator", [HTTP_PORT]) as pf:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{pf.local_ports[HTTP_PORT]}/v1/load_lora_adapter",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json",
+                     "Authorization": f"Bearer {setup.token()}"},
+        )  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 403
+    assert json.loads(refused.value.read())["error"]["code"] == "admin_api_key_required"
 
 
 def test_an_edit_unloads_and_loads_without_restarting_a_pod(

@@ -152,6 +152,13 @@ def test_metrics_count_requests_per_adapter(lora_url: str, client: openai.OpenAI
     assert 'dpserve_lora_adapter_loaded{adapter="adapter-a"} 1.0' in metrics
 
 
+def test_the_front_names_the_engines_holding_each_adapter(lora_url: str) -> None:
+    with urllib.request.urlopen(f"{lora_url}/lora_adapters", timeout=30) as reply:
+        listed = json.loads(reply.read())["data"]
+    by_name = {entry["id"]: entry for entry in listed}
+    assert by_name["adapter-a"]["ranks"] == [0]  # loaded at start: registered on engine 0
+
+
 # ------------------------------------------------- a coordinator restart keeps what was loaded
 
 

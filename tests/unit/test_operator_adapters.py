@@ -12,7 +12,7 @@ from dpserve.limits import DEFAULT_LORA_LIMITS
 from dpserve.openai import app as front_app
 from dpserve.openai.metrics import _lora_metrics
 from dpserve_operator import adapters, cluster, credentials, manifests
-from dpserve_operator.crd import spec_field
+from dpserve_operator.crd import STATUS_SCHEMA, spec_field
 from dpserve_operator.spec import (
     ADAPTER_MOUNT_PATH,
     Adapter,
@@ -244,6 +244,29 @@ def test_the_fronts_own_metrics_are_read() -> None:
     assert adapters.read_metrics("dpserve_registered_engines 0.0\n").adapters == {}
     with pytest.raises(adapters.MalformedAdapterMetrics):
         adapters.read_metrics("dpserve_coordinator_up 1.0\n")
+
+
+def test_the_ranks_holding_each_adapter_are_read_and_bounded() -> None:
+    from dpserve.openai.adapters import adapter_ranks
+
+    status = {"engine_list": [
+        {"rank": 1, "adapters": {"max_loras": 2, "adapters": {"a": [1, 0, 0], "b": [0, 0, 0]}}},
+        {"rank": 0, "adapters": {"max_loras": 2, "adapters": {"a": [0, 2, 0]}}},
+        {"rank": 2, "adapters": None},
+    ]}  # fmt: skip
+    page = {"object": "list", "data": adapter_ranks(status)}  # what the front answers
+    assert page["data"][0] == {"id": "a", "object": "lora_adapter", "ranks": [0, 1],
+                               "loaded_ranks": [1]}  # fmt: skip
+    assert adapters.read_ranks(page) == {"a": [0, 1], "b": [1]}
+    many = {"data": [{"id": "a", "ranks": list(range(500, -1, -1))}]}
+    assert adapters.read_ranks(many)["a"] == list(range(adapters.MAX_LISTED_RANKS))
+    for bad in ("nope", {"data": [{"id": 3, "ranks": []}]}, {"data": [{"id": "a"}]}):
+        with pytest.raises(adapters.MalformedAdapterMetrics):
+            adapters.read_ranks(bad)
+    # The CRD allows what the status writes, and says the bound.
+    ranks = STATUS_SCHEMA["properties"]["adapters"]["items"]["properties"]["ranks"]
+    assert ranks["maxItems"] == adapters.MAX_LISTED_RANKS == 64
+    assert "the first 64" in " ".join(ranks["description"].split())
 
 
 def test_status_entries_round_trip_through_the_status() -> None:

@@ -43,11 +43,20 @@ class FakeFront:
         self.held: dict[str, str] = {}
         self.sent: list[tuple[str, dict[str, Any], str | None]] = []
         self.broken: set[str] = set()  # paths whose load the engines refuse
+        self.rank_keys: list[str | None] = []  # the key of each /v1/lora_adapters
 
     def metrics(self) -> Response:
         lines = [f"dpserve_registered_engines {self.engines}.0"]
         lines += [f'dpserve_lora_adapter_loaded{{adapter="{n}"}} 1.0' for n in self.held]
         return Response(status=200, payload="\n".join(lines) + "\n")
+
+    def ranks(self, request: Any) -> Response:
+        """/v1/lora_adapters: every engine holds every adapter (needs the admin token here,
+        as the operator sends it)."""
+        self.rank_keys.append(request.headers.get("X-Api-Key"))
+        data = [{"id": n, "ranks": list(range(self.engines)), "loaded_ranks": []}
+                for n in sorted(self.held)]  # fmt: skip
+        return Response(status=200, payload={"object": "list", "data": data})
 
     def change(self, request: Any) -> Response:
         endpoint = "/" + request.url.path.split("/proxy/", 1)[1]
@@ -72,6 +81,7 @@ def serve(api: Any, front: FakeFront) -> None:
     api["get", f"{PROXY}/metrics"] << (lambda: front.metrics())
     api["post", f"{PROXY}{adapters.LOAD_ENDPOINT}"] << front.change
     api["post", f"{PROXY}{adapters.UNLOAD_ENDPOINT}"] << front.change
+    api["get", f"{PROXY}{adapters.RANKS_ENDPOINT}"] << front.ranks
 
 
 def add(api: Any, spec: dict[str, Any]) -> None:
@@ -155,10 +165,12 @@ async def test_nothing_is_sent_without_engines_or_without_adapters(api: Any) -> 
         await eventually(lambda: resource_status(api).get("observedGeneration") == 1)
         assert not front.sent
         assert entries(api) == [
-            {"name": "a", "path": "/models/a", "loaded": False, "loadedEngines": 0}
+            {"name": "a", "path": "/models/a", "loaded": False, "loadedEngines": 0, "ranks": []}
         ]
-        front.engines = 1  # an engine registers: it gets the list
+        front.engines = 2  # engines register: they get the list, and the status names them
         await eventually(lambda: front.held == {"a": "/models/a"})
+        await eventually(lambda: [e.get("ranks") for e in entries(api)] == [[0, 1]])
+    assert set(front.rank_keys) == {token(api)}
     assert handlers.ADAPTER_SYNC_SECONDS <= 2.0
 
 
