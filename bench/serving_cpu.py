@@ -313,7 +313,7 @@ def build_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
         port = _free_port()
         servers.append(
             Server(
-                name="llama.cpp (f32)",
+                name=f"llama.cpp ({args.gguf.name})",
                 argv=[
                     str(llama_server),
                     "-m",

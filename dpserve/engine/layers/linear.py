@@ -39,20 +39,20 @@ sets the count instead, anywhere (0: never), and keeps both.
 
 With a lower-precision weight format (``weight_format``: ``dpserve engine --cpu-weights bf16`` or
 ``int8``, never the default) only the bf16 or int8 copy is kept, in 2 MB pages where the decode
-kernel serves it: steps of up to ``SMALL_BATCH_MAX_ROWS`` rows run the kernel on it (a half or a
-quarter of fp32's bytes streamed), larger ones a library path from the same copy, their epilogues as
-separate torch operations. Which library path was measured (SmolLM2-135M's shapes, 16-512 rows, one
-thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine): ``aten._weight_int8pack_mm``
-takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms against 0.28 for 16 rows of the
-1536x576 projection), so int8 is widened to fp32 a tile of ``_DEQUANT_TILE_ROWS`` weight rows at a
-time (a few MB: it stays in the last-level cache) and multiplied by ``F.linear``: 1.0-1.4x oneDNN
-fp32's time. bf16 is widened the same way (1.0-1.1x fp32's time). ``F.linear`` in bf16 took 0.5x
-fp32's time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to AVX2
-(``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the activations and its output to
-bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU: ``aten::mm.dtype`` has no CPU
-kernel): every projection's output and the logits to 8 significant bits, a logit of 15 off by up to
-0.03, and prefill's numbers unlike decode's. So both formats keep fp32 activations and outputs
-everywhere; the weight's rounding is the only approximation.
+kernel serves it: steps of up to ``LOW_PRECISION_KERNEL_MAX_ROWS`` rows run the kernel on it (a half
+or a quarter of fp32's bytes streamed), larger ones a library path from the same copy, their
+epilogues as separate torch operations. Which library path was measured (SmolLM2-135M's shapes,
+16-512 rows, one thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine):
+``aten._weight_int8pack_mm`` takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms
+against 0.28 for 16 rows of the 1536x576 projection), so int8 is widened to fp32 a tile of
+``_DEQUANT_TILE_ROWS`` weight rows at a time (a few MB: it stays in the last-level cache) and
+multiplied by ``F.linear``: 1.0-1.4x oneDNN fp32's time. bf16 is widened the same way (1.0-1.1x
+fp32's time). ``F.linear`` in bf16 took 0.5x fp32's time on this CPU (AVX-512-BF16) but 3-5x with
+oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the
+activations and its output to bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU:
+``aten::mm.dtype`` has no CPU kernel): every projection's output and the logits to 8 significant
+bits, a logit of 15 off by up to 0.03, and prefill's numbers unlike decode's. So both formats keep
+fp32 activations and outputs everywhere; the weight's rounding is the only approximation.
 """
 
 from __future__ import annotations
@@ -104,6 +104,16 @@ _PROBE_ROUNDS = 5
 # SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
 # F.linear (measured as fast as widening the whole weight at once: module docstring).
 _DEQUANT_TILE_ROWS = 512
+# The most rows a bf16 or int8 weight's product runs on the decode kernel; beyond, widened in
+# tiles. The kernel beats the tiles well past its fp32 range (there it races oneDNN's packed
+# weight, here fp32 tiles widened and packed on every call): SmolLM2-135M's projections and
+# lm_head, 2 threads, AMD EPYC Zen 4, ms per step (kernel / tiles), int8: 16.5 / 102 at 8 rows,
+# 30 / 105 at 16, 57 / 133 at 32, 114 / 171 at 64; bf16 alike. At 64 rows both grow ~linearly
+# with the kernel ~1.4x steeper, so decode steps (CPU engines run up to ~45 sequences) stay on
+# the kernel and prompt chunks (up to 512 tokens) go to the tiles. Before this bound was 8, a
+# 16-sequence decode step of SmolLM2 took 136 ms in int8 (ITL 300 ms at 16 streams against
+# 43 at 8; issue 33).
+LOW_PRECISION_KERNEL_MAX_ROWS = 64
 
 
 @functools.cache
@@ -348,7 +358,9 @@ class Linear:
         self.decode_kernel = cpu_kernels.available()
         setting = small_batch_rows_setting()
         self.small_rows = (
-            (SMALL_BATCH_MAX_ROWS if setting is None else setting) if self.decode_kernel else 0
+            (LOW_PRECISION_KERNEL_MAX_ROWS if setting is None else setting)
+            if self.decode_kernel
+            else 0
         )
         self.dense = cpu_kernels.huge_page_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
