@@ -31,6 +31,7 @@ from .limits import engine_limit_args, limit_args
 from .spec import (
     ADAPTER_MOUNT_PATH,
     CACHE_DIR,
+    DEFAULT_CPU_WEIGHTS,
     SCRATCH_DIR,
     VLLM_BACKEND,
     DeploymentSpec,
@@ -146,6 +147,8 @@ def engine_command(name: str, namespace: str, spec: DeploymentSpec) -> list[str]
         "--device", spec.engine.device,
         "--ready-file", ENGINE_READY_FILE,
         *([] if spec.engine.prefix_caching else ["--no-prefix-caching"]),
+        *(["--cpu-weights", engine.cpu_weights]
+          if engine.cpu_weights != DEFAULT_CPU_WEIGHTS else []),
         *engine_limit_args(spec.coordinator.limits),
         *(["--backend", VLLM_BACKEND, "--tensor-parallel-size", str(engine.tensor_parallel_size)]
           if vllm else []),

@@ -57,6 +57,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # spec.engine.backend: dpserve's own engine, or vLLM's behind dpserve's protocol.
 DPSERVE_BACKEND, VLLM_BACKEND = "dpserve", "vllm"
+# spec.engine.cpuWeights' default (the CRD's): engines are then started without the flag.
+DEFAULT_CPU_WEIGHTS = "fp32"
 
 # spec.adapterVolume is mounted here (read-only) in the engine pods; spec.adapters' paths
 # point under it or under spec.modelVolume.mountPath.
@@ -141,6 +143,8 @@ class EngineSpec:
     vllm_args: tuple[str, ...] = ()
     # spec.engine.maxLoras: LoRA slots per engine (--max-loras); None: the engine's default.
     max_loras: int | None = None
+    # spec.engine.cpuWeights: how a CPU engine holds its projection weights (--cpu-weights).
+    cpu_weights: str = DEFAULT_CPU_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -655,7 +659,25 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
         image=image,
         vllm_args=vllm_args,
         max_loras=engine.optional_integer("maxLoras"),
+        cpu_weights=_cpu_weights(engine, backend, device, resources),
     )
+
+
+def _cpu_weights(engine: _Reader, backend: str, device: str, resources: Resources) -> str:
+    """``spec.engine.cpuWeights``, refused where the engine would refuse ``--cpu-weights`` at
+    start (``engine.layers.weight_format``): better a message naming the field now than a
+    crash-looping pod."""
+    chosen = engine.choice("cpuWeights")
+    if chosen == DEFAULT_CPU_WEIGHTS:
+        return chosen
+    where = engine.at("cpuWeights")
+    if backend != DPSERVE_BACKEND:
+        engine.fail(where, f"{chosen} is for backend {DPSERVE_BACKEND} (vLLM runs its own)")
+    elif device == "cuda" or GPU_RESOURCE in resources.limits:
+        engine.fail(where, f"{chosen} is for CPU engines; these run on GPUs")
+    elif engine.choice("dtype") not in ("auto", "float32"):
+        engine.fail(where, f"{chosen} needs spec.engine.dtype auto or float32")
+    return chosen
 
 
 def _engine_gpus(

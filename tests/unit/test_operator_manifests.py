@@ -539,6 +539,22 @@ def test_the_vllm_engine_command_parses_with_the_dpserve_cli() -> None:
     assert backend_flags_error(engine) is None
 
 
+def test_cpu_weights_reach_the_engine_and_the_default_adds_no_flag() -> None:
+    """``spec.engine.cpuWeights`` becomes the engine's ``--cpu-weights`` (checked by the real
+    CLI); the default fp32 adds nothing, so existing pods are not rolled by the field."""
+    from dpserve.cli import build_parser
+    from dpserve.engine.layers.weight_format import flag_error
+
+    def engine_command(spec: dict[str, Any]) -> list[str]:
+        command: list[str] = container(children(spec)[("StatefulSet", "demo-engine")])["command"]
+        return command
+
+    assert "--cpu-weights" not in engine_command(MINIMAL_SPEC)
+    command = engine_command(with_(engine={"cpuWeights": "int8"}))
+    engine = build_parser().parse_args(command[1:])
+    assert engine.cpu_weights == "int8" and flag_error(engine) is None
+
+
 # --------------------------------------------------------------------------- invalid specs
 
 
@@ -602,6 +618,18 @@ INVALID_SPECS = [
     case("two-gpus-for-a-dpserve-engine",
          with_(engine={"resources": {"requests": {"nvidia.com/gpu": 2}}}),
          "nvidia.com/gpu: 2 differs from spec.engine.tensorParallelSize (1)"),
+    case("cpu-weights-unknown", with_(engine={"cpuWeights": "q4"}),
+         "spec.engine.cpuWeights: must be one of fp32, bf16, int8; got 'q4'"),
+    case("cpu-weights-on-vllm", with_(engine={"backend": "vllm", "cpuWeights": "int8"}),
+         "spec.engine.cpuWeights: int8 is for backend dpserve (vLLM runs its own)"),
+    case("cpu-weights-on-gpus", with_(engine={"cpuWeights": "bf16", "device": "cuda"}),
+         "spec.engine.cpuWeights: bf16 is for CPU engines; these run on GPUs"),
+    case("cpu-weights-on-a-gpu-resource",
+         with_(engine={"cpuWeights": "int8", "resources": {"limits": {"nvidia.com/gpu": 1}}}),
+         "spec.engine.cpuWeights: int8 is for CPU engines"),
+    case("cpu-weights-bf16-model",
+         with_(engine={"cpuWeights": "int8", "dtype": "bfloat16"}),
+         "spec.engine.cpuWeights: int8 needs spec.engine.dtype auto or float32"),
     case("bad-backend", with_(engine={"backend": "sglang"}),
          "spec.engine.backend: must be one of dpserve, vllm; got 'sglang'"),
     case("vllm-args-on-dpserve", with_(engine={"vllm": {"args": ["--enforce-eager"]}}),
