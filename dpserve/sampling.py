@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_PREFIX_CACHE_LIMITS, DEFAULT_REQUEST_LIMITS
 
@@ -258,3 +259,36 @@ _DEFAULT_PARAMS: Final = SamplingParams()
 _DEFAULTS: Final[dict[str, object]] = {
     name: getattr(_DEFAULT_PARAMS, name) for name in _FIELD_NAMES
 }
+
+
+_Built = TypeVar("_Built")
+_MEMO_SIZE: Final = 1024  # distinct parameter sets remembered (clients reuse a few)
+
+
+class ParamsMemo(Generic[_Built]):
+    """``build(raw)`` of wire sampling parameters, memoized. Most clients send the same few
+    parameter sets over and over, and validating them dominated the submit path (the
+    coordinator's) and was a sixth of an instant fake engine's CPU per request (issue 36).
+    A key holds each value's type beside it, so that ``1``, ``1.0`` and ``True`` (equal in
+    Python) never share an entry: validation may accept one and refuse another. Sets with an
+    unhashable value (lists: stop strings) are built every time; at ``_MEMO_SIZE`` entries the
+    memo starts over. ``build`` must return something shared safely (immutable)."""
+
+    def __init__(self, build: Callable[[Any], _Built]) -> None:
+        self._build = build
+        self._built: dict[tuple[tuple[str, type, Any], ...], _Built] = {}
+
+    def __call__(self, raw: Any) -> _Built:
+        if not isinstance(raw, dict):
+            return self._build(raw)  # its error
+        try:
+            key = tuple((name, type(value), value) for name, value in raw.items())
+            built = self._built.get(key)
+        except TypeError:  # an unhashable value
+            return self._build(raw)
+        if built is None:
+            built = self._build(raw)
+            if len(self._built) >= _MEMO_SIZE:
+                self._built.clear()
+            self._built[key] = built
+        return built

@@ -13,9 +13,7 @@ from dpserve import protocol
 from dpserve.coordinator.config import CoordinatorConfig
 from dpserve.coordinator.registry import Client
 from dpserve.protocol import ControlState, ErrorCode, ProtocolError
-from dpserve.sampling import SamplingParams
-
-_PARAMS_CACHE_SIZE = 1024  # distinct parameter sets remembered (clients reuse a few)
+from dpserve.sampling import ParamsMemo, SamplingParams
 
 Refusal = tuple[str, str]  # (ERROR code, message)
 
@@ -23,7 +21,7 @@ Refusal = tuple[str, str]  # (ERROR code, message)
 class Admission:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self._params_cache: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+        self._params = ParamsMemo(_normalized_params)
 
     def refusal(
         self, client: Client, inflight: int, state: ControlState, prompt: Any
@@ -65,20 +63,13 @@ class Admission:
         return None
 
     def validated_params(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """Checked, normalized sampling parameters (raises ``InvalidSamplingParams``). Most
-        clients send the same few parameter sets over and over, so results are memoized
-        (validation dominated the submit path)."""
-        try:
-            key = tuple(raw.items())
-            cached = self._params_cache.get(key)
-        except TypeError:  # a list value (stop_strings) is not hashable: validate every time
-            return SamplingParams.deserialize(raw).serialize()
-        if cached is None:
-            cached = SamplingParams.deserialize(raw).serialize()
-            if len(self._params_cache) >= _PARAMS_CACHE_SIZE:
-                self._params_cache.clear()
-            self._params_cache[key] = cached
-        return cached
+        """Checked, normalized sampling parameters (raises ``InvalidSamplingParams``),
+        memoized (``sampling.ParamsMemo``; the result is shared: not to be modified)."""
+        return self._params(raw)
+
+
+def _normalized_params(raw: Any) -> dict[str, Any]:
+    return SamplingParams.deserialize(raw).serialize()
 
 
 def is_chat(prompt: object) -> TypeGuard[list[Any]]:

@@ -53,7 +53,7 @@ from dpserve.protocol import (
     RegisterAck,
     UnloadAdapter,
 )
-from dpserve.sampling import InvalidSamplingParams, SamplingParams
+from dpserve.sampling import InvalidSamplingParams, ParamsMemo, SamplingParams
 from dpserve.tokenizer import IncrementalDetokenizer, prepare_detokenizing, push_batch
 
 log = logging.getLogger("dpserve.engine")
@@ -124,6 +124,8 @@ class EngineServer:
         self.handing_off = False
         self.handed_off = False
         self._held: dict[int, _Held] = {}
+        # Requests' sampling parameters, checked once per distinct set (frozen: shared).
+        self._params = ParamsMemo(SamplingParams.deserialize)
         # The LoRA adapters loaded at run time (LOAD_ADAPTER), name -> directory, reported in
         # every REGISTER: a restarted coordinator learns them back from its engines.
         self.runtime_adapters: dict[str, str] = {}
@@ -371,7 +373,7 @@ class EngineServer:
             request = RunnerRequest(
                 request_id,
                 protocol.unpack_tokens(message.prompt_tokens),
-                SamplingParams.deserialize(message.sampling_params),
+                self._params(message.sampling_params),
                 protocol.unpack_tokens(message.resume_tokens),
             )
             self.runner.add(request)

@@ -53,3 +53,26 @@ def test_non_mapping_is_rejected() -> None:
     with pytest.raises(InvalidSamplingParams, match="mapping"):
         SamplingParams.deserialize([1, 2])
     assert SamplingParams.deserialize(None) == SamplingParams()
+
+
+def test_the_params_memo_checks_each_distinct_set_once_and_keeps_types_apart() -> None:
+    """``ParamsMemo`` (the coordinator's admission and the engine's requests): an equal set
+    gets the same checked object back; ``True`` and ``1`` (equal in Python) are told apart,
+    so a value validation refuses is refused after its accepted twin was memoized; sets with a
+    list are checked every time; what is not a map gets its error."""
+    from dpserve.sampling import InvalidSamplingParams, ParamsMemo, SamplingParams
+
+    built: list[object] = []
+
+    def build(raw: object) -> SamplingParams:
+        built.append(raw)
+        return SamplingParams.deserialize(raw)
+
+    memo = ParamsMemo(build)
+    first = memo({"temperature": 0, "ignore_eos": True})
+    assert memo({"temperature": 0, "ignore_eos": True}) is first and len(built) == 1
+    with pytest.raises(InvalidSamplingParams):
+        memo({"temperature": 0, "ignore_eos": 1})
+    assert memo({"stop_strings": ["x"]}) == memo({"stop_strings": ["x"]}) and len(built) == 4
+    with pytest.raises(InvalidSamplingParams, match="must be a mapping"):
+        memo([1])
