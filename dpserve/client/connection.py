@@ -18,14 +18,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from dpserve import protocol
 from dpserve.client.records import CoordinatorRefused, CoordinatorUnavailable
 from dpserve.handshake import WATCHED_EVENTS, HandshakeWatch
-from dpserve.protocol import ProtocolError
+from dpserve.protocol import Header, ProtocolError
 from dpserve.security import key_files, roles
 
 log = logging.getLogger("dpserve.client")
 
 _WAITING_NOTE_EVERY = 10.0  # seconds between log lines while nothing listens yet
+# A SUBMIT_REQUESTS message's bytes beyond its entries' (its header and two array headers).
+_BATCH_OVERHEAD_BYTES = 16
 
 
 class ClientConnection:
@@ -65,6 +68,12 @@ class ClientConnection:
         self._recheck_scheduled = False
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
+        # The most bytes of a SUBMIT_REQUESTS the coordinator reads (its CONNECT_ACK; 0: none,
+        # each request goes as its own SUBMIT_REQUEST). The requests submitted in one turn of
+        # the event loop, packed, wait in ``_submits`` and go out together at its end.
+        self.submit_batch_bytes = 0
+        self._submits: list[bytes] = []
+        self._submit_bytes = 0
 
     def connect(self) -> asyncio.Task[None]:
         """Start watching the connection, connect, and start listening; returns the
@@ -86,7 +95,34 @@ class ClientConnection:
         self.socket.close(linger=0)
         self.context.term()
 
+    def send_submit(self, entry: bytes, single: Callable[[], bytes]) -> None:
+        """Send a request packed by ``protocol.encode_entry``: with the others of this loop
+        turn in one SUBMIT_REQUESTS, or alone (``single()``: its SUBMIT_REQUEST) where the
+        coordinator reads no batch or the entry would not fit one."""
+        room = self.submit_batch_bytes - _BATCH_OVERHEAD_BYTES
+        if len(entry) > room:
+            self.send(single())
+            return
+        if self._submit_bytes + len(entry) > room:
+            self._flush_submits()
+        if not self._submits:
+            asyncio.get_running_loop().call_soon(self._flush_submits)
+        self._submits.append(entry)
+        self._submit_bytes += len(entry)
+
+    def _flush_submits(self) -> None:
+        if not self._submits or self._closed:
+            return
+        entries, self._submits, self._submit_bytes = self._submits, [], 0
+        self._send_now(protocol.encode_batch(Header.SUBMIT_REQUESTS, entries))
+
     def send(self, payload: bytes) -> None:
+        """Send a message, after the requests still waiting for this loop turn's end: a CANCEL
+        must not overtake the request it cancels."""
+        self._flush_submits()
+        self._send_now(payload)
+
+    def _send_now(self, payload: bytes) -> None:
         self._sync_socket.send(payload, zmq.NOBLOCK)  # never waits: no send high-water mark
         # ZMQ's descriptor is edge-triggered: a send can consume the wake-up for input that
         # arrived meanwhile. Look for such input once per loop turn, after a burst of sends.

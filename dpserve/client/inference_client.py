@@ -79,7 +79,7 @@ class InferenceClient:
         self.context = self._connection.context
         self.socket = self._connection.socket
         self._send = self._connection.send
-        self._table = PendingTable(self._send, max_message_bytes)
+        self._table = PendingTable(self._send, max_message_bytes, self._connection.send_submit)
         self.completion_futures = self._table.futures
         self._session = CoordinatorSession(self._send, self._on_restarted)
         self.listener_task: asyncio.Task[None] | None = None
@@ -256,6 +256,7 @@ class InferenceClient:
         self._session.on_heartbeat_ack(ack.instance)
 
     def _on_connect_ack(self, ack: ConnectAck) -> None:
+        self._connection.submit_batch_bytes = min(ack.submit_batch_bytes, self.max_message_bytes)
         self._session.on_connect_ack(ack.instance)
 
     def _on_restarted(self, instance: str) -> None:

@@ -35,6 +35,8 @@ from dpserve.protocol import Cancel, Results, Stream, SubmitRequest, unpack_logp
 from dpserve.sampling import SamplingParams
 
 _RESULT_REQUIRED = protocol.required_fields(protocol.ClientResult)
+# A SUBMIT_REQUEST's bytes beyond its packed entry's: the header, one more array slot.
+_SINGLE_OVERHEAD_BYTES = 2
 
 
 def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
@@ -45,8 +47,14 @@ class PendingTable:
     """Requests (by client request id) and control calls (by control id) in flight; ids come
     from one counter. ``send`` puts a message on the connection."""
 
-    def __init__(self, send: Callable[[bytes], None], max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        send: Callable[[bytes], None],
+        max_message_bytes: int,
+        send_submit: Callable[[bytes, Callable[[], bytes]], None],
+    ) -> None:
         self._send = send
+        self._send_submit = send_submit  # ClientConnection.send_submit
         self.max_message_bytes = max_message_bytes
         self.requests: dict[int, PendingRequest] = {}
         # The same requests' futures: the seed's ``completion_futures``.
@@ -64,7 +72,7 @@ class PendingTable:
     def submit(self, prompt: Prompt, params: SamplingParams) -> PendingRequest:
         """Encode and send a request (``UnsendableRequest`` if it cannot be) and keep it."""
         request_id = self.new_id()
-        wire_prompt, wire_params, payload = self._encode_submit(request_id, prompt, params)
+        wire_prompt, wire_params, entry = self._encode_submit(request_id, prompt, params)
         future: asyncio.Future[RequestRecord] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda done: self._on_future_done(request_id, done))
         pending = PendingRequest(
@@ -77,13 +85,16 @@ class PendingTable:
         )
         self.requests[request_id] = pending
         self.futures[request_id] = future
-        self._send(payload)
+        self._send_submit(
+            entry, lambda: protocol.encode(SubmitRequest(request_id, wire_prompt, wire_params))
+        )
         return pending
 
     def _encode_submit(
         self, request_id: int, prompt: Prompt, params: SamplingParams
     ) -> tuple[WirePrompt, dict[str, Any], bytes]:
-        """The request's wire prompt, parameters and SUBMIT_REQUEST message; raises
+        """The request's wire prompt, parameters and packed entry (``protocol.encode_entry``:
+        a SUBMIT_REQUESTS entry, or the fields of its SUBMIT_REQUEST); raises
         ``UnsendableRequest`` for what could never be sent (so a resubmission cannot fail)."""
         try:
             if _is_token_ids(prompt):
@@ -91,7 +102,7 @@ class PendingTable:
             else:  # text or chat messages: a TypeGuard does not narrow its negative case
                 wire_prompt = cast("str | list[dict[str, str]]", prompt)
             wire_params = cached_wire_params(params)
-            payload = protocol.encode(SubmitRequest(request_id, wire_prompt, wire_params))
+            entry = protocol.encode_entry(SubmitRequest(request_id, wire_prompt, wire_params))
         except UnicodeEncodeError as exc:
             raise UnsendableRequest(
                 f"the request holds text that is not valid Unicode ({exc.reason}: "
@@ -99,12 +110,13 @@ class PendingTable:
             ) from None
         except (OverflowError, TypeError, ValueError) as exc:
             raise UnsendableRequest(f"the request cannot be encoded: {exc}") from None
-        if len(payload) > self.max_message_bytes:
+        size = len(entry) + _SINGLE_OVERHEAD_BYTES  # as its own SUBMIT_REQUEST
+        if size > self.max_message_bytes:
             raise UnsendableRequest(
-                f"the request encodes to {len(payload)} bytes, over the message limit of "
+                f"the request encodes to {size} bytes, over the message limit of "
                 f"{self.max_message_bytes} bytes (max_message_bytes); send a shorter prompt"
             )
-        return wire_prompt, wire_params, payload
+        return wire_prompt, wire_params, entry
 
     def resubmit_all(self) -> None:
         """Send every pending request again (to a restarted coordinator)."""

@@ -133,6 +133,7 @@ class DataParallelInferenceCoordinator:
             Header.DEREGISTER: self.membership.on_deregister,
             Header.HAND_OFF: self.membership.on_hand_off,
             Header.SUBMIT_REQUEST: self.intake.on_submit,
+            Header.SUBMIT_REQUESTS: self.intake.on_submits,
             Header.CANCEL: self.intake.on_cancel,
             Header.ENGINE_REPLY: self._from_engine(self.results.on_engine_reply),
             Header.CONTROL_ACK: self._from_engine(self.control.on_ack),

@@ -11,7 +11,7 @@ from dpserve.coordinator.control import ControlRelay
 from dpserve.coordinator.dispatch import Dispatcher
 from dpserve.coordinator.requests import InflightRequest
 from dpserve.coordinator.shared import SharedState
-from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest
+from dpserve.protocol import Cancel, ErrorCode, ProtocolError, SubmitRequest, SubmitRequests
 from dpserve.sampling import InvalidSamplingParams
 from dpserve.tokenizer import released_texts
 
@@ -107,6 +107,11 @@ class Intake:
                 )
                 continue
             request.prompt_tokens = protocol.pack_tokens(tokens)
+
+    def on_submits(self, identity: bytes, batch: SubmitRequests) -> None:
+        """SUBMIT_REQUESTS: each request as its own SUBMIT_REQUEST, in order."""
+        for submit in batch.requests:
+            self.on_submit(identity, submit)
 
     def on_cancel(self, identity: bytes, cancel: Cancel) -> None:
         request = self.shared.requests.find(identity, cancel.ref)

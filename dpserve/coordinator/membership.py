@@ -82,7 +82,13 @@ class Membership:
         self.shared.clients.setdefault(identity, Client(identity))
         self.shared.transport.send(
             identity,
-            protocol.encode(ConnectAck(self.shared.instance_id, protocol.PROTOCOL_VERSION)),
+            protocol.encode(
+                ConnectAck(
+                    self.shared.instance_id,
+                    protocol.PROTOCOL_VERSION,
+                    self.shared.config.max_message_bytes,  # SUBMIT_REQUESTS read, this large
+                )
+            ),
         )
 
     def on_register(self, identity: bytes, register: Register) -> None:

@@ -26,7 +26,14 @@ from dpserve.security.key_files import ADMIN, CLIENT, ENGINE, PeerKeys, ServerKe
 log = logging.getLogger("dpserve.security")
 
 _CLIENT_HEADERS = frozenset(
-    {Header.CONNECT, Header.HEARTBEAT, Header.SUBMIT_REQUEST, Header.CANCEL, Header.STATUS}
+    {
+        Header.CONNECT,
+        Header.HEARTBEAT,
+        Header.SUBMIT_REQUEST,
+        Header.SUBMIT_REQUESTS,
+        Header.CANCEL,
+        Header.STATUS,
+    }
 )
 # role -> the messages a connection with that role may send to the coordinator.
 PERMITTED: Final[Mapping[str, frozenset[Header]]] = {

@@ -172,3 +172,19 @@ def test_token_and_float_packing() -> None:
     assert protocol.unpack_floats(protocol.pack_floats([-0.5, -2.0])) == [-0.5, -2.0]
     with pytest.raises(ProtocolError, match="multiple of 4"):
         protocol.unpack_tokens(b"abc")
+
+
+def test_a_batch_of_entries_packed_ahead_decodes_as_its_record() -> None:
+    """``encode_entry`` + ``encode_batch`` (the client's SUBMIT_REQUESTS) read back as the
+    batch record, trailing defaults filled in; CONNECT_ACK's batch size is optional."""
+    entries = [
+        protocol.SubmitRequest(1, "hi", {"temperature": 0}),
+        protocol.SubmitRequest(2, b"\x01\x00\x00\x00", {}, b"\x02\x00\x00\x00"),
+    ]
+    payload = protocol.encode_batch(
+        Header.SUBMIT_REQUESTS, [protocol.encode_entry(entry) for entry in entries]
+    )
+    assert protocol.decode(payload) == protocol.SubmitRequests(entries)
+    old_ack = msgpack.packb([int(Header.CONNECT_ACK), "instance", 1])
+    assert protocol.decode(old_ack) == protocol.ConnectAck("instance", 1, 0)
+
