@@ -42,13 +42,8 @@ def check_adapter_report(raw: object) -> dict[str, Any]:
     max_loras, adapters = raw["max_loras"], raw["adapters"]
     if type(max_loras) is not int or not isinstance(adapters, dict):
         raise MalformedAdapterReport("adapters: max_loras must be an integer, adapters a map")
-    if len(adapters) > DEFAULT_LORA_LIMITS.max_registered_loras:
-        raise MalformedAdapterReport(f"adapters: {len(adapters)} adapters is too many")
+    _check_names(adapters)
     for name, counts in adapters.items():
-        try:
-            check_lora_name(name)
-        except InvalidSamplingParams as exc:
-            raise MalformedAdapterReport(str(exc)) from None
         if not (
             isinstance(counts, list)
             and len(counts) == 3
@@ -66,13 +61,8 @@ def check_runtime_adapters(raw: object) -> dict[str, str]:
     if not isinstance(raw, dict):
         raise MalformedAdapterReport("adapters must be a map of name to directory")
     limits = DEFAULT_LORA_LIMITS
-    if len(raw) > limits.max_registered_loras:
-        raise MalformedAdapterReport(f"adapters: {len(raw)} adapters is too many")
+    _check_names(raw)
     for name, path in raw.items():
-        try:
-            check_lora_name(name)
-        except InvalidSamplingParams as exc:
-            raise MalformedAdapterReport(str(exc)) from None
         if not isinstance(path, str) or not path:
             raise MalformedAdapterReport(f"adapter {name}: the directory must be a string")
         if len(path) > limits.max_lora_path_chars:
@@ -81,6 +71,17 @@ def check_runtime_adapters(raw: object) -> dict[str, str]:
                 f"{limits.max_lora_path_chars} characters"
             )
     return dict(raw)
+
+
+def _check_names(adapters: dict[Any, Any]) -> None:
+    """The adapter names an engine reports: how many, and each one valid."""
+    if len(adapters) > DEFAULT_LORA_LIMITS.max_registered_loras:
+        raise MalformedAdapterReport(f"adapters: {len(adapters)} adapters is too many")
+    for name in adapters:
+        try:
+            check_lora_name(name)
+        except InvalidSamplingParams as exc:
+            raise MalformedAdapterReport(str(exc)) from None
 
 
 @dataclass(slots=True)

@@ -413,8 +413,7 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
     every step on oneDNN."""
     from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, uses_onednn
     from dpserve.engine.model_runner import ModelRunner
-    from dpserve.engine.runner import RunnerRequest
-    from dpserve.sampling import SamplingParams
+    from tests.runner_runs import six_greedy_requests
 
     if not uses_onednn(torch.ones(2, 2)):
         pytest.skip("this torch build has no oneDNN linears: the small batches have no other path")
@@ -423,19 +422,7 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
         monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(small_batch_rows))
         runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8)
         assert runner.backend.model.lm_head.decode_kernel == bool(small_batch_rows)
-        runner.eos_token_ids = frozenset()
-        for request in range(6):
-            params = SamplingParams(
-                temperature=0.0, num_tokens_to_generate=4 + 5 * request, return_log_probs=True
-            )
-            runner.add(RunnerRequest(request, [3 + request, 17, 40 + 2 * request], params))
-        results: dict[int, tuple[list[int], list[float]]] = {}
-        while runner.has_work():
-            for update in runner.step():
-                tokens, logprobs = results.setdefault(update.request_id, ([], []))
-                tokens.extend(update.tokens)
-                logprobs.extend(update.logprobs or [])
-        return results
+        return six_greedy_requests(runner)
 
     ours, onednn = generate(cpu_kernels.DECODE_MATMUL_MAX_ROWS), generate(0)
     assert ours.keys() == onednn.keys() == set(range(6))

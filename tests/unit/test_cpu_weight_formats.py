@@ -198,24 +198,11 @@ def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:
 
 def _generate(path: Path, cpu_weights: str) -> dict[int, tuple[list[int], list[float]]]:
     from dpserve.engine.model_runner import ModelRunner
-    from dpserve.engine.runner import RunnerRequest
-    from dpserve.sampling import SamplingParams
+    from tests.runner_runs import six_greedy_requests
 
     runner = ModelRunner(str(path), device="cpu", max_num_seqs=8, cpu_weights=cpu_weights)
     assert runner.backend.model.lm_head.weight_format == cpu_weights
-    runner.eos_token_ids = frozenset()
-    for request in range(6):  # decode steps of 1 to 6 sequences, prefill chunks before
-        params = SamplingParams(
-            temperature=0.0, num_tokens_to_generate=4 + 5 * request, return_log_probs=True
-        )
-        runner.add(RunnerRequest(request, [3 + request, 17, 40 + 2 * request], params))
-    results: dict[int, tuple[list[int], list[float]]] = {}
-    while runner.has_work():
-        for update in runner.step():
-            tokens, logprobs = results.setdefault(update.request_id, ([], []))
-            tokens.extend(update.tokens)
-            logprobs.extend(update.logprobs or [])
-    return results
+    return six_greedy_requests(runner)
 
 
 def _teacher_forced(path: Path, cpu_weights: str, prompts: list[list[int]]) -> list[list[float]]:

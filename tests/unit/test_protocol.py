@@ -187,4 +187,3 @@ def test_a_batch_of_entries_packed_ahead_decodes_as_its_record() -> None:
     assert protocol.decode(payload) == protocol.SubmitRequests(entries)
     old_ack = msgpack.packb([int(Header.CONNECT_ACK), "instance", 1])
     assert protocol.decode(old_ack) == protocol.ConnectAck("instance", 1, 0)
-
