@@ -35,8 +35,9 @@ from dpserve.protocol import Cancel, Results, Stream, SubmitRequest, unpack_logp
 from dpserve.sampling import SamplingParams
 
 _RESULT_REQUIRED = protocol.required_fields(protocol.ClientResult)
-# A SUBMIT_REQUEST's bytes beyond its packed entry's: the header, one more array slot.
-_SINGLE_OVERHEAD_BYTES = 2
+# A SUBMIT_REQUEST's bytes beyond its packed entry's: the header (a one-byte int; the array
+# header holding one more field is still one byte).
+_SINGLE_OVERHEAD_BYTES = 1
 
 
 def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
