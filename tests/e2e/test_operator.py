@@ -111,7 +111,7 @@ CLIENT_SECRET = f"{NAME}-client-credentials"
 FETCH_CREDENTIALS = """\
 creds="${XDG_RUNTIME_DIR:-$HOME/.config}/dpserve/demo-credentials"   # yours only, not in a clone
 (umask 077; mkdir -p "$creds"
- for file in coordinator.key client.key_secret admin.key_secret http-api-token; do
+ for file in coordinator.key client.key_secret admin.key_secret http-api-token http-admin-token; do
    kubectl get secret demo-client-credentials \\
      -o go-template="{{index .data \\"$file\\" | base64decode}}" > "$creds/$file"
  done)
