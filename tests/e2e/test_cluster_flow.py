@@ -208,9 +208,20 @@ def test_apply_the_example_and_the_engines_register(flow: Flow) -> None:
         time.monotonic() - started
     )
 
-    header, row = flow.kubectl("get", "infd", "-n", NAMESPACE).stdout.splitlines()[:2]
+    # READY is the engine pods' readiness (status.readyReplicas), which the kubelet's probe
+    # may report a moment after both engines registered (CI once read "demo 2 1 2 Ready").
+    def columns() -> list[str]:
+        return flow.kubectl("get", "infd", "-n", NAMESPACE).stdout.splitlines()[1].split()[:5]
+
+    wait_for(
+        lambda: columns() == [NAME, "2", "2", "2", "Ready"],
+        30,
+        "kubectl get infd shows both engines ready",
+        interval=0.5,
+        diagnostics=flow.diagnostics,
+    )
+    header = flow.kubectl("get", "infd", "-n", NAMESPACE).stdout.splitlines()[0]
     assert header.split()[:5] == ["NAME", "DESIRED", "READY", "REGISTERED", "PHASE"]
-    assert row.split()[:5] == [NAME, "2", "2", "2", "Ready"], row
     # Engines dial the coordinator Service by its cluster DNS name.
     statefulset = flow.get("get", "statefulset", f"{NAME}-engine")
     command = statefulset["spec"]["template"]["spec"]["containers"][0]["command"]
