@@ -37,6 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 STREAMS = 12
+# The kill pass's streams: a resumed stream's presence and frequency penalties must count the
+# tokens streamed before its engine died (which vLLM gets as prompt).
+PENALTIES = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
 
 
 @dataclass
@@ -121,6 +124,13 @@ async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Deployment)
             *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
         )
         assert [tokens for tokens, _ in uninterrupted] == deployment.expected
+        penalized = await asyncio.gather(
+            *(
+                stream_greedy(client, p, chunks, i, PENALTIES)
+                for i, p in enumerate(deployment.prompts)
+            )
+        )
+        assert penalized != uninterrupted, "the penalties change the streams"
         workers: set[int] = set()  # the victim's vLLM model worker
         killed_at = 0.0
 
@@ -136,7 +146,10 @@ async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Deployment)
             os.kill(victim, signal.SIGKILL)
             killed_at = time.monotonic()
 
-        assert await streams_killed_mid_way(client, deployment.prompts, kill) == uninterrupted
+        resumed = await streams_killed_mid_way(
+            client, deployment.prompts, kill, penalties=PENALTIES
+        )
+        assert resumed == penalized
         status = await asyncio.wait_for(client.get_status(), 10)
         assert status["counters"].get("redispatched", 0) > 0, "the victim held streams"
         assert workers, "vLLM runs its model in a worker process of its own"

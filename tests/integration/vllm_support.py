@@ -7,7 +7,7 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +123,20 @@ STREAM_TOKENS = 120
 
 
 async def stream_greedy(
-    client: InferenceClient, prompt: list[int], chunks: list[int], index: int
+    client: InferenceClient,
+    prompt: list[int],
+    chunks: list[int],
+    index: int,
+    penalties: Mapping[str, float] | None = None,
 ) -> tuple[list[int], str]:
     """One greedy stream of ``STREAM_TOKENS`` tokens: its tokens and text (``chunks[index]``
-    counts its chunks as they come)."""
+    counts its chunks as they come). ``penalties``: ``SamplingParams`` penalty fields."""
     params = SamplingParams(
-        temperature=0, num_tokens_to_generate=STREAM_TOKENS, ignore_eos=True, stream=True
+        temperature=0,
+        num_tokens_to_generate=STREAM_TOKENS,
+        ignore_eos=True,
+        stream=True,
+        **(penalties or {}),
     )
     tokens: list[int] = []
     text: list[str] = []
@@ -144,6 +152,7 @@ async def streams_killed_mid_way(
     prompts: list[list[int]],
     kill: Callable[[], Awaitable[None]],
     victim: int | None = None,
+    penalties: Mapping[str, float] | None = None,
 ) -> list[tuple[list[int], str]]:
     """Every prompt streamed at once, and ``kill`` (an engine) once each stream has a few
     chunks (or ended). With ``victim`` (the rank ``kill`` ends), once that engine holds streams
@@ -151,7 +160,8 @@ async def streams_killed_mid_way(
     and the faster one's streams can end before the slower one's have a few chunks."""
     chunks = [0] * len(prompts)
     streams = [
-        asyncio.create_task(stream_greedy(client, p, chunks, i)) for i, p in enumerate(prompts)
+        asyncio.create_task(stream_greedy(client, p, chunks, i, penalties))
+        for i, p in enumerate(prompts)
     ]
     deadline = time.monotonic() + 60
     while not await _time_to_kill(client, chunks, streams, victim):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from dpserve.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES
+from dpserve.engine.vllm.resumed_penalties import QUALIFIED_NAME as RESUMED_PENALTIES_PROCESSOR
 from dpserve.limits import DEFAULT_REQUEST_LIMITS
 
 # vLLM's CPU attention takes blocks of a multiple of 32 tokens, so dpserve's default block size
@@ -126,4 +127,8 @@ def engine_args(options: VllmOptions) -> Any:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="dpserve engine --vllm-arg"))
     parsed = parser.parse_args(vllm_command_line(options, on_cpu=on_cpu))
-    return EngineArgs.from_cli_args(parsed)
+    args = EngineArgs.from_cli_args(parsed)
+    if args.speculative_config is None:  # vLLM refuses custom logits processors with drafts
+        # A resumed request's presence and frequency penalties count its resumed tokens.
+        args.logits_processors = [*(args.logits_processors or ()), RESUMED_PENALTIES_PROCESSOR]
+    return args

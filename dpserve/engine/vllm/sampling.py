@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpserve.engine.vllm.resumed_penalties import resumed_penalties_args
 from dpserve.sampling import SamplingParams
 
 
@@ -30,13 +31,15 @@ def structured_output(params: SamplingParams) -> dict[str, Any] | None:
     return None
 
 
-def vllm_sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+def vllm_sampling_kwargs(
+    params: SamplingParams, max_tokens: int, resumed: int = 0
+) -> dict[str, Any]:
     """The keyword arguments of vLLM's ``SamplingParams`` for ``params``, generating at most
-    ``max_tokens`` (what is left after any resume tokens)."""
+    ``max_tokens`` (what is left after ``resumed`` resume tokens, the end of vLLM's prompt)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     alternatives = params.top_logprobs
-    return {
+    kwargs: dict[str, Any] = {
         "n": 1,
         # Greedy as dpserve's engine decides it (a tiny temperature, or top_k 1).
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -54,14 +57,20 @@ def vllm_sampling_kwargs(params: SamplingParams, max_tokens: int) -> dict[str, A
         # The engine server decodes (or ``StopText`` did): vLLM's detokenizer is not used.
         "detokenize": False,
     }
+    if resumed and (params.presence_penalty or params.frequency_penalty):
+        # The resumed tokens count as generated (``resumed_penalties``), which applies the
+        # repetition penalty too, before the presence and frequency vLLM subtracts.
+        kwargs["extra_args"] = resumed_penalties_args(resumed, params.repetition_penalty)
+        kwargs["repetition_penalty"] = 1.0
+    return kwargs
 
 
-def vllm_sampling_params(params: SamplingParams, max_tokens: int) -> Any:
+def vllm_sampling_params(params: SamplingParams, max_tokens: int, resumed: int = 0) -> Any:
     """vLLM's ``SamplingParams`` (vLLM imported here)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    kwargs = vllm_sampling_kwargs(params, max_tokens)
+    kwargs = vllm_sampling_kwargs(params, max_tokens, resumed)
     constraint = structured_output(params)
     if constraint is not None:
         kwargs["structured_outputs"] = StructuredOutputsParams(**constraint)
