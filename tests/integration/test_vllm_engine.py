@@ -1,20 +1,22 @@
 """``dpserve engine --backend vllm`` behind dpserve's coordinator, against real vLLM (its CPU
 build, in its own install: ``make vllm``): greedy output and log-probs equal transformers'
 ``generate``; stop strings, ``min_tokens`` and stop tokens give dpserve's own engine's text and
-finish reasons; seeds repeat; structured output follows its constraint; a repeated prompt is
+finish reasons; seeds repeat; structured output follows its constraint, checked first within
+dpserve's limits; a repeated prompt is
 found in vLLM's prefix cache as the coordinator's index predicted (KV events translated into
 dpserve's block hashes)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dpserve.client import InferenceClient
+from dpserve.client import InferenceClient, RequestFailed
 from dpserve.sampling import SamplingParams
 from tests.integration.runtime import Processes, free_port, wait_for_engines
 from tests.integration.vllm_support import (
@@ -164,6 +166,24 @@ async def test_structured_output_follows_its_constraint(vllm_client: InferenceCl
     assert chose.generated_text in ("yes please", "no thanks"), chose
     assert chose.finish_reason == "stop"
     assert re.fullmatch("[0-9]{3}-[a-c]+", matched.generated_text), matched
+
+
+async def test_a_constraint_is_checked_as_dpserve_engine_checks_it(
+    vllm_client: InferenceClient,
+) -> None:
+    """Before vLLM compiles a constraint, the engine compiles it and times its first masks as
+    dpserve's engine does, off the step loop, within the same limits: a schema that admits no
+    document (a $ref cycle) is refused with dpserve's reason, and the engine serves on."""
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    cyclic = SamplingParams(temperature=0, num_tokens_to_generate=8, guided_json=json.dumps(cycle))
+    plain = SamplingParams(temperature=0, num_tokens_to_generate=8, ignore_eos=True)
+    with pytest.raises(RequestFailed) as refused:
+        await vllm_client.add_request(PROMPTS[0], cyclic)
+    answered = await vllm_client.add_request(PROMPTS[0], plain)
+    vllm_client.stop()
+    assert refused.value.code == "bad_request", refused.value
+    assert "admits no" in refused.value.message, refused.value
+    assert len(answered.generated_tokens) == 8
 
 
 async def test_a_repeated_prompt_is_found_in_the_prefix_cache_as_predicted(

@@ -39,6 +39,8 @@ from dpserve.engine.lora.serving import (
     unknown_adapter,
 )
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
+from dpserve.engine.sample.constraint_compiler import ConstraintCompiler
+from dpserve.engine.sample.grammar import Grammars, GrammarUnavailable
 from dpserve.engine.sequences import Sequence
 from dpserve.engine.vllm.distribution import answer_vllm_version, installed_vllm_version
 from dpserve.engine.vllm.engine_args import VllmOptions, engine_args
@@ -114,6 +116,12 @@ class VllmRunner:
         self._vllm_ids: dict[int, str] = {}  # dpserve request id -> vLLM's
         self._by_vllm_id: dict[str, int] = {}
         self._arrived_done: list[Sequence] = []  # resumed with nothing left to generate
+        # Structured requests while dpserve's checks of their constraint run (``add``).
+        self._grammars: Grammars | None = None
+        self._compiler = ConstraintCompiler(
+            self._compile_matcher, limits.constraint_compile_timeout
+        )
+        self._compiling: dict[int, RunnerRequest] = {}
         self._next_id = itertools.count()
         self._released = False
         self._tokens_generated = 0
@@ -144,24 +152,37 @@ class VllmRunner:
 
     def add(self, request: RunnerRequest) -> None:
         self._validate(request)
-        params = request.params
         sequence = Sequence.arriving(
             request, self.eos_token_ids, self.context_size, self._text_tokenizer
         )
-        left = sequence.max_generated - len(sequence.tokens)
-        if left <= 0:
+        if sequence.max_generated - len(sequence.tokens) <= 0:
             self._arrived_done.append(sequence)  # generated elsewhere already: nothing to do
-            return
+        elif request.params.guided:
+            # Checked as dpserve's engine checks it (compile and first masks within the
+            # limits), off the step loop; handed to vLLM by a later step (``_collect_compiled``).
+            self._grammars_for_requests()
+            self._compiler.submit(sequence)
+            self._compiling[request.request_id] = request
+        else:
+            self._submit(request, sequence)
+
+    def _submit(self, request: RunnerRequest, sequence: Sequence) -> None:
+        """Hand the request to vLLM's engine core."""
+        params = request.params
         vllm_id = f"{request.request_id}.{next(self._next_id)}"
         prompt: dict[str, Any] = {"prompt_token_ids": request.prompt_tokens + request.resume_tokens}
         if params.cache_salt:
             prompt["cache_salt"] = params.cache_salt
-        adapter = None if params.lora_name is None else self._adapters[params.lora_name]
+        adapter = None
+        if params.lora_name is not None:
+            self._check_adapter(params.lora_name)  # unloaded while its constraint compiled
+            adapter = self._adapters[params.lora_name]
+        left = sequence.max_generated - len(sequence.tokens)
         try:
             core_request = self._inputs.process_inputs(
                 vllm_id,
                 prompt,
-                vllm_sampling_params(params, left),
+                vllm_sampling_params(params, left, len(request.resume_tokens)),
                 self._tasks,
                 lora_request=adapter,
             )
@@ -173,6 +194,44 @@ class VllmRunner:
         self._live[request.request_id] = sequence
         self._vllm_ids[request.request_id] = vllm_id
         self._by_vllm_id[vllm_id] = request.request_id
+
+    def _grammars_for_requests(self) -> Grammars:
+        """dpserve's matcher factory for this tokenizer, built once (a tokenizer llguidance
+        cannot take refuses every structured request, as on dpserve's engine)."""
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, self._limits
+                )
+            except GrammarUnavailable as exc:
+                raise RequestRejected(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return self._grammars
+
+    def _compile_matcher(self, sequence: Sequence) -> Any:
+        """On a compile worker: dpserve's matcher for the request, past its resumed tokens,
+        its first masks timed (``Grammars.matcher``); vLLM builds its own once this passed."""
+        assert self._grammars is not None  # built by add before the submit
+        return self._grammars.matcher(sequence.params, sequence.tokens)
+
+    def _collect_compiled(self) -> list[TokenUpdate]:
+        """Hand vLLM the requests whose constraint passed; report the refused ones."""
+        compiled = self._compiler.collect()
+        updates: list[TokenUpdate] = []
+        for sequence in compiled.ready:
+            sequence.matcher = None  # vLLM masks with its own
+            request = self._compiling.pop(sequence.request_id)
+            try:
+                self._submit(request, sequence)
+            except RequestRejected as exc:
+                updates.append(
+                    TokenUpdate(sequence.request_id, [], finish_reason=exc.code, error=exc.message)
+                )
+        for sequence, why in compiled.refused:
+            del self._compiling[sequence.request_id]
+            updates.append(
+                TokenUpdate(sequence.request_id, [], finish_reason=ErrorCode.BAD_REQUEST, error=why)
+            )
+        return updates
 
     def _validate(self, request: RunnerRequest) -> None:
         prompt_length = len(request.prompt_tokens)
@@ -206,6 +265,9 @@ class VllmRunner:
             )
 
     def cancel(self, request_id: int) -> None:
+        if self._compiler.cancel(request_id):
+            del self._compiling[request_id]
+            return
         for sequence in self._arrived_done:
             if sequence.request_id == request_id:
                 self._arrived_done.remove(sequence)
@@ -219,7 +281,7 @@ class VllmRunner:
         return vllm_id
 
     def has_work(self) -> bool:
-        return bool(self._arrived_done) or bool(self._live)
+        return bool(self._arrived_done) or bool(self._live) or self._compiler.pending()
 
     def unreported(self) -> list[TokenUpdate]:
         return [update for sequence in self._live.values() if (update := sequence.unreported())]
@@ -233,6 +295,10 @@ class VllmRunner:
         self._steps += 1
         updates = [s.emit(len(s.tokens), "length") for s in self._arrived_done]
         self._arrived_done = []
+        if self._compiler.pending():
+            if not self._live and not updates:
+                self._compiler.wait(0.01)  # nothing else to run: no spinning meanwhile
+            updates += self._collect_compiled()
         if not self._live:
             return updates
         outputs = self._client.get_output()
@@ -457,6 +523,7 @@ class VllmRunner:
     def shutdown(self) -> None:
         """Stop vLLM's engine core and its model workers (processes of their own, which would
         otherwise notice their engine is gone only seconds after it left)."""
+        self._compiler.close()
         self._client.shutdown()
 
 
