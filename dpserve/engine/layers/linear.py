@@ -215,7 +215,7 @@ def _under_memory_limit() -> bool:
 
 def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if small_batch_kernel() == "decode_matmul":
-        return cpu_kernels.decode_matmul(x, weight)
+        return cpu_kernels.decode_matmul(x, weight, isa=cpu_kernels.engine_isa())
     return functional.linear(x, weight)
 
 
@@ -394,7 +394,7 @@ class Linear:
             self.bias,
             None if other is None else _unit_stride_rows(other),
             epilogue,
-            cpu_kernels.ISA_AUTO,
+            cpu_kernels.engine_isa(),
             self.scales,
         )
 
