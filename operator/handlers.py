@@ -38,6 +38,7 @@ times, after which the drift timer keeps trying.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -579,7 +580,30 @@ def sync_adapters(
     _keep_adapters(body, status, patch, memo)
 
 
+# Guards the creation of each deployment's adapter lock (``_adapter_lock``).
+_ADAPTER_LOCKS_GUARD = threading.Lock()
+
+
+def _adapter_lock(memo: kopf.Memo) -> threading.Lock:
+    """One deployment's adapter sync at a time: kopf runs the edit handler and the timer, both
+    synchronous, on threads of its own, so an edit landing on a tick ran both at once; each
+    read the coordinator's adapters before either changed them, and each sent the same
+    unloads and loads (an adapter unloaded and loaded twice; CI, 3522275)."""
+    with _ADAPTER_LOCKS_GUARD:
+        lock: threading.Lock | None = getattr(memo, "adapter_lock", None)
+        if lock is None:
+            lock = memo.adapter_lock = threading.Lock()
+        return lock
+
+
 def _keep_adapters(
+    body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, memo: kopf.Memo
+) -> None:
+    with _adapter_lock(memo):
+        _keep_adapters_now(body, status, patch, memo)
+
+
+def _keep_adapters_now(
     body: kopf.Body, status: Mapping[str, Any], patch: kopf.Patch, memo: kopf.Memo
 ) -> None:
     name = body["metadata"]["name"]
