@@ -7,8 +7,9 @@
 // read from memory once for all rows of x:
 // - each weight row is read as one sequential stream, one row at a time, every activation row
 //   multiplied with it as it passes (measured on Zen 4, bench/decode_matmul.py: one stream read
-//   ~1.5x faster than 2-4 rows read side by side, with or without software prefetch, which the
-//   hardware prefetcher makes unnecessary for a single stream);
+//   ~1.5x faster than 2-4 rows read side by side, with or without software prefetch); from 3
+//   activation rows on, a pass also asks for the stream 32 KB ahead into L2 (kPrefetchBytes:
+//   such a pass computes slowly enough per byte that the hardware prefetcher falls behind);
 // - at most kGroup activation rows ride one pass (their accumulators stay in registers); more
 //   rows are taken kGroup at a time over a tile of weight rows small enough to stay in L2, so
 //   that the later groups read the tile from there, not from memory.
@@ -58,6 +59,17 @@ constexpr int64_t kTile = 16;
 // The bytes of weight rows a thread takes through all groups of activation rows before it
 // moves on: far below any L2 (256 KB and up), beside the activation rows themselves.
 constexpr int64_t kL2TileBytes = 64 * 1024;
+// From this many activation rows a pass asks for the weight this many bytes ahead into L2
+// (prefetcht1), a cache line per line it reads. With a few rows a pass is slow enough per byte
+// that the hardware prefetcher no longer keeps the stream ahead of it, and the pass waits on
+// memory and computes in turn; reaching ahead overlaps the two. Measured on Zen 4, one thread,
+// weights from memory, fp32 (SmolLM2's 1536x576 and an 8192x2048 MLP): 4 rows 9-16 -> 14-22
+// GB/s, 8 rows (two passes) 7-11 -> 10-20; at 1-2 rows the hardware prefetcher alone is faster
+// (27 against 21 GB/s at one row), so those passes leave it to the hardware. 32 KB ahead was as
+// good as 64 KB and better than 0.5-4 KB (the L1 hint, too near: no gain).
+constexpr int kPrefetchFromRows = 3;
+constexpr int64_t kPrefetchBytes = 32 * 1024;
+constexpr int64_t kCacheLine = 64;
 
 // One group's operands: x rows `x_stride` floats apart, out rows `out_stride` apart; w's
 // elements are of the format's type (float, Bf16Bits or int8_t), `scales` int8's [n] (else null).
@@ -97,6 +109,20 @@ struct PaddedTail {
     std::memcpy(values, w, static_cast<size_t>(tail) * sizeof(W));
   }
 };
+
+// Asks for the weight kPrefetchBytes past element c of row w into L2, once per cache line, for
+// passes of kPrefetchFromRows rows or more. Past the weight's end it asks for nothing that
+// exists, which a prefetch may: it never faults.
+template <int R, typename W>
+inline void prefetch_ahead(const W* w, int64_t c) {
+  if constexpr (R >= kPrefetchFromRows) {
+#if DPSERVE_X86
+    if (((static_cast<uint64_t>(c) * sizeof(W)) & (kCacheLine - 1)) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T1);
+    }
+#endif
+  }
+}
 
 // exp(x) for x <= 0 (Cephes' expf, as in cpu_kernels.cpp): a simd loop vectorizes it.
 inline float exp_nonpositive(float x) {
@@ -161,6 +187,7 @@ __attribute__((DPSERVE_AVX512)) void dots_avx512(const Problem& p, int64_t begin
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < body; c += 16) {
+      prefetch_ahead<R>(w, c);
       const __m512 wv = widen16(w + c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -206,24 +233,40 @@ __attribute__((DPSERVE_AVX2)) inline __m256 widen8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
-// Weight rows [begin, end) against R activation rows, 8 weights a step.
+// Weight rows [begin, end) against R activation rows, 16 weights a step into two accumulators a
+// row (an FMA's latency is 4 cycles: one accumulator a row held a pass to 8 weights per 4
+// cycles, below memory speed at one row on Zen 4: 49 against 73 GB/s from L3), then 8, then
+// the tail.
 template <typename W, int R>
 __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, int64_t end) {
-  const int64_t tail = p.k % 8, body = p.k - tail;
+  const int64_t tail = p.k % 8, body = p.k - tail, pairs = p.k - p.k % 16;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t n = begin; n < end; ++n) {
     const W* w = static_cast<const W*>(p.w) + n * p.k;
     __m256 acc[R];
+    __m256 odd[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < body; c += 8) {
-      const __m256 wv = widen8(w + c);
+    for (int r = 0; r < R; ++r) acc[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < pairs; c += 16) {
+      prefetch_ahead<R>(w, c);
+      const __m256 even_w = widen8(w + c), odd_w = widen8(w + c + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x + r * p.x_stride + c), acc[r]);
+        const float* x = p.x + r * p.x_stride + c;
+        acc[r] = _mm256_fmadd_ps(even_w, _mm256_loadu_ps(x), acc[r]);
+        odd[r] = _mm256_fmadd_ps(odd_w, _mm256_loadu_ps(x + 8), odd[r]);
       }
     }
+    if (pairs != body) {  // one more whole vector
+      const __m256 wv = widen8(w + pairs);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(p.x + r * p.x_stride + pairs), acc[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_add_ps(acc[r], odd[r]);
     if (tail != 0) {  // the last K % 8 columns: x masked, w zero-padded
       const PaddedTail<W, 8> padded(w + body, tail);
       const __m256 wv = widen8(padded.values);
