@@ -135,10 +135,12 @@ def test_rotate_and_write_kv_with_the_head_norm_equals_the_norm_then_torch(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 2, 16, 4), (6, 2, 48, 8)],
 )
+# 12 sequences: a thread takes whole sequences; 1 on two threads: its KV heads are split.
+@pytest.mark.parametrize("sequences", [12, 1])
 def test_decode_attention_equals_the_reference(
-    heads: int, kv_heads: int, head_dim: int, block_size: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, sequences: int
 ) -> None:
-    lengths = random_lengths(12, block_size, longest=300, seed=heads)
+    lengths = random_lengths(sequences, block_size, longest=300, seed=heads)
     case = make_paged_case(
         lengths, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size
     )
@@ -148,9 +150,14 @@ def test_decode_attention_equals_the_reference(
     query = qkv[:, : heads * head_dim].view(len(lengths), heads, head_dim)
     query.copy_(case.query)
     pool = torch.stack((case.k_cache, case.v_cache))
-    out = cpu_kernels.decode_attention(
-        query, pool, case.block_tables, case.seq_lens, case.scale
-    ).view(expected.shape)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        out = cpu_kernels.decode_attention(
+            query, pool, case.block_tables, case.seq_lens, case.scale
+        ).view(expected.shape)
+    finally:
+        torch.set_num_threads(threads)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

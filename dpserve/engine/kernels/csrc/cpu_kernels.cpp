@@ -149,8 +149,15 @@ inline void prefetch(const float* data, int64_t count) {
   for (int64_t i = 0; i < count; i += kLine) __builtin_prefetch(data + i, 0, 3);
 }
 
-// Sixteen floats: one AVX-512 register, or two AVX2 ones where that is what the CPU has.
+// One vector register of floats: sixteen with AVX-512, else eight (AVX2's). A 16-float vector
+// on a target without AVX-512 is two registers to GCC, but a scalar times it (a weight times a
+// value row, below) was built by storing the scalar 16 times to the stack and reloading: decode
+// attention ran 6.5x the AVX-512 build's time on the AVX2 build until its vectors were 8 wide.
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 // out[:dim] += sum over r < count of weights[r] * rows[r * stride :][:dim]. With Dim a
@@ -186,18 +193,45 @@ void add_weighted_rows(const float* __restrict rows, int64_t stride,
   }
 }
 
-// One sequence's new token, every head: the scores against each cached token, the softmax,
-// the values weighted and summed. The keys and values are read once, a whole slot (all KV
-// heads) at a time in block order: the pool is far larger than the caches, so these reads are
-// most of the time, and they run at memory speed only as long contiguous streams.
+// a[:dim] . b[:dim]. With Dim a compile-time constant (a head's 64 or 128) the products are
+// summed in Dim / kLanes vectors and reduced once, inlined into the scores' loop.
+template <int64_t Dim>
+inline float dot_product(const float* __restrict a, const float* __restrict b, int64_t dim) {
+  if constexpr (Dim > 0) {
+    Lanes sum = {};
+    for (int64_t chunk = 0; chunk < Dim / kLanes; ++chunk) {
+      Lanes x, y;
+      std::memcpy(&x, a + chunk * kLanes, sizeof(x));
+      std::memcpy(&y, b + chunk * kLanes, sizeof(y));
+      sum += x * y;
+    }
+    float total = 0.f;
+    for (int64_t lane = 0; lane < kLanes; ++lane) total += sum[lane];
+    return total;
+  } else {
+    float total = 0.f;
+    for (int64_t d = 0; d < dim; ++d) total += a[d] * b[d];
+    return total;
+  }
+}
+
+// One sequence's new token, the query heads of KV heads [kv_first, kv_first + kv_count): the
+// scores against each cached token, the softmax, the values weighted and summed. q and out
+// start at the first of those query heads. The keys and values are read once, a slot at a time
+// in block order: the pool is far larger than the caches, so these reads are most of the time,
+// and they run at memory speed only as long contiguous streams (all KV heads of a slot are
+// contiguous: a sequence whose heads one thread takes reads them as one stream). Dim: the head
+// size where it is 64 or 128, so that the dot products and sums stay in registers (else 0).
+template <int64_t Dim>
 void attend(const float* __restrict q, const float* __restrict keys,
             const float* __restrict values, const int32_t* table, int64_t length,
-            int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t dim, float scale,
-            float* __restrict scores, float* __restrict out) {
-  const int64_t heads = num_kv_heads * group, slot_width = num_kv_heads * dim;
+            int64_t block_size, int64_t num_kv_heads, int64_t kv_first, int64_t kv_count,
+            int64_t group, int64_t dim, float scale, float* __restrict scores,
+            float* __restrict out) {
+  const int64_t heads = kv_count * group, slot_width = num_kv_heads * dim;
   const int64_t block_width = block_size * slot_width;
   int64_t kv_head_of[kMaxHeads];  // an integer division per head and token costs more than it
-  for (int64_t head = 0; head < heads; ++head) kv_head_of[head] = head / group;
+  for (int64_t head = 0; head < heads; ++head) kv_head_of[head] = kv_first + head / group;
   const int64_t blocks = (length + block_size - 1) / block_size;
   prefetch(keys + static_cast<int64_t>(table[0]) * block_width, block_width);
   for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
@@ -209,10 +243,7 @@ void attend(const float* __restrict q, const float* __restrict keys,
     for (int64_t offset = 0; offset < stop; ++offset) {
       const float* slot = block_keys + offset * slot_width;
       for (int64_t head = 0; head < heads; ++head) {
-        const float* qh = q + head * dim;
-        const float* k = slot + kv_head_of[head] * dim;
-        float dot = 0.f;
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
+        const float dot = dot_product<Dim>(q + head * dim, slot + kv_head_of[head] * dim, dim);
         scores[head * length + start + offset] = dot * scale;
       }
     }
@@ -231,9 +262,6 @@ void attend(const float* __restrict q, const float* __restrict keys,
     for (int64_t token = 0; token < length; ++token) s[token] *= inverse;
   }
   std::fill(out, out + heads * dim, 0.f);
-  const auto add_rows = dim == 64    ? &add_weighted_rows<64>
-                        : dim == 128 ? &add_weighted_rows<128>
-                                     : &add_weighted_rows<0>;
   for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
     const float* block_values = values + static_cast<int64_t>(table[index]) * block_width;
     const int64_t stop = std::min(block_size, length - start);
@@ -242,7 +270,7 @@ void attend(const float* __restrict q, const float* __restrict keys,
     }
     // Head by head over the block, which stays in L1 between heads.
     for (int64_t head = 0; head < heads; ++head) {
-      add_rows(block_values + kv_head_of[head] * dim, slot_width,
+      add_weighted_rows<Dim>(block_values + kv_head_of[head] * dim, slot_width,
                scores + head * length + start, stop, dim, out + head * dim);
     }
   }
@@ -284,14 +312,25 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
   const float* values = keys + num_blocks * block_size * slot_width;
   at::Tensor out = at::empty({batch, num_heads * head_dim}, query.options());
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // A unit of work is a sequence, or, with fewer sequences than threads (a decode step of one
+  // sequence), a sequence's KV heads split `parts` ways, so that no thread idles: SmolLM2-135M
+  // at c=1 on two threads spent 6-14 % of its step in attention on one of them.
+  const int64_t parts = batch < at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t kv_per_part = num_kv_heads / parts;
+  const auto attend_heads = head_dim == 64    ? &attend<64>
+                            : head_dim == 128 ? &attend<128>
+                                              : &attend<0>;
+  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t row = begin; row < end; ++row) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t row = unit / parts, kv_first = (unit % parts) * kv_per_part;
       const int64_t length = length_data[row];
-      scores.resize(num_heads * length);
-      attend(queries + row * query.stride(0), keys, values, table_data + row * width, length,
-             block_size, num_kv_heads, group, head_dim, static_cast<float>(scale),
-             scores.data(), out_data + row * num_heads * head_dim);
+      const int64_t first_head = kv_first * group;
+      scores.resize(kv_per_part * group * length);
+      attend_heads(queries + row * query.stride(0) + first_head * query.stride(1), keys, values,
+             table_data + row * width, length, block_size, num_kv_heads, kv_first, kv_per_part,
+             group, head_dim, static_cast<float>(scale), scores.data(),
+             out_data + (row * num_heads + first_head) * head_dim);
     }
   });
   return out;
@@ -311,8 +350,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
 // bmm on the same padded batch ran bench/lora.py's shapes at ~24 GMAC/s on one Zen 4 thread
 // (oneDNN ~55 on the base projection); plain loops with the sums in memory were slower still.
 constexpr int64_t kLoraRows = 4;
-constexpr int64_t kLoraVectors = 4;
-constexpr int64_t kLoraSpanColumns = kLoraVectors * kLanes;
+constexpr int64_t kLoraSpanColumns = 64;  // cpu_kernels.LORA_SPAN_COLUMNS
+constexpr int64_t kLoraVectors = kLoraSpanColumns / kLanes;
 
 inline Lanes load_lanes(const float* from) {
   Lanes lanes;
