@@ -183,9 +183,13 @@ def scale_engines(body: kopf.Body, old: Any, memo: kopf.Memo, **_: Any) -> None:
 def reconcile(
     body: kopf.Body, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo, **_: Any
 ) -> None:
-    _apply(_cluster(memo), body, status, patch, retry_transient_errors=True)
     # The status timer runs beside this handler, on the body of the moment it started: for
     # a little while its status may predate what this reconcile writes (see refresh_status).
+    # Marked before the apply as well as after it: a tick that read the mark while this ran
+    # had computed "Reconciling" from such a body and written it over this reconcile's Ready
+    # (CI, cc67691: Ready, Progressing, Ready after a scale-down).
+    memo.applied = (_generation(body), time.monotonic())
+    _apply(_cluster(memo), body, status, patch, retry_transient_errors=True)
     memo.applied = (_generation(body), time.monotonic())
 
 

@@ -214,7 +214,11 @@ def spawn_vllm_engine(
 def spawn_dpserve_engine(
     processes: Processes, port: int, rank: int, model: Path
 ) -> subprocess.Popen[bytes]:
+    # Streams flushed every 10 ms, not 50: the tiny model's streams on this engine ended
+    # within their first 3 chunks at 50 ms, so none stood "under way" for the kill while the
+    # engine held it (CI, cc67691: the kill never came).
     return processes.spawn(
         f"engine-{rank}", "engine", "--coordinator", f"tcp://127.0.0.1:{port}",
         "--rank", str(rank), "--model", str(model), "--torch-threads", "1",
+        "--stream-interval", "0.01",
     )  # fmt: skip
