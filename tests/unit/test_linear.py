@@ -134,8 +134,25 @@ def test_the_measurement_picks_a_row_count_the_small_path_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
-    measured = linear_module._measured_small_batch_rows.__wrapped__(torch.get_num_threads())
+    measured = linear_module._measured_small_batch_rows.__wrapped__(
+        torch.get_num_threads(), linear_module.probe_shapes([(960, 576), (576, 1536)])
+    )
     assert 0 <= measured <= SMALL_BATCH_MAX_ROWS
+
+
+def test_the_probe_measures_the_model_s_shapes_cut_to_size() -> None:
+    """SmolLM2's layer as it is; an 8B model's MLP cut to its first rows, its row width kept;
+    a tiny test model's few KB replaced by the stand-in."""
+    smollm2 = [(960, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+    assert linear_module.probe_shapes(smollm2) == tuple(smollm2)
+    cut = linear_module.probe_shapes([(14336, 4096), (4096, 14336)])
+    assert [width for _, width in cut] == [4096, 14336]
+    assert all(
+        rows * width * 4 <= linear_module._PROBE_MAX_WEIGHT_BYTES < (rows + 1) * width * 4
+        for rows, width in cut
+    )
+    assert linear_module.probe_shapes([(128, 64), (64, 64)]) == (linear_module._PROBE_SHAPE,)
+    assert linear_module.probe_shapes([]) == (linear_module._PROBE_SHAPE,)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +166,7 @@ def test_under_a_memory_limit_nothing_is_kept_twice(
     (tmp_path / "memory.max").write_text(limit + "\n")
     monkeypatch.setattr(linear_module, "_CGROUP_LIMIT_FILES", (tmp_path / "memory.max",))
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
-    monkeypatch.setattr(linear_module, "_measured_small_batch_rows", lambda threads: 2)
+    monkeypatch.setattr(linear_module, "_measured_small_batch_rows", lambda threads, shapes: 2)
     linear_module._under_memory_limit.cache_clear()
     try:
         assert linear_module._under_memory_limit() == limited
@@ -210,3 +227,38 @@ def test_an_engine_refuses_a_bad_small_batch_setting_before_loading(
         f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {SMALL_BATCH_MAX_ROWS}"
         in capsys.readouterr().err
     )
+
+
+@needs_onednn
+def test_a_model_s_linears_take_the_row_count_measured_on_its_own_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's timing is replaced (it varies), what it is asked and what becomes of its
+    answer is not: one decoder layer's shapes as the model holds them (q/k/v fused), and every
+    projection, the lm_head's too, running steps of that many rows on the small-batch path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from dpserve.engine.models.llama import PagedLlama
+
+    if linear_module._under_memory_limit():
+        pytest.skip("under a memory limit the weights are held once and nothing is measured")
+    monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
+    asked: list[tuple[tuple[int, int], ...]] = []
+
+    def measured(threads: int, shapes: tuple[tuple[int, int], ...]) -> int:
+        asked.append(shapes)
+        return 3
+
+    monkeypatch.setattr(linear_module, "_measured_small_batch_rows", measured)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=512,
+    )
+    model = PagedLlama(AutoModelForCausalLM.from_config(config).to(torch.float32))
+    assert asked == [((512, 256), (256, 256), (1024, 256), (1024, 256), (256, 1024))]
+    assert model.kernels.small_batch_rows == 3
+    assert {linear.small_rows for linear in model.projections()} == {3}

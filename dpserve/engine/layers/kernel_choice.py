@@ -16,9 +16,10 @@ model, and read by the layers through ``KernelChoice`` (no layer asks the device
 
 N, the row count up to which a decode step's linears run the C++ ``decode_matmul`` (a weight
 row read once for all rows) rather than oneDNN, is measured at start against oneDNN at each row
-count (``linear.small_batch_rows``, up to ``linear.SMALL_BATCH_MAX_ROWS``) and logged; each
-``Linear`` takes it when built. Without the C++ kernels the same rows may run torch's dense
-``F.linear`` instead, where that measures faster than oneDNN.
+count on the model's own projection shapes (``linear.small_batch_rows``, up to
+``linear.SMALL_BATCH_MAX_ROWS``) and logged; it is ``KernelChoice.small_batch_rows``, and each
+``Linear`` of the model takes it when built. Without the C++ kernels the same rows may run
+torch's dense ``F.linear`` instead, where that measures faster than oneDNN.
 
 (*) For power-of-two head sizes; otherwise torch, per head, before the kernel.
 "CUDA" means Triton imports and its kernels compile there (``triton_layer_ops.available``,
@@ -29,12 +30,14 @@ compiler, with ``DPSERVE_CPU_KERNELS=0`` or in bf16 the CPU runs the torch colum
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from dpserve.engine.kernels import cpu_kernels, triton_layer_ops
+from dpserve.engine.layers import linear
 from dpserve.engine.layers.attention import decode_attention_backend
 
 Glue = Literal["triton", "cpu", "torch"]
@@ -57,14 +60,20 @@ class KernelChoice:
     # Which code runs the decode rows' attention where the glue is not "cpu" ("triton" or
     # "torch"); with the C++ glue the decode attention is the C++ kernel.
     decode_attention: str
+    # Up to how many rows an fp32 CPU linear runs its small-batch path (``linear.Linear``);
+    # 0 where nothing was measured (another device or dtype: the linears then never use it).
+    small_batch_rows: int = 0
 
     @property
     def triton_layers(self) -> bool:
         return self.glue == "triton"
 
 
-def choose_kernels(weights: torch.Tensor) -> KernelChoice:
-    """The implementations for a model whose weights look like ``weights`` (device, dtype)."""
+def choose_kernels(
+    weights: torch.Tensor, projection_shapes: Sequence[linear.Shape] = ()
+) -> KernelChoice:
+    """The implementations for a model whose weights look like ``weights`` (device, dtype) and
+    whose decoder layer's projections have ``projection_shapes`` ([out, in] each)."""
     device = weights.device
     glue: Glue = (
         "triton"
@@ -73,4 +82,12 @@ def choose_kernels(weights: torch.Tensor) -> KernelChoice:
         if cpu_kernels.usable(weights)
         else "torch"
     )
-    return KernelChoice(glue=glue, decode_attention=decode_attention_backend(device))
+    return KernelChoice(
+        glue=glue,
+        decode_attention=decode_attention_backend(device),
+        small_batch_rows=(
+            linear.small_batch_rows(weights.dtype, projection_shapes)
+            if linear.uses_onednn(weights)
+            else 0
+        ),
+    )

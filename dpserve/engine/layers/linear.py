@@ -21,8 +21,9 @@ each weight row read once for every row of the step, threads splitting the outpu
 (SiLU, the product by the gate, the residual add) fused as oneDNN's is. Without the C++ kernels the
 same steps can run torch's dense ``F.linear`` instead (on an Intel Xeon with AVX-512 it read a row's
 weights at ~24 GB/s on two threads against oneDNN's ~17; issue 16). ``small_batch_rows`` measures
-that small-batch path against oneDNN once per process, for 1 to ``SMALL_BATCH_MAX_ROWS`` rows
-(oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine pads), and each linear keeps the dense
+that small-batch path against oneDNN once per model, on its own projection shapes, for 1 to
+``SMALL_BATCH_MAX_ROWS`` rows (oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine
+pads), and each linear keeps the dense
 weight beside the packed one and runs steps of that many rows or fewer through it. That is a second
 copy of the weights: for the kernel one in 2 MB pages (``cpu_kernels.huge_page_copy``: a
 SmolLM2-135M step of one sequence took 25 CPU ms against 33 with the 4 KB pages of its memory-mapped
@@ -61,6 +62,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +94,26 @@ SMALL_BATCH_ROWS_ENV = "DPSERVE_CPU_SMALL_BATCH_ROWS"
 # The most rows the small-batch path is measured for and may take: the decode kernel's one
 # pass over the weight (beyond it oneDNN's kernels stream the weight as fast; issue 33).
 SMALL_BATCH_MAX_ROWS = cpu_kernels.DECODE_MATMUL_MAX_ROWS
-# The probe: copies of one weight, together far larger than a server's last-level cache, so that
-# they come from memory as a decode step's weights do; the small-batch path is used for a row
-# count only where it takes at most _DENSE_MARGIN of oneDNN's time for one row (noise is not a
-# reason to hold the weights twice), and for each further row count while it is not slower than
-# oneDNN (the copy is held by then; at 8 rows on 2 threads, Zen 4, the kernel read 17.4 GB/s
-# against oneDNN's 15.1, and the margin alone had sent 8-sequence steps to oneDNN).
+# The probe: copies of the model's own projection shapes (one decoder layer's, in turn; a weight
+# of another shape where none are given), together far larger than a server's last-level cache,
+# so that they come from memory as a decode step's weights do. The shapes decide the result: on
+# 2 threads, Zen 4, the kernel's lead over oneDNN for one row was 1.5-1.8x on each of SmolLM2's
+# four shapes and 1.3-1.6x on a 2048x1024 stand-in, whose run-to-run noise once left it at
+# 1.16x, under the margin, and a server ran oneDNN at 1.6x the kernel's c=1 step time (issue
+# 33). The small-batch path is used for a row count only where it takes at most _DENSE_MARGIN of
+# oneDNN's time for one row (noise is not a reason to hold the weights twice), and for each
+# further row count while it is not slower than oneDNN (the copy is held by then; at 8 rows on 2
+# threads, Zen 4, the kernel read 17.4 GB/s against oneDNN's 15.1, and the margin alone had sent
+# 8-sequence steps to oneDNN).
 _PROBE_SHAPE = (2048, 1024)
 _PROBE_BYTES = 192 << 20
+# The most bytes one probe weight takes: a larger projection (an 8B model's 14336x4096 MLP
+# matrices, 235 MB in fp32) is probed on its first rows, its row width kept.
+_PROBE_MAX_WEIGHT_BYTES = _PROBE_BYTES // 4
+# Fewer bytes than this in a layer's projections (tests' tiny random models: a few KB) and the
+# stand-in is probed instead: such weights sit in the cache, and passes over thousands of tiny
+# copies would time Python's calls rather than memory (and take seconds).
+_PROBE_MIN_LAYER_BYTES = 1 << 20
 _DENSE_MARGIN = 0.85
 _PROBE_ROUNDS = 5
 # Weight rows widened to fp32 at a time on a low-precision weight's large-step path: 512 x
@@ -140,16 +154,32 @@ def uses_onednn(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and _onednn_works(weight.dtype)
 
 
-def small_batch_rows(dtype: torch.dtype) -> int:
+Shape = tuple[int, int]
+
+
+def small_batch_rows(dtype: torch.dtype, shapes: Sequence[Shape] = ()) -> int:
     """Up to how many rows a prepacked fp32 ``Linear`` runs through its small-batch path (the
     decode kernel, else the dense ``F.linear``) rather than oneDNN (0: never):
-    ``SMALL_BATCH_ROWS_ENV``, else measured once per process and thread count."""
+    ``SMALL_BATCH_ROWS_ENV``, else measured on weights of ``shapes`` ([out, in] each: a model's
+    projections; a stand-in shape where empty), once per process, thread count and shapes."""
     override = small_batch_rows_setting()
     if override is not None:
         return override
     if dtype != torch.float32 or not _onednn_works(dtype) or _under_memory_limit():
         return 0
-    return _measured_small_batch_rows(torch.get_num_threads())
+    return _measured_small_batch_rows(torch.get_num_threads(), probe_shapes(shapes))
+
+
+def probe_shapes(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+    """The weights the probe measures, in turn: ``shapes``, each cut to its first rows where it
+    exceeds ``_PROBE_MAX_WEIGHT_BYTES`` (at least one row); the stand-in where they hold fewer
+    than ``_PROBE_MIN_LAYER_BYTES`` in all."""
+    if sum(rows_out * rows_in * 4 for rows_out, rows_in in shapes) < _PROBE_MIN_LAYER_BYTES:
+        return (_PROBE_SHAPE,)
+    return tuple(
+        (max(1, min(rows_out, _PROBE_MAX_WEIGHT_BYTES // (rows_in * 4))), rows_in)
+        for rows_out, rows_in in shapes
+    )
 
 
 def small_batch_rows_setting() -> int | None:
@@ -222,10 +252,13 @@ def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _measured_small_batch_rows(threads: int) -> int:
-    rows_out, rows_in = _PROBE_SHAPE
-    copies = _PROBE_BYTES // (rows_out * rows_in * 4)
-    plain = [torch.full(_PROBE_SHAPE, 1.0 + i / copies) for i in range(copies)]
+def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
+    plain: list[torch.Tensor] = []
+    held = 0
+    while held < _PROBE_BYTES:  # the shapes in turn, each copy's values its own
+        shape = shapes[len(plain) % len(shapes)]
+        plain.append(torch.full(shape, 1.0 + len(plain) / 64))
+        held += shape[0] * shape[1] * 4
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in plain]
     # The small-batch path's weights as a Linear keeps them (huge pages for the kernel).
     dense = (
@@ -233,19 +266,25 @@ def _measured_small_batch_rows(threads: int) -> int:
         if small_batch_kernel() == "decode_matmul"
         else plain
     )
-    inputs = {rows: torch.full((rows, rows_in), 0.5) for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)}
+    widths = sorted({rows_in for _, rows_in in shapes})
+    inputs = {
+        (rows, width): torch.full((rows, width), 0.5)
+        for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)
+        for width in widths
+    }
+    row_counts = range(1, SMALL_BATCH_MAX_ROWS + 1)
 
     def one_pass(rows: int, small: bool) -> float:
         """Seconds for every copy: the small-batch path, or oneDNN at the rows the engine would
         run it with (padded to ``ONEDNN_MIN_ROWS``)."""
         start = time.perf_counter()
         if small:
-            x = inputs[rows]
             for weight in dense:
-                _small_batch_product(x, weight)
+                _small_batch_product(inputs[rows, weight.shape[1]], weight)
         else:
-            x = inputs[max(rows, ONEDNN_MIN_ROWS)]
-            for weight in packed:
+            padded = max(rows, ONEDNN_MIN_ROWS)
+            for weight, original in zip(packed, plain, strict=True):
+                x = inputs[padded, original.shape[1]]
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
         return time.perf_counter() - start
 
@@ -253,10 +292,10 @@ def _measured_small_batch_rows(threads: int) -> int:
     # beside other processes, and a load that comes or goes mid-probe then weighs on all alike.
     # oneDNN below ONEDNN_MIN_ROWS rows is the padded pass, measured once.
     onednn_rows = range(ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1)
-    small = dict.fromkeys(inputs, float("inf"))
+    small = dict.fromkeys(row_counts, float("inf"))
     onednn = dict.fromkeys(onednn_rows, float("inf"))
     for _ in range(_PROBE_ROUNDS):
-        for rows in inputs:
+        for rows in row_counts:
             small[rows] = min(small[rows], one_pass(rows, small=True))
         for rows in onednn_rows:
             onednn[rows] = min(onednn[rows], one_pass(rows, small=False))
@@ -274,10 +313,10 @@ def _measured_small_batch_rows(threads: int) -> int:
         else f"CPU decode steps of every size run through oneDNN, one copy of the weights "
         f"({SMALL_BATCH_ROWS_ENV}=N: {kernel} up to N sequences)"
     )
-    gigabytes = _PROBE_BYTES / 1e9
+    gigabytes = held / 1e9
     log.info(
         "%s; GB/s of weights read by rows 1-%d: %s %s, oneDNN %s (padded to %d below it; %d "
-        "threads)",
+        "threads; weights of %s)",
         choice,
         SMALL_BATCH_MAX_ROWS,
         kernel,
@@ -285,6 +324,7 @@ def _measured_small_batch_rows(threads: int) -> int:
         " / ".join(f"{gigabytes / onednn[max(rows, ONEDNN_MIN_ROWS)]:.1f}" for rows in small),
         ONEDNN_MIN_ROWS,
         threads,
+        ", ".join(f"{rows_out}x{rows_in}" for rows_out, rows_in in shapes),
     )
     return chosen
 
@@ -293,13 +333,16 @@ class Linear:
     """``x @ weight.T + bias`` over ``[rows, in_features]`` activations, plus fused variants.
 
     ``weight_format`` other than fp32 (a float32 CPU weight only): the weight is held as bf16,
-    or as int8 with per-row ``scales``, and nothing else (module docstring)."""
+    or as int8 with per-row ``scales``, and nothing else (module docstring). ``small_rows``:
+    the model's ``small_batch_rows`` (measured on its shapes: ``KernelChoice``); None measures
+    on the stand-in shape."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT,
+        small_rows: int | None = None,
     ) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.weight_format: WeightFormat = weight_format
@@ -316,7 +359,7 @@ class Linear:
         self.small_rows = (
             SMALL_BATCH_MAX_ROWS
             if self.one_copy
-            else small_batch_rows(weight.dtype)
+            else (small_batch_rows(weight.dtype) if small_rows is None else small_rows)
             if self.onednn
             else 0
         )

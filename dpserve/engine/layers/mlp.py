@@ -34,20 +34,23 @@ class GatedMLP:
     With oneDNN the gate and up projections stay separate so SiLU and the product ride in
     their epilogues (three operations in all); otherwise they are one fused matmul followed
     by SiLU and a product, one Triton kernel where the glue is Triton (CUDA). ``weight_format``:
-    how the three weights are held (``Linear``)."""
+    how the three weights are held (``Linear``); ``kernels.small_batch_rows`` which steps they
+    run on the small-batch path."""
 
     def __init__(
         self, mlp: Any, kernels: KernelChoice, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT
     ) -> None:
         self.fused = kernels.triton_layers
+        small = kernels.small_batch_rows
         if uses_onednn(mlp.gate_proj.weight):
-            self.gate: Linear | None = Linear(*detached_weights(mlp.gate_proj), weight_format)
-            self.up: Linear | None = Linear(*detached_weights(mlp.up_proj), weight_format)
+            gate, up = detached_weights(mlp.gate_proj), detached_weights(mlp.up_proj)
+            self.gate: Linear | None = Linear(*gate, weight_format, small)
+            self.up: Linear | None = Linear(*up, weight_format, small)
             self.gate_up: Linear | None = None
         else:
             self.gate = self.up = None
-            self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj), weight_format)
-        self.down = Linear(*detached_weights(mlp.down_proj), weight_format)
+            self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj), weight_format, small)
+        self.down = Linear(*detached_weights(mlp.down_proj), weight_format, small)
 
     def plus(
         self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta | None = None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from dpserve.engine.layers import linear
 from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.layers.linear import Linear, detached_weights, resident
@@ -96,6 +97,30 @@ def fused_qkv(
     return qkv_weight, qkv_bias
 
 
+# Projections held in the matrix of the one before them (``fused_qkv``: transformers' attention
+# modules define q, k, v in that order), and a mixture of experts' router, which runs outside
+# ``Linear`` (``layers.moe``).
+_JOIN_THE_PREVIOUS = frozenset({"k_proj", "v_proj"})
+_ROUTER = "gate"
+
+
+def projection_shapes(layer: Any) -> list[linear.Shape]:
+    """The [out, in] shapes of a transformers decoder layer's projections as this model holds
+    them, in the layer's order: q/k/v as the one matrix of ``fused_qkv``, the router left out
+    (what the start-up probe measures: ``linear.small_batch_rows``)."""
+    shapes: list[linear.Shape] = []
+    for name, module in layer.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(module, torch.nn.Linear) or leaf == _ROUTER:
+            continue
+        rows, width = int(module.out_features), int(module.in_features)
+        if leaf in _JOIN_THE_PREVIOUS and shapes:
+            shapes[-1] = (shapes[-1][0] + rows, width)
+        else:
+            shapes.append((rows, width))
+    return shapes
+
+
 class PagedLlama:
     """The weights of a Llama-family model and its forward pass over a ``PagedKVCache``."""
 
@@ -126,9 +151,11 @@ class PagedLlama:
         # How every projection's weight is held (``layers.weight_format``; the embedding and
         # norms stay as loaded): the vocabulary projection's too, a copy when tied.
         self.weight_format: WeightFormat = weight_format
+        self.kernels: KernelChoice = choose_kernels(
+            self.embedding, projection_shapes(decoder.layers[0]) if len(decoder.layers) else ()
+        )
         self.lm_head = self.linear(model.lm_head.weight.detach())
         self.vocab_size = self.lm_head.out_features
-        self.kernels: KernelChoice = choose_kernels(self.embedding)
         self.rotation = rope_rotation(
             decoder.rotary_emb, self.context_size, self.head_dim, self.dtype, self.device
         )
@@ -162,7 +189,7 @@ class PagedLlama:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A projection of this model, its weight held in the model's weight format."""
-        return Linear(weight, bias, self.weight_format)
+        return Linear(weight, bias, self.weight_format, self.kernels.small_batch_rows)
 
     def projections(self) -> list[Linear]:
         """Every ``Linear`` of the model: each layer's (its MLP's too) and the lm_head."""
