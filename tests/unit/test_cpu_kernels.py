@@ -135,7 +135,7 @@ def test_rotate_and_write_kv_with_the_head_norm_equals_the_norm_then_torch(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (4, 2, 16, 4), (6, 2, 48, 8)],
 )
-# 12 sequences: a thread takes whole sequences; 1 on two threads: its KV heads are split.
+# 12 sequences: a thread takes whole sequences; 1 on two threads: too short to split (below).
 @pytest.mark.parametrize("sequences", [12, 1])
 def test_decode_attention_equals_the_reference(
     heads: int, kv_heads: int, head_dim: int, block_size: int, sequences: int
@@ -159,6 +159,29 @@ def test_decode_attention_equals_the_reference(
     finally:
         torch.set_num_threads(threads)
     assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("lengths", [[64], [65], [300], [1000], [70, 1000]])
+def test_decode_attention_split_over_threads_equals_the_reference(
+    lengths: list[int], threads: int
+) -> None:
+    """Fewer sequences than threads: each sequence's tokens are split into parts of whole
+    blocks (4 blocks at least), each part's softmax merged into the sequence's; a sequence too
+    short to split (64 tokens: 4 blocks) runs whole beside one that is split."""
+    case = make_paged_case(lengths, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    expected = paged_decode_attention_reference(*case.args())
+    pool = torch.stack((case.k_cache, case.v_cache))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.decode_attention(
+            case.query, pool, case.block_tables, case.seq_lens, case.scale
+        ).view(expected.shape)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

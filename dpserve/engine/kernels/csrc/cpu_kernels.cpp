@@ -149,6 +149,15 @@ inline void prefetch(const float* data, int64_t count) {
   for (int64_t i = 0; i < count; i += kLine) __builtin_prefetch(data + i, 0, 3);
 }
 
+// The same into L2, for the blocks after the first: spread over the reads of the block before
+// (a slot's worth per slot), where a block's 190-odd prefetches at once into L1 had stalled on
+// the core's few outstanding misses. One sequence of 1,024 tokens (SmolLM2's heads, AMD EPYC Zen
+// 4, KV from memory) took 224 -> 107 us a layer on one thread (issue 33).
+inline void prefetch_to_l2(const float* data, int64_t count) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t i = 0; i < count; i += kLine) __builtin_prefetch(data + i, 0, 2);
+}
+
 // One vector register of floats: sixteen with AVX-512, else eight (AVX2's). A 16-float vector
 // on a target without AVX-512 is two registers to GCC, but a scalar times it (a weight times a
 // value row, below) was built by storing the scalar 16 times to the stack and reloading: decode
@@ -215,33 +224,38 @@ inline float dot_product(const float* __restrict a, const float* __restrict b, i
   }
 }
 
-// One sequence's new token, the query heads of KV heads [kv_first, kv_first + kv_count): the
-// scores against each cached token, the softmax, the values weighted and summed. q and out
-// start at the first of those query heads. The keys and values are read once, a slot at a time
-// in block order: the pool is far larger than the caches, so these reads are most of the time,
-// and they run at memory speed only as long contiguous streams (all KV heads of a slot are
-// contiguous: a sequence whose heads one thread takes reads them as one stream). Dim: the head
-// size where it is 64 or 128, so that the dot products and sums stay in registers (else 0).
+// One sequence's new token against its cached tokens [begin, end) (begin a multiple of the
+// block size), every query head: the scores, the softmax over those tokens, the values weighted
+// and summed into out [heads, dim]. Where a sequence's tokens are split over threads
+// (decode_attention), each part also reports per head its highest score and the sum of its
+// exponentials (highest and total, else null), from which the parts are merged. The keys and
+// values are read once, a slot at a time in block order: the pool is far larger than the
+// caches, so these reads are most of the time, and they run at memory speed only as long
+// contiguous streams (all KV heads of a slot are contiguous). Dim: the head size where it is 64
+// or 128, so that the dot products and sums stay in registers (else 0).
 template <int64_t Dim>
 void attend(const float* __restrict q, const float* __restrict keys,
-            const float* __restrict values, const int32_t* table, int64_t length,
-            int64_t block_size, int64_t num_kv_heads, int64_t kv_first, int64_t kv_count,
-            int64_t group, int64_t dim, float scale, float* __restrict scores,
-            float* __restrict out) {
-  const int64_t heads = kv_count * group, slot_width = num_kv_heads * dim;
-  const int64_t block_width = block_size * slot_width;
+            const float* __restrict values, const int32_t* table, int64_t begin, int64_t end,
+            int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t dim, float scale,
+            float* __restrict scores, float* __restrict out, float* __restrict highest_of,
+            float* __restrict total_of) {
+  const int64_t heads = num_kv_heads * group, slot_width = num_kv_heads * dim;
+  const int64_t block_width = block_size * slot_width, length = end - begin;
+  const int64_t first = begin / block_size, last = (end + block_size - 1) / block_size;
   int64_t kv_head_of[kMaxHeads];  // an integer division per head and token costs more than it
-  for (int64_t head = 0; head < heads; ++head) kv_head_of[head] = kv_first + head / group;
-  const int64_t blocks = (length + block_size - 1) / block_size;
-  prefetch(keys + static_cast<int64_t>(table[0]) * block_width, block_width);
-  for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
+  for (int64_t head = 0; head < heads; ++head) kv_head_of[head] = head / group;
+  prefetch(keys + static_cast<int64_t>(table[first]) * block_width, block_width);
+  for (int64_t index = first; index < last; ++index) {
+    const int64_t start = index * block_size - begin;
     const float* block_keys = keys + static_cast<int64_t>(table[index]) * block_width;
     const int64_t stop = std::min(block_size, length - start);
-    const float* following = index + 1 < blocks ? keys : values;  // the V pass starts next
-    prefetch(following + static_cast<int64_t>(table[(index + 1) % blocks]) * block_width,
-             block_width);
+    // The next block's keys, or after the last the first block's values (the V pass), a
+    // slot's lines per slot read, into L2.
+    const float* following = (index + 1 < last ? keys : values) +
+        static_cast<int64_t>(table[index + 1 < last ? index + 1 : first]) * block_width;
     for (int64_t offset = 0; offset < stop; ++offset) {
       const float* slot = block_keys + offset * slot_width;
+      prefetch_to_l2(following + offset * slot_width, slot_width);
       for (int64_t head = 0; head < heads; ++head) {
         const float dot = dot_product<Dim>(q + head * dim, slot + kv_head_of[head] * dim, dim);
         scores[head * length + start + offset] = dot * scale;
@@ -260,21 +274,32 @@ void attend(const float* __restrict q, const float* __restrict keys,
     const float inverse = 1.f / total;
 #pragma omp simd
     for (int64_t token = 0; token < length; ++token) s[token] *= inverse;
+    if (highest_of != nullptr) {
+      highest_of[head] = highest;
+      total_of[head] = total;
+    }
   }
   std::fill(out, out + heads * dim, 0.f);
-  for (int64_t start = 0, index = 0; start < length; start += block_size, ++index) {
+  for (int64_t index = first; index < last; ++index) {
+    const int64_t start = index * block_size - begin;
     const float* block_values = values + static_cast<int64_t>(table[index]) * block_width;
     const int64_t stop = std::min(block_size, length - start);
-    if (index + 1 < blocks) {
-      prefetch(values + static_cast<int64_t>(table[index + 1]) * block_width, block_width);
-    }
+    // The next block's values, a head's share of its lines per head.
+    const float* next = values + static_cast<int64_t>(table[std::min(index + 1, last - 1)]) *
+                                     block_width;
+    const int64_t share = index + 1 < last ? (block_width + heads - 1) / heads : 0;
     // Head by head over the block, which stays in L1 between heads.
     for (int64_t head = 0; head < heads; ++head) {
+      prefetch_to_l2(next + head * share, std::min(share, block_width - head * share));
       add_weighted_rows<Dim>(block_values + kv_head_of[head] * dim, slot_width,
-               scores + head * length + start, stop, dim, out + head * dim);
+                             scores + head * length + start, stop, dim, out + head * dim);
     }
   }
 }
+
+// The fewest blocks a part of a split sequence takes: below it the merge and the threads'
+// start cost more than the split saves.
+constexpr int64_t kMinSplitBlocks = 4;
 
 // One new token per sequence attending to its cached tokens in the pool (nothing gathered, no
 // mask): query [batch, heads, head_dim] (rows may be strided), kv_pair [2, blocks, block_size,
@@ -312,27 +337,82 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
   const float* values = keys + num_blocks * block_size * slot_width;
   at::Tensor out = at::empty({batch, num_heads * head_dim}, query.options());
   float* out_data = out.data_ptr<float>();
-  // A unit of work is a sequence, or, with fewer sequences than threads (a decode step of one
-  // sequence), a sequence's KV heads split `parts` ways, so that no thread idles: SmolLM2-135M
-  // at c=1 on two threads spent 6-14 % of its step in attention on one of them.
-  const int64_t parts = batch < at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t kv_per_part = num_kv_heads / parts;
   const auto attend_heads = head_dim == 64    ? &attend<64>
                             : head_dim == 128 ? &attend<128>
                                               : &attend<0>;
-  at::parallel_for(0, batch * parts, 1, [&](int64_t begin, int64_t end) {
+  // A unit of work is a sequence; with fewer sequences than threads (a decode step of one
+  // sequence) a sequence's tokens are split into parts of whole blocks, every head in each, so
+  // that no thread idles and each reads one contiguous run of slots. SmolLM2-135M at c=1 on two
+  // threads spent 6-14 % of its step in attention on one thread; its KV heads split instead
+  // (3 over 2 threads) balanced poorly and read every slot in pieces (issue 33).
+  const int64_t threads = at::get_num_threads();
+  const int64_t wanted = batch < threads ? (threads + batch - 1) / batch : 1;
+  // Sequence row's parts are units [part_of[row], part_of[row + 1]).
+  std::vector<int64_t> part_of(batch + 1, 0);
+  for (int64_t row = 0; row < batch; ++row) {
+    const int64_t blocks = (length_data[row] + block_size - 1) / block_size;
+    const int64_t parts = std::min(wanted, blocks / kMinSplitBlocks);
+    part_of[row + 1] = part_of[row] + std::max<int64_t>(1, parts);
+  }
+  const int64_t units = part_of[batch];
+  if (units == batch) {
+    at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> scores;
+      for (int64_t row = first; row < last; ++row) {
+        const int64_t length = length_data[row];
+        scores.resize(num_heads * length);
+        attend_heads(queries + row * query.stride(0), keys, values, table_data + row * width, 0,
+                     length, block_size, num_kv_heads, group, head_dim,
+                     static_cast<float>(scale), scores.data(),
+                     out_data + row * num_heads * head_dim, nullptr, nullptr);
+      }
+    });
+    return out;
+  }
+  // Each part's softmax-weighted values over its own tokens, with its highest score and total
+  // per head; merged below into the softmax over all of a sequence's tokens.
+  std::vector<float> partial(units * num_heads * head_dim);
+  std::vector<float> highest(units * num_heads), total(units * num_heads);
+  std::vector<int64_t> row_of(units);
+  for (int64_t row = 0; row < batch; ++row) {
+    for (int64_t unit = part_of[row]; unit < part_of[row + 1]; ++unit) row_of[unit] = row;
+  }
+  at::parallel_for(0, units, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t row = unit / parts, kv_first = (unit % parts) * kv_per_part;
-      const int64_t length = length_data[row];
-      const int64_t first_head = kv_first * group;
-      scores.resize(kv_per_part * group * length);
-      attend_heads(queries + row * query.stride(0) + first_head * query.stride(1), keys, values,
-             table_data + row * width, length, block_size, num_kv_heads, kv_first, kv_per_part,
-             group, head_dim, static_cast<float>(scale), scores.data(),
-             out_data + (row * num_heads + first_head) * head_dim);
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t row = row_of[unit], parts = part_of[row + 1] - part_of[row];
+      const int64_t part = unit - part_of[row], length = length_data[row];
+      const int64_t blocks = (length + block_size - 1) / block_size;
+      const int64_t begin = blocks * part / parts * block_size;
+      const int64_t end = std::min(length, blocks * (part + 1) / parts * block_size);
+      scores.resize(num_heads * (end - begin));
+      attend_heads(queries + row * query.stride(0), keys, values, table_data + row * width,
+                   begin, end, block_size, num_kv_heads, group, head_dim,
+                   static_cast<float>(scale), scores.data(),
+                   partial.data() + unit * num_heads * head_dim, highest.data() + unit * num_heads,
+                   total.data() + unit * num_heads);
     }
   });
+  for (int64_t row = 0; row < batch; ++row) {
+    for (int64_t head = 0; head < num_heads; ++head) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t unit = part_of[row]; unit < part_of[row + 1]; ++unit) {
+        top = std::max(top, highest[unit * num_heads + head]);
+      }
+      float* merged = out_data + (row * num_heads + head) * head_dim;
+      std::fill(merged, merged + head_dim, 0.f);
+      float sum = 0.f;
+      for (int64_t unit = part_of[row]; unit < part_of[row + 1]; ++unit) {
+        const int64_t at = unit * num_heads + head;
+        const float weight = total[at] * exp_nonpositive(highest[at] - top);
+        const float* values_sum = partial.data() + at * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * values_sum[d];
+        sum += weight;
+      }
+      const float inverse = 1.f / sum;
+      for (int64_t d = 0; d < head_dim; ++d) merged[d] *= inverse;
+    }
+  }
   return out;
 }
 
