@@ -41,7 +41,8 @@ from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
 
 # (out_features, in_features): SmolLM2-135M's projections (qkv fused, gate and up apart as the
-# engine runs them under oneDNN, the tied vocabulary projection) and a larger model's MLP.
+# engine runs them under oneDNN, the tied vocabulary projection), a 1B-class MLP and an
+# 8B-class one (Llama-3-8B's 4096 / 14336).
 SHAPES: dict[str, tuple[int, int]] = {
     "qkv 960x576": (960, 576),
     "o 576x576": (576, 576),
@@ -50,6 +51,8 @@ SHAPES: dict[str, tuple[int, int]] = {
     "lm_head 49152x576": (49152, 576),
     "up 8192x2048": (8192, 2048),
     "down 2048x8192": (2048, 8192),
+    "up 14336x4096": (14336, 4096),
+    "down 4096x14336": (4096, 14336),
 }
 
 Run = Callable[[torch.Tensor], object]
