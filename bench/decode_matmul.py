@@ -10,8 +10,9 @@ call reads its weight from memory as a decode step does. Beside it, in the same 
 
 - copy: a large memcpy (``Tensor.copy_``), bytes read + bytes written per second (STREAM's
   count), and read: a large sum's bytes read per second: what the memory gives;
-- ours: ``cpu_kernels.decode_matmul`` on each instruction path this CPU runs, its weights in
-  huge pages as the engine keeps them (``cpu_kernels.huge_page_copy``);
+- ours: ``cpu_kernels.decode_matmul`` on each instruction path this CPU runs, its weights as
+  the engine keeps them (``cpu_kernels.decode_weight_copy``: huge pages, column-blocked where
+  rows have 2,048 columns or more);
 - torch: ``F.linear`` on the dense weight (MKL / oneDNN as torch dispatches it);
 - oneDNN: the prepacked ``mkldnn._linear_pointwise`` the engine runs for larger batches, at
   the exact row count and padded to ``linear.ONEDNN_MIN_ROWS`` rows as the engine pads.
@@ -92,8 +93,8 @@ def candidates(rows: int, plain: list[torch.Tensor]) -> dict[str, Callable[[], o
     x = torch.randn(rows, in_features)
     found: dict[str, Callable[[], object]] = {}
     if cpu_kernels.available():
-        # As the engine keeps them for the kernel: in huge pages (cpu_kernels.huge_page_copy).
-        huge = [cpu_kernels.huge_page_copy(w) for w in plain]
+        # As the engine keeps them for the kernel (cpu_kernels.decode_weight_copy).
+        huge = [cpu_kernels.decode_weight_copy(w) for w in plain]
         for isa in (cpu_kernels.ISA_AVX512, cpu_kernels.ISA_AVX2, cpu_kernels.ISA_PORTABLE):
             if cpu_kernels.decode_matmul_supports(isa):
                 name = f"ours {cpu_kernels.ISA_NAMES[isa]}"

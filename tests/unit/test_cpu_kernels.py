@@ -15,6 +15,7 @@ from torch.nn import functional
 from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers.attention import paged_decode_attention_reference
 from dpserve.engine.layers.rotary import rotate_in_place
+from dpserve.engine.layers.weight_format import quantize_int8_per_channel, to_bf16
 from tests.paged_cases import make_paged_case, random_lengths
 
 needs_kernels = pytest.mark.skipif(
@@ -409,6 +410,44 @@ def test_decode_matmul_equals_torch(
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", X86_PATHS)
+@pytest.mark.parametrize("weight_format", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize(
+    # Rows of 2,048 (2 chunks of 1,024), 2,049 (3 of 688, the last 1 column wide: a tail), and
+    # 3,000 (3 of 1,008, the last 984); output rows beyond a thread's tile and an L2 tile.
+    ("out_features", "in_features"),
+    [(37, 2048), (19, 2049), (70, 3000)],
+)
+def test_a_column_blocked_weight_gives_what_the_row_major_one_gives(
+    isa: int, weight_format: str, out_features: int, in_features: int
+) -> None:
+    """Wide rows are held column-blocked (``decode_weight_copy``): every chunk's partial sums
+    added up, the scales, bias and epilogue applied once, for 1-9 activation rows."""
+    _skip_unless_the_cpu_runs(isa)
+    generator = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    scales = None
+    if weight_format == "bf16":
+        weight = to_bf16(weight)
+    elif weight_format == "int8":
+        weight, scales = quantize_int8_per_channel(weight)
+    blocked = cpu_kernels.decode_weight_copy(weight)
+    width = cpu_kernels.chunk_width(in_features)
+    assert blocked.shape == (-(-in_features // width), out_features, width)
+    torch.testing.assert_close(
+        cpu_kernels.weight_rows(blocked, 3, 17, in_features), weight[3:17], rtol=0, atol=0
+    )
+    bias = torch.randn(out_features, generator=generator)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, in_features + 3, generator=generator)[:, :in_features]
+        other = torch.randn(rows, out_features, generator=generator)
+        for epilogue in (cpu_kernels.EPILOGUE_SILU, cpu_kernels.EPILOGUE_ADD):
+            wanted = cpu_kernels.decode_matmul(x, weight, bias, other, epilogue, isa, scales)
+            out = cpu_kernels.decode_matmul(x, blocked, bias, other, epilogue, isa, scales)
+            torch.testing.assert_close(out, wanted, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_decode_matmul_silu_stays_finite_at_extremes() -> None:
     """SiLU of large negative and positive products: 0 and the product itself, no NaN from an
     exp that overflows."""
@@ -434,6 +473,8 @@ def test_decode_matmul_refuses_what_it_cannot_read() -> None:
         cpu_kernels.decode_matmul(x.double(), weight.double())
     with pytest.raises(RuntimeError, match="columns"):
         cpu_kernels.decode_matmul(x, torch.ones(4, 9))
+    with pytest.raises(RuntimeError, match="columns"):  # 3 chunks of 4 for 8 columns
+        cpu_kernels.decode_matmul(x, torch.ones(3, 4, 4))
     with pytest.raises(RuntimeError, match="weight must be contiguous"):
         cpu_kernels.decode_matmul(x, torch.ones(8, 4).T)
     with pytest.raises(RuntimeError, match="contiguous rows"):

@@ -19,6 +19,7 @@ from dpserve.engine.layers.linear import (
     small_batch_rows,
     uses_onednn,
 )
+from dpserve.engine.layers.weight_format import dequantize
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -262,3 +263,27 @@ def test_a_model_s_linears_take_the_row_count_measured_on_its_own_shapes(
     assert asked == [((512, 256), (256, 256), (1024, 256), (1024, 256), (256, 1024))]
     assert model.kernels.small_batch_rows == 3
     assert {linear.small_rows for linear in model.projections()} == {3}
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the C++ CPU kernels are not built here")
+@pytest.mark.parametrize("weight_format", ["fp32", "bf16", "int8"])
+def test_a_wide_linear_is_held_column_blocked_and_equals_torch(
+    weight_format: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of 3,000 columns: the decode kernel's copy is column-blocked; small batches (the
+    kernel), a bf16/int8 weight's larger ones (widened in tiles gathered from the chunks) and
+    fp32's (oneDNN's packed copy) all equal torch on the weight as held."""
+    if weight_format == "fp32" and not uses_onednn(torch.ones(2, 2)):
+        pytest.skip("without oneDNN an fp32 linear keeps no copy for the small batches")
+    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(SMALL_BATCH_MAX_ROWS))
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(70, 3000, generator=generator) / 3000**0.5
+    bias = torch.randn(70, generator=generator)
+    linear = Linear(weight.clone(), bias.clone(), weight_format)  # type: ignore[arg-type]
+    assert linear.dense is not None and linear.dense.dim() == 3
+    held = dequantize(cpu_kernels.weight_rows(linear.dense, 0, 70, 3000), linear.scales)
+    for rows in (1, 4, 5, 9, 70):
+        x = torch.randn(rows, 3000, generator=generator)
+        torch.testing.assert_close(
+            linear(x), functional.linear(x, held, bias), rtol=1e-4, atol=1e-4
+        )

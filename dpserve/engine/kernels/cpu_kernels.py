@@ -400,6 +400,46 @@ def engine_isa() -> int:
 DECODE_MATMUL_MAX_ROWS = 8
 
 
+# Rows of at least this many columns are held column-blocked for ``decode_matmul``, in chunks
+# of at most ``CHUNK_COLUMNS`` (decode_matmul.cpp: a pass then re-reads a chunk of each
+# activation row from L1, not a whole wide row from L2; Llama-3-8B's shapes, Zen 4, one thread:
+# 2-4 rows 9-13 -> 22-29 GB/s). SmolLM2's rows (576 and 1,536 columns) stay row-major.
+BLOCK_FROM_COLUMNS = 2048
+CHUNK_COLUMNS = 1024
+
+
+def chunk_width(columns: int) -> int:
+    """The columns a chunk of a column-blocked weight with rows of ``columns`` holds: the rows
+    split as evenly as whole 16-column vectors allow into chunks of at most ``CHUNK_COLUMNS``
+    (3,584 columns: 4 of 896; 14,336: 14 of 1,024)."""
+    chunks = -(-columns // CHUNK_COLUMNS)
+    per_chunk = -(-columns // chunks)
+    return -(-per_chunk // 16) * 16
+
+
+def decode_weight_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[n, k]`` as ``decode_matmul`` reads it fastest, in 2 MB pages
+    (``huge_page_copy``): column-blocked, ``[chunks, n, chunk_width(k)]`` (every row's first
+    chunk of columns, then every row's next; zeros past column k), where k is at least
+    ``BLOCK_FROM_COLUMNS``, else as it is."""
+    rows, columns = int(weight.shape[0]), int(weight.shape[1])
+    if columns < BLOCK_FROM_COLUMNS:
+        return huge_page_copy(weight)
+    width = chunk_width(columns)
+    chunks = -(-columns // width)
+    padded = weight.new_zeros(rows, chunks * width)
+    padded[:, :columns] = weight
+    return huge_page_copy(padded.view(rows, chunks, width).transpose(0, 1))
+
+
+def weight_rows(weight: torch.Tensor, start: int, stop: int, columns: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a weight as ``[stop - start, columns]``, whichever of
+    ``decode_weight_copy``'s layouts it is held in (a column-blocked one's rows gathered)."""
+    if weight.dim() == 2:
+        return weight[start:stop]
+    return weight[:, start:stop].transpose(0, 1).reshape(stop - start, -1)[:, :columns]
+
+
 def decode_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -410,7 +450,8 @@ def decode_matmul(
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a few fp32 rows of ``x`` ``[rows, k]``, ``weight``
-    ``[n, k]`` contiguous, each weight row read once for all rows; then ``silu`` of it, or it
+    ``[n, k]`` contiguous or column-blocked (``decode_weight_copy``), each weight row read once
+    for all rows; then ``silu`` of it, or it
     times or plus ``other`` ``[rows, n]`` (``epilogue``). A new fp32 ``[rows, n]`` tensor.
     ``weight`` is fp32, bf16, or int8 with fp32 ``scales`` ``[n]`` (the product is then
     ``x @ (weight * scales[:, None]).T``, summed in fp32: ``layers.weight_format``)."""

@@ -22,39 +22,40 @@ each weight row read once for every row of the step, threads splitting the outpu
 same steps can run torch's dense ``F.linear`` instead (on an Intel Xeon with AVX-512 it read a row's
 weights at ~24 GB/s on two threads against oneDNN's ~17; issue 16). ``small_batch_rows`` measures
 that small-batch path against oneDNN once per model, on its own projection shapes, for 1 to
-``SMALL_BATCH_MAX_ROWS`` rows (oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine
-pads), and each linear keeps the dense
-weight beside the packed one and runs steps of that many rows or fewer through it. That is a second
-copy of the weights: for the kernel one in 2 MB pages (``cpu_kernels.huge_page_copy``: a
-SmolLM2-135M step of one sequence took 25 CPU ms against 33 with the 4 KB pages of its memory-mapped
-file), so the fp32 weights are held twice; for ``F.linear`` SmolLM2's stay memory-mapped from its
-file (RSS +48 MB, for the fused QKV matrices), while weights converted at load are kept twice. So
-not under a memory limit (a container's cgroup), which was sized for one copy: there each weight is
-held once. With the decode kernel that one copy is the kernel's, in 2 MB pages: steps of up to
-``SMALL_BATCH_MAX_ROWS`` rows run the kernel and larger ones run oneDNN from the same unpacked
-weight, its epilogues still fused (``keeps_one_copy``; SmolLM2-135M's shapes, one thread, Zen 4,
-BENCHMARKS.md: oneDNN unpacked took 1.04-1.41x the packed primitive's time at 4-512 rows, and the
-kernel less than unpacked oneDNN at 4-8 rows; at 1-3 the engine pads oneDNN to 4). Without the
-kernel the one copy is oneDNN's packed one, nothing measured. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N``
-sets the count instead, anywhere (0: never), and keeps both.
+``SMALL_BATCH_MAX_ROWS`` rows (oneDNN padded to ``ONEDNN_MIN_ROWS`` below it, as the engine pads),
+and each linear keeps the dense weight beside the packed one and runs steps of that many rows or
+fewer through it. That is a second copy of the weights: for the kernel one in 2 MB pages
+(``cpu_kernels.huge_page_copy``: a SmolLM2-135M step of one sequence took 25 CPU ms against 33 with
+the 4 KB pages of its memory-mapped file), column-blocked where rows have 2,048 columns or more
+(``cpu_kernels.decode_weight_copy``), so the fp32 weights are held twice; for ``F.linear`` SmolLM2's
+stay memory-mapped from its file (RSS +48 MB, for the fused QKV matrices), while weights converted
+at load are kept twice. So not under a memory limit (a container's cgroup), which was sized for one
+copy: there each weight is held once. With the decode kernel that one copy is the kernel's, in 2 MB
+pages and row-major (oneDNN reads it too): steps of up to ``SMALL_BATCH_MAX_ROWS`` rows run the
+kernel and larger ones run oneDNN from the same unpacked weight, its epilogues still fused
+(``keeps_one_copy``; SmolLM2-135M's shapes, one thread, Zen 4, BENCHMARKS.md: oneDNN unpacked took
+1.04-1.41x the packed primitive's time at 4-512 rows, and the kernel less than unpacked oneDNN at
+4-8 rows; at 1-3 the engine pads oneDNN to 4). Without the kernel the one copy is oneDNN's packed
+one, nothing measured. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
+never), and keeps both.
 
 With a lower-precision weight format (``weight_format``: ``dpserve engine --cpu-weights bf16`` or
-``int8``, never the default) only the bf16 or int8 copy is kept, in 2 MB pages where the decode
-kernel serves it: steps of up to ``LOW_PRECISION_KERNEL_MAX_ROWS`` rows run the kernel on it (a half
-or a quarter of fp32's bytes streamed), larger ones a library path from the same copy, their
-epilogues as separate torch operations. Which library path was measured (SmolLM2-135M's shapes,
-16-512 rows, one thread, AMD EPYC with AVX-512-BF16, torch 2.13, a shared machine):
-``aten._weight_int8pack_mm`` takes fp32 activations but ran 30-130x oneDNN fp32's time (36 ms
-against 0.28 for 16 rows of the 1536x576 projection), so int8 is widened to fp32 a tile of
-``_DEQUANT_TILE_ROWS`` weight rows at a time (a few MB: it stays in the last-level cache) and
-multiplied by ``F.linear``: 1.0-1.4x oneDNN fp32's time. bf16 is widened the same way (1.0-1.1x
-fp32's time). ``F.linear`` in bf16 took 0.5x fp32's time on this CPU (AVX-512-BF16) but 3-5x with
-oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), and even where it is fast it rounds the
-activations and its output to bf16 (torch 2.13 has no bf16 product with an fp32 result on CPU:
-``aten::mm.dtype`` has no CPU kernel): every projection's output and the logits to 8 significant
-bits, a logit of 15 off by up to 0.03, and prefill's numbers unlike decode's. So both formats keep
-fp32 activations and outputs everywhere; the weight's rounding is the only approximation.
-"""
+``int8``, never the default) only the bf16 or int8 copy is kept, as the decode kernel reads it where
+the kernel serves it (``cpu_kernels.decode_weight_copy``): steps of up to
+``LOW_PRECISION_KERNEL_MAX_ROWS`` rows run the kernel on it (a half or a quarter of fp32's bytes
+streamed), larger ones a library path from the same copy, their epilogues as separate torch
+operations. Which library path was measured (SmolLM2-135M's shapes, 16-512 rows, one thread, AMD
+EPYC with AVX-512-BF16, torch 2.13, a shared machine): ``aten._weight_int8pack_mm`` takes fp32
+activations but ran 30-130x oneDNN fp32's time (36 ms against 0.28 for 16 rows of the 1536x576
+projection), so int8 is widened to fp32 a tile of ``_DEQUANT_TILE_ROWS`` weight rows at a time (a
+few MB: it stays in the last-level cache) and multiplied by ``F.linear``: 1.0-1.4x oneDNN fp32's
+time. bf16 is widened the same way (1.0-1.1x fp32's time). ``F.linear`` in bf16 took 0.5x fp32's
+time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``), and
+even where it is fast it rounds the activations and its output to bf16 (torch 2.13 has no bf16
+product with an fp32 result on CPU: ``aten::mm.dtype`` has no CPU kernel): every projection's output
+and the logits to 8 significant bits, a logit of 15 off by up to 0.03, and prefill's numbers unlike
+decode's. So both formats keep fp32 activations and outputs everywhere; the weight's rounding is the
+only approximation."""
 
 from __future__ import annotations
 
@@ -260,9 +261,10 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
         plain.append(torch.full(shape, 1.0 + len(plain) / 64))
         held += shape[0] * shape[1] * 4
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in plain]
-    # The small-batch path's weights as a Linear keeps them (huge pages for the kernel).
+    # The small-batch path's weights as a Linear keeps them (for the kernel: in huge pages,
+    # column-blocked where rows are wide).
     dense = (
-        [cpu_kernels.huge_page_copy(weight) for weight in plain]
+        [cpu_kernels.decode_weight_copy(weight) for weight in plain]
         if small_batch_kernel() == "decode_matmul"
         else plain
     )
@@ -365,13 +367,16 @@ class Linear:
         )
         # Whether those run the C++ decode kernel (else torch's F.linear on ``dense``).
         self.decode_kernel = bool(self.small_rows) and cpu_kernels.usable(weight)
-        # The weight as torch's own matmul reads it: the weight itself without oneDNN, a copy
-        # where small batches use it (in huge pages for the decode kernel:
-        # ``cpu_kernels.huge_page_copy``), else None.
+        # The weight for the small batches: the weight itself without oneDNN; the decode
+        # kernel's copy (``cpu_kernels.decode_weight_copy``: huge pages, column-blocked where
+        # rows are wide), row-major where oneDNN runs from it too (``one_copy``); F.linear's
+        # dense copy; else None.
         self.dense: torch.Tensor | None = (
             weight
             if not self.onednn
             else cpu_kernels.huge_page_copy(weight)
+            if self.decode_kernel and self.one_copy
+            else cpu_kernels.decode_weight_copy(weight)
             if self.decode_kernel
             else weight.contiguous()
             if self.small_rows
@@ -408,7 +413,7 @@ class Linear:
             if self.decode_kernel
             else 0
         )
-        self.dense = cpu_kernels.huge_page_copy(stored) if self.decode_kernel else stored
+        self.dense = cpu_kernels.decode_weight_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
 
     @property
@@ -507,14 +512,18 @@ def tiled_dequantized_linear(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x @ dequantize(weight, scales).T (+ bias)`` in fp32, ``_DEQUANT_TILE_ROWS`` weight rows
-    widened at a time, so that no fp32 copy of the whole weight is ever made."""
+    widened at a time, so that no fp32 copy of the whole weight is ever made; ``weight`` in
+    either of ``cpu_kernels.decode_weight_copy``'s layouts."""
     rows = x.reshape(-1, x.shape[-1])
-    out_features = int(weight.shape[0])
+    out_features = int(weight.shape[-2])
     out = rows.new_empty(rows.shape[0], out_features)
     if rows.shape[0] > 0:
         for start in range(0, out_features, _DEQUANT_TILE_ROWS):
             stop = min(out_features, start + _DEQUANT_TILE_ROWS)
-            tile = dequantize(weight[start:stop], None if scales is None else scales[start:stop])
+            tile = dequantize(
+                cpu_kernels.weight_rows(weight, start, stop, int(rows.shape[1])),
+                None if scales is None else scales[start:stop],
+            )
             out[:, start:stop] = functional.linear(
                 rows, tile, None if bias is None else bias[start:stop]
             )

@@ -1,10 +1,11 @@
 // The decode step's matrix-vector products on CPU (issue 33): out[r, n] = x[r] . w[n] (+ bias[n]),
-// then an epilogue, for a few fp32 activation rows x against a row-major weight w [N, K] held as
-// fp32, as bf16 (widened to fp32 in registers by a 16-bit shift) or as int8 with an fp32 scale
-// per output row (w[n, k] ~= q[n, k] * scale[n]: x . q summed in fp32, times scale[n], then the
-// bias and the epilogue; layers/weight_format.py quantizes). Accumulation is fp32 throughout, so
-// a lower-precision weight changes only the bytes streamed: 1/2 or 1/4 of fp32's. Such a product is bound by how fast the weight streams from memory, so the weight is
-// read from memory once for all rows of x:
+// then an epilogue, for a few fp32 activation rows x against a weight w [N, K] held as fp32, as
+// bf16 (widened to fp32 in registers by a 16-bit shift) or as int8 with an fp32 scale per output
+// row (w[n, k] ~= q[n, k] * scale[n]: x . q summed in fp32, times scale[n], then the bias and the
+// epilogue; layers/weight_format.py quantizes). Accumulation is fp32 throughout, so a
+// lower-precision weight changes only the bytes streamed: 1/2 or 1/4 of fp32's. Such a product
+// is bound by how fast the weight streams from memory, so the weight is read from memory once
+// for all rows of x:
 // - each weight row is read as one sequential stream, one row at a time, every activation row
 //   multiplied with it as it passes (measured on Zen 4, bench/decode_matmul.py: one stream read
 //   ~1.5x faster than 2-4 rows read side by side, with or without software prefetch); from 3
@@ -12,14 +13,21 @@
 //   such a pass computes slowly enough per byte that the hardware prefetcher falls behind);
 // - at most kGroup activation rows ride one pass (their accumulators stay in registers); more
 //   rows are taken kGroup at a time over a tile of weight rows small enough to stay in L2, so
-//   that the later groups read the tile from there, not from memory.
+//   that the later groups read the tile from there, not from memory;
+// - a weight with wide rows (2048 columns and up: cpu_kernels.column_blocked_copy) is held
+//   column-blocked, [chunks, n, width]: every weight row's first `width` columns, then every
+//   row's next, each chunk one sequential stream. A pass then re-reads only a chunk of each
+//   activation row, which stays in L1 beside the weight's stream; a whole wide row's did not
+//   (Zen 4, one thread, Llama-3-8B's 14336x4096: 12-13 GB/s at 2 rows and 9-11 at 4 row-major,
+//   25-29 and 22-25 blocked, against oneDNN's 12-13 and 20-22; chunks of a row-major weight,
+//   strided, read 11).
 // Threads split the output rows (torch's intra-op pool: the engine's thread count).
 //
-// One source, three instruction paths chosen at run time, each for the three weight formats: AVX-512 and AVX2+FMA, each compiled
-// for its own target by function attributes (the file's own target is x86-64-v2, so the AVX2
-// path holds no AVX-512 instruction whichever CPU built it: it is the code an AVX2-only CPU
-// runs), and portable C++ elsewhere. Built and loaded with the other CPU kernels by
-// dpserve/engine/kernels/cpu_kernels.py.
+// One source, three instruction paths chosen at run time, each for the three weight formats:
+// AVX-512 and AVX2+FMA, each compiled for its own target by function attributes (the file's own
+// target is x86-64-v2, so the AVX2 path holds no AVX-512 instruction whichever CPU built it: it
+// is the code an AVX2-only CPU runs), and portable C++ elsewhere. Built and loaded with the
+// other CPU kernels by dpserve/engine/kernels/cpu_kernels.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,29 +67,43 @@ constexpr int64_t kTile = 16;
 // The bytes of weight rows a thread takes through all groups of activation rows before it
 // moves on: far below any L2 (256 KB and up), beside the activation rows themselves.
 constexpr int64_t kL2TileBytes = 64 * 1024;
-// From this many activation rows a pass asks for the weight this many bytes ahead into L2
-// (prefetcht1), a cache line per line it reads. With a few rows a pass is slow enough per byte
-// that the hardware prefetcher no longer keeps the stream ahead of it, and the pass waits on
-// memory and computes in turn; reaching ahead overlaps the two. Measured on Zen 4, one thread,
-// weights from memory, fp32 (SmolLM2's 1536x576 and an 8192x2048 MLP): 4 rows 9-16 -> 14-22
-// GB/s, 8 rows (two passes) 7-11 -> 10-20; at 1-2 rows the hardware prefetcher alone is faster
-// (27 against 21 GB/s at one row), so those passes leave it to the hardware. 32 KB ahead was as
-// good as 64 KB and better than 0.5-4 KB (the L1 hint, too near: no gain).
+// From this many activation rows a pass over a row-major weight asks for the weight this many
+// bytes ahead into L2 (prefetcht1), a cache line per line it reads. With a few rows a pass is
+// slow enough per byte that the hardware prefetcher no longer keeps the stream ahead of it, and
+// the pass waits on memory and computes in turn; reaching ahead overlaps the two. Measured on
+// Zen 4, one thread, weights from memory, fp32 (SmolLM2's 1536x576 and an 8192x2048 MLP): 4
+// rows 9-16 -> 14-22 GB/s, 8 rows (two passes) 7-11 -> 10-20; at 1-2 rows the hardware
+// prefetcher alone is faster (27 against 21 GB/s at one row), so those passes leave it to the
+// hardware. 32 KB ahead was as good as 64 KB and better than 0.5-4 KB (the L1 hint, too near:
+// no gain). A column-blocked weight's chunks do without (32 KB ahead read 0.85-1.0x as fast
+// at 1-4 rows).
 constexpr int kPrefetchFromRows = 3;
 constexpr int64_t kPrefetchBytes = 32 * 1024;
 constexpr int64_t kCacheLine = 64;
 
-// One group's operands: x rows `x_stride` floats apart, out rows `out_stride` apart; w's
-// elements are of the format's type (float, Bf16Bits or int8_t), `scales` int8's [n] (else null).
+// One group's operands over `k` columns (a whole row, or a column-blocked weight's chunk): x
+// rows `x_stride` floats apart, weight rows `w_stride` elements apart, out rows `out_stride`
+// apart, x and w at the columns' first; w's elements are of the format's type (float,
+// Bf16Bits or int8_t), `scales` int8's [n] (else null). `accumulate`: add to out (a chunk after
+// the first), else store. `ahead`: prefetch the weight this many bytes past each line (0: none).
 struct Problem {
   const float* x;
   int64_t x_stride;
   const void* w;
+  int64_t w_stride;
   const float* scales;
   int64_t k;
   float* out;
   int64_t out_stride;
+  bool accumulate;
+  int64_t ahead;
 };
+
+// Stores, or adds to what the chunks before stored, weight row n's dot product with row r.
+inline void put(const Problem& p, int r, int64_t n, float value) {
+  float& slot = p.out[r * p.out_stride + n];
+  slot = p.accumulate ? slot + value : value;
+}
 
 // The finished dot product of weight row n: int8's times its row's scale.
 template <typename W>
@@ -110,18 +132,16 @@ struct PaddedTail {
   }
 };
 
-// Asks for the weight kPrefetchBytes past element c of row w into L2, once per cache line, for
-// passes of kPrefetchFromRows rows or more. Past the weight's end it asks for nothing that
-// exists, which a prefetch may: it never faults.
-template <int R, typename W>
-inline void prefetch_ahead(const W* w, int64_t c) {
-  if constexpr (R >= kPrefetchFromRows) {
+// Asks for the weight `ahead` bytes past element c of row w into L2, once per cache line, where
+// `ahead` is not 0 (Problem::ahead). Past the weight's end it asks for nothing that exists,
+// which a prefetch may: it never faults.
+template <typename W>
+inline void prefetch_ahead(const W* w, int64_t c, int64_t ahead) {
 #if DPSERVE_X86
-    if (((static_cast<uint64_t>(c) * sizeof(W)) & (kCacheLine - 1)) == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T1);
-    }
-#endif
+  if (ahead != 0 && ((static_cast<uint64_t>(c) * sizeof(W)) & (kCacheLine - 1)) == 0) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + c) + ahead, _MM_HINT_T1);
   }
+#endif
 }
 
 // exp(x) for x <= 0 (Cephes' expf, as in cpu_kernels.cpp): a simd loop vectorizes it.
@@ -145,13 +165,13 @@ inline float exp_nonpositive(float x) {
 template <typename W, int R>
 void dots_portable(const Problem& p, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {
-    const W* w = static_cast<const W*>(p.w) + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.w_stride;
     for (int r = 0; r < R; ++r) {
       const float* x = p.x + r * p.x_stride;
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < p.k; ++c) sum += widen(w[c]) * x[c];
-      p.out[r * p.out_stride + n] = scaled<W>(p, n, sum);
+      put(p, r, n, scaled<W>(p, n, sum));
     }
   }
 }
@@ -182,12 +202,12 @@ __attribute__((DPSERVE_AVX512)) void dots_avx512(const Problem& p, int64_t begin
   const int64_t tail = p.k % 16, body = p.k - tail;
   const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
   for (int64_t n = begin; n < end; ++n) {
-    const W* w = static_cast<const W*>(p.w) + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.w_stride;
     __m512 acc[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < body; c += 16) {
-      prefetch_ahead<R>(w, c);
+      prefetch_ahead(w, c, p.ahead);
       const __m512 wv = widen16(w + c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -205,7 +225,7 @@ __attribute__((DPSERVE_AVX512)) void dots_avx512(const Problem& p, int64_t begin
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      p.out[r * p.out_stride + n] = scaled<W>(p, n, _mm512_reduce_add_ps(acc[r]));
+      put(p, r, n, scaled<W>(p, n, _mm512_reduce_add_ps(acc[r])));
     }
   }
 }
@@ -243,13 +263,13 @@ __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, in
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   for (int64_t n = begin; n < end; ++n) {
-    const W* w = static_cast<const W*>(p.w) + n * p.k;
+    const W* w = static_cast<const W*>(p.w) + n * p.w_stride;
     __m256 acc[R];
     __m256 odd[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = odd[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < pairs; c += 16) {
-      prefetch_ahead<R>(w, c);
+      prefetch_ahead(w, c, p.ahead);
       const __m256 even_w = widen8(w + c), odd_w = widen8(w + c + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -278,7 +298,7 @@ __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, in
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      p.out[r * p.out_stride + n] = scaled<W>(p, n, sum_lanes_avx2(acc[r]));
+      put(p, r, n, scaled<W>(p, n, sum_lanes_avx2(acc[r])));
     }
   }
 }
@@ -370,7 +390,8 @@ void finish(float* out, int64_t out_stride, int64_t rows, int64_t begin, int64_t
 }
 
 // The weight's format from its dtype; int8 needs its scales, the others take none.
-Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
+Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                     int64_t rows_dim) {
   switch (weight.scalar_type()) {
     case at::kFloat:
     case at::kBFloat16:
@@ -378,7 +399,7 @@ Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& 
       return weight.scalar_type() == at::kFloat ? kF32 : kBf16;
     case at::kChar:
       TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat &&
-                      scales->is_contiguous() && scales->numel() == weight.size(0),
+                      scales->is_contiguous() && scales->numel() == weight.size(rows_dim),
                   "an int8 weight needs float32 scales [n]");
       return kInt8;
     default:
@@ -388,19 +409,30 @@ Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& 
   return kF32;  // not reached
 }
 
-// x [rows, k] float32 (rows may be strided), weight [n, k] contiguous (float32, bfloat16, or
-// int8 with float32 scales [n]), bias [n] or none, other [rows, n] (rows may be strided) for
-// kMul / kAdd. Returns [rows, n] float32.
+// x [rows, k] float32 (rows may be strided), weight [n, k] or column-blocked [chunks, n,
+// width] (chunks * width >= k > (chunks - 1) * width, the last chunk's columns past k unread),
+// contiguous (float32, bfloat16, or int8 with float32 scales [n]), bias [n] or none, other
+// [rows, n] (rows may be strided) for kMul / kAdd. Returns [rows, n] float32.
 at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& other, int64_t epilogue, int64_t isa,
                          const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_matmul takes float32 activations");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, k] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be contiguous [n, k]");
-  const Format format = weight_format(weight, scales);
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.size(1) == k, "x has ", k, " columns, the weight ", weight.size(1));
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && weight.is_contiguous(),
+              "weight must be contiguous [n, k] or [chunks, n, width]");
+  const bool blocked = weight.dim() == 3;
+  const Format format = weight_format(weight, scales, blocked ? 1 : 0);
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(blocked ? 1 : 0);
+  // Columns a chunk holds (the whole row where the weight is row-major).
+  const int64_t width = weight.size(blocked ? 2 : 1);
+  const int64_t chunks = blocked ? weight.size(0) : 1;
+  if (blocked) {
+    TORCH_CHECK(width > 0 && chunks * width >= k && (chunks - 1) * width < k, "x has ", k,
+                " columns, the weight ", chunks, " chunks of ", width);
+  } else {
+    TORCH_CHECK(width == k, "x has ", k, " columns, the weight ", width);
+  }
   TORCH_CHECK(epilogue >= kNone && epilogue <= kAdd, "unknown epilogue ", epilogue);
   const float* bias_data = nullptr;
   if (bias.has_value()) {
@@ -427,20 +459,33 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
   const void* w_data = weight.data_ptr();
   const float* scale_data = format == kInt8 ? scales->data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  // Weight rows per L2 tile, in the format's bytes: every group of activation rows runs over it
-  // before the next.
-  const int64_t tile_rows =
-      std::max<int64_t>(1, kL2TileBytes / std::max<int64_t>(1, k * weight.element_size()));
+  const int64_t element = weight.element_size();
+  // Weight rows per L2 tile, in the format's bytes of a chunk: every group of activation rows
+  // runs over it before the next.
+  const int64_t tile_rows = std::max<int64_t>(1, kL2TileBytes / (width * element));
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
     const int64_t begin = tile_begin * kTile, end = std::min(n, tile_end * kTile);
-    for (int64_t start = begin; start < end; start += tile_rows) {
-      const int64_t stop = std::min(end, start + tile_rows);
-      for (int64_t first = 0; first < rows; first += kGroup) {
-        const int64_t count = std::min(kGroup, rows - first);
-        const Problem group{x_data + first * x.stride(0), x.stride(0), w_data, scale_data, k,
-                            out_data + first * n, n};
-        path.rows[format][count - 1](group, start, stop);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t column = chunk * width, columns = std::min(width, k - column);
+      const char* chunk_data = static_cast<const char*>(w_data) + chunk * n * width * element;
+      for (int64_t start = begin; start < end; start += tile_rows) {
+        const int64_t stop = std::min(end, start + tile_rows);
+        for (int64_t first = 0; first < rows; first += kGroup) {
+          const int64_t count = std::min(kGroup, rows - first);
+          const int64_t ahead = !blocked && count >= kPrefetchFromRows ? kPrefetchBytes : 0;
+          const Problem group{x_data + first * x.stride(0) + column,
+                              x.stride(0),
+                              chunk_data,
+                              width,
+                              scale_data,
+                              columns,
+                              out_data + first * n,
+                              n,
+                              chunk > 0,
+                              ahead};
+          path.rows[format][count - 1](group, start, stop);
+        }
       }
     }
     finish(out_data, n, rows, begin, end, bias_data, kind, other_data, other_stride);
