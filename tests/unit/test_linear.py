@@ -136,7 +136,9 @@ def test_the_measurement_picks_a_row_count_the_small_path_takes(
 ) -> None:
     monkeypatch.delenv(SMALL_BATCH_ROWS_ENV, raising=False)
     measured = linear_module._measured_small_batch_rows.__wrapped__(
-        torch.get_num_threads(), linear_module.probe_shapes([(960, 576), (576, 1536)])
+        # A row-major shape and a wide one (column-blocked for the kernel).
+        torch.get_num_threads(),
+        linear_module.probe_shapes([(960, 576), (576, 1536), (512, 2048)]),
     )
     assert 0 <= measured <= SMALL_BATCH_MAX_ROWS
 

@@ -281,8 +281,8 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
         run it with (padded to ``ONEDNN_MIN_ROWS``)."""
         start = time.perf_counter()
         if small:
-            for weight in dense:
-                _small_batch_product(inputs[rows, weight.shape[1]], weight)
+            for weight, original in zip(dense, plain, strict=True):
+                _small_batch_product(inputs[rows, original.shape[1]], weight)
         else:
             padded = max(rows, ONEDNN_MIN_ROWS)
             for weight, original in zip(packed, plain, strict=True):
