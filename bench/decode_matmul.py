@@ -12,7 +12,8 @@ call reads its weight from memory as a decode step does. Beside it, in the same 
   count), and read: a large sum's bytes read per second: what the memory gives;
 - ours: ``cpu_kernels.decode_matmul`` on each instruction path this CPU runs, its weights as
   the engine keeps them (``cpu_kernels.decode_weight_copy``: huge pages, column-blocked where
-  rows have 2,048 columns or more);
+  rows have 2,048 columns or more; there also "ours row-major", the fastest path on the
+  row-major weight, to show what the blocking gains);
 - torch: ``F.linear`` on the dense weight (MKL / oneDNN as torch dispatches it);
 - oneDNN: the prepacked ``mkldnn._linear_pointwise`` the engine runs for larger batches, at
   the exact row count and padded to ``linear.ONEDNN_MIN_ROWS`` rows as the engine pads.
@@ -101,6 +102,9 @@ def candidates(rows: int, plain: list[torch.Tensor]) -> dict[str, Callable[[], o
                 found[name] = _each(
                     huge, lambda w, isa=isa: cpu_kernels.decode_matmul(x, w, isa=isa)
                 )
+        if huge[0].dim() == 3:  # column-blocked: the same kernel on the row-major weight beside
+            row_major = [cpu_kernels.huge_page_copy(w) for w in plain]
+            found["ours row-major"] = _each(row_major, lambda w: cpu_kernels.decode_matmul(x, w))
     found["torch F.linear"] = _each(plain, lambda w: functional.linear(x, w))
     if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
