@@ -493,23 +493,31 @@ def test_decode_matmul_refuses_what_it_cannot_read() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("wide", [False, True])
 def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_path: Path, wide: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy requests of different lengths, so that decode steps of 1 to 6 sequences run: the
     same tokens and log-probs (within 1e-4) with the small batches on the decode kernel as with
-    every step on oneDNN."""
+    every step on oneDNN; ``wide``: a model whose MLP rows have 2,048 columns, which the kernel
+    holds column-blocked."""
     from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, uses_onednn
     from dpserve.engine.model_runner import ModelRunner
     from tests.runner_runs import six_greedy_requests
+    from tests.tiny_model import build_tiny_model
 
     if not uses_onednn(torch.ones(2, 2)):
         pytest.skip("this torch build has no oneDNN linears: the small batches have no other path")
+    if wide:
+        tiny_model_path = build_tiny_model(tmp_path / "wide", hidden_size=1024)
 
     def generate(small_batch_rows: int) -> dict[int, tuple[list[int], list[float]]]:
         monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(small_batch_rows))
         runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8)
         assert runner.backend.model.lm_head.decode_kernel == bool(small_batch_rows)
+        down = runner.backend.model.layers[0].mlp.down
+        if small_batch_rows:  # the kernel's copy: column-blocked where rows are wide
+            assert down.dense is not None and down.dense.dim() == (3 if wide else 2)
         return six_greedy_requests(runner)
 
     ours, onednn = generate(cpu_kernels.DECODE_MATMUL_MAX_ROWS), generate(0)
