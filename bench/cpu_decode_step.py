@@ -1,0 +1,156 @@
+"""Decode step time on CPU of a random-weight Llama-shaped model at 1 to 8 sequences, three ways in
+one run: the engine as it runs by default (the C++ decode kernel, rows of 2,048 columns or more
+column-blocked), the same kernel on row-major weights, and every step on oneDNN.
+
+    python bench/cpu_decode_step.py [--shape 1b|8b] [--layers 4] [--rows 1 2 4 8] [--steps 10]
+
+``--shape`` picks a decoder layer's dimensions (``1b``: Llama-3.2-1B's, hidden 2,048, MLP 8,192;
+``8b``: Llama-3-8B's, 4,096 and 14,336), ``--layers`` how many; the vocabulary is the embedded
+SmolLM2's (its tokenizer, 49,152 tokens), so that the layers, not the vocabulary projection,
+dominate. The model is written once to a temporary directory and loaded by a ``ModelRunner`` per
+way, with ``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (8, or 0 for oneDNN) so that no start-up probe
+decides; the row-major way raises ``cpu_kernels.BLOCK_FROM_COLUMNS`` out of reach before loading.
+For each row count, ``rows`` greedy requests of 32 prompt tokens decode together (EOS ignored);
+after 3 warm-up steps the figure is the median over ``--runs`` of the mean of ``--steps`` steps
+(wall time), beside the GB/s of projection weights it streams (fp32 bytes / step time). Ways
+alternate per row count, so that a load that comes or goes weighs on all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench.decode_matmul import _cpu_name
+from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV
+from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.runner import RunnerRequest
+from dpserve.model_loading import DEFAULT_MODEL, resolve_model
+from dpserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+
+SHAPES = {"1b": Shape(2048, 8192, 32, 8), "8b": Shape(4096, 14336, 32, 8)}
+# name -> (small-batch rows, column-blocked)
+WAYS = {
+    "kernel, blocked (default)": (8, True),
+    "kernel, row-major": (8, False),
+    "oneDNN": (0, False),
+}
+PROMPT_TOKENS = 32
+
+
+def write_model(directory: Path, shape: Shape, layers: int) -> int:
+    """A random Llama of ``shape`` with SmolLM2's tokenizer in ``directory``; returns its
+    projections' fp32 bytes."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL))
+    tokenizer.save_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    projections = sum(
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    )
+    return projections * 4
+
+
+def step_ms(path: Path, rows: int, small_rows: int, blocked: bool, runs: int, steps: int) -> float:
+    """ms per decode step of ``rows`` sequences, one way."""
+    os.environ[SMALL_BATCH_ROWS_ENV] = str(small_rows)
+    saved = cpu_kernels.BLOCK_FROM_COLUMNS
+    if not blocked:
+        cpu_kernels.BLOCK_FROM_COLUMNS = 1 << 62
+    try:
+        runner = ModelRunner(str(path), device="cpu", max_num_seqs=rows)
+    finally:
+        cpu_kernels.BLOCK_FROM_COLUMNS = saved
+    runner.eos_token_ids = frozenset()
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=100_000)
+    for request in range(rows):
+        prompt = [(7 * request + token) % 1000 + 10 for token in range(PROMPT_TOKENS)]
+        runner.add(RunnerRequest(request, prompt, params))
+    for _ in range(3 + rows):  # every prompt in, every sequence decoding, warm
+        runner.step()
+    means = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            runner.step()
+        means.append((time.perf_counter() - start) * 1000 / steps)
+    return statistics.median(means)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not cpu_kernels.available():
+        print("the CPU kernels are not built here: nothing to compare")
+        return 1
+    shape = SHAPES[args.shape]
+    print(
+        f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')} UTC; {args.shape} layers x {args.layers}"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch)
+        nbytes = write_model(path, shape, args.layers)
+        print(f"projection weights: {nbytes / 1e9:.2f} GB fp32\n")
+        results: dict[str, dict[int, float]] = {way: {} for way in WAYS}
+        for rows in args.rows:
+            for way, (small_rows, blocked) in WAYS.items():
+                results[way][rows] = step_ms(path, rows, small_rows, blocked, args.runs, args.steps)
+        print("| sequences | " + " | ".join(WAYS) + " |")
+        print("|---:|" + "---:|" * len(WAYS))
+        for rows in args.rows:
+            cells = [
+                f"{results[way][rows]:.1f} ms ({nbytes / 1e6 / results[way][rows]:.1f} GB/s)"
+                for way in WAYS
+            ]
+            print(f"| {rows} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
