@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -438,11 +439,34 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
         return asyncio.run(run_local(deployment, model_name))
 
 
+def bind_http_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), for the HTTP front to listen
+    on once the engines serve. ``dpserve serve`` binds it before it starts anything: a port in
+    use is then refused at once, and no process can take the port while the engines start
+    (tests' free ports were taken so, by vLLM's own sockets, in the half minute vLLM starts).
+    OSError where the address cannot be bound."""
+    family, kind, protocol, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    bound = socket.socket(family, kind, protocol)
+    try:
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind(address)
+    except OSError:
+        bound.close()
+        raise
+    return bound
+
+
 async def _start_http(
-    deployment: LocalDeployment, model_name: str, client: InferenceClient, stop: asyncio.Event
+    deployment: LocalDeployment,
+    model_name: str,
+    client: InferenceClient,
+    stop: asyncio.Event,
+    bound: socket.socket,
 ) -> asyncio.Task[None]:
-    """The HTTP front as a task, once its port accepts connections (the banner promises a
-    working URL)."""
+    """The HTTP front on ``bound`` as a task, once its port accepts connections (the banner
+    promises a working URL)."""
     from dpserve.openai.server import FrontConfig, run_http_front
 
     front = FrontConfig(
@@ -455,6 +479,7 @@ async def _start_http(
         api_keys=deployment.api_keys,
         limits=deployment.limits,
         http_limits=deployment.http_limits,
+        bound_socket=bound,
     )
     listening = asyncio.Event()
     http_task = asyncio.create_task(run_http_front(front, stop, listening=listening))
@@ -493,6 +518,16 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    bound: socket.socket | None = None
+    if deployment.http_port:
+        try:
+            bound = bind_http_port(deployment.host, deployment.http_port)
+        except OSError as exc:
+            print(
+                f"dpserve: cannot serve HTTP on {deployment.host}:{deployment.http_port}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
     deployment.start_processes()
     # From here until everything stops, children that die are started again (or left down),
     # during start-up as while serving.
@@ -506,8 +541,8 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
             return 0
         if not await _unless_ended(_ready(deployment, client), stop, supervisor):
             return 0
-        if deployment.http_port:
-            http_task = await _start_http(deployment, model_name, client, stop)
+        if bound is not None:
+            http_task = await _start_http(deployment, model_name, client, stop, bound)
         print(banner(deployment), file=sys.stderr, flush=True)
         waiting: set[asyncio.Future[Any]] = {supervisor, asyncio.create_task(stop.wait())}
         if http_task is not None:
@@ -536,6 +571,8 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(http_task, 10)
         client.stop()
+        if bound is not None:
+            bound.close()  # where the front never took it (closing twice is harmless)
         print("dpserve: stopping engines and coordinator...", file=sys.stderr, flush=True)
         await asyncio.to_thread(deployment.stop)
 

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import resource
+import socket
 from pathlib import Path
 
 from aiohttp import web
@@ -37,6 +38,9 @@ class FrontConfig:
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     # /ready is 200 while requests are held for want of an engine (autoscaled from zero).
     hold_without_engines: bool = False
+    # A socket already bound to host:port (``dpserve serve`` binds it before starting its
+    # engines), which the front listens on; None: the front binds host:port itself.
+    bound_socket: socket.socket | None = dataclasses.field(default=None, repr=False)
 
 
 async def serve_http(
@@ -77,8 +81,12 @@ async def serve_http(
     assert runner.server is not None  # setup() made it
     _allow_open_files(limits.max_connections)
     try:
-        server = await asyncio.get_running_loop().create_server(
-            guard.protocol_factory(runner.server), config.host, config.port, reuse_address=True
+        loop = asyncio.get_running_loop()
+        factory = guard.protocol_factory(runner.server)
+        server = await (
+            loop.create_server(factory, sock=config.bound_socket)
+            if config.bound_socket is not None
+            else loop.create_server(factory, config.host, config.port, reuse_address=True)
         )
         try:
             log.info(

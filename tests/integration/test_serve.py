@@ -135,3 +135,26 @@ def test_serve_answers_generate_and_http_then_stops_cleanly(
         if serve.poll() is None:
             serve.kill()
             serve.wait()
+
+
+def test_an_http_port_in_use_is_refused_before_anything_starts() -> None:
+    """The HTTP port is bound first: one in use ends ``dpserve serve`` at once with a message
+    naming it, before any engine or coordinator starts (the port would otherwise be bound only
+    once the engines serve, and could be taken meanwhile)."""
+    import socket
+
+    http_port, port = free_port(), free_port()
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", http_port))
+        taken.listen()
+        result = subprocess.run(
+            [DPSERVE, "serve", "--fake", "--port", str(port), "--http-port", str(http_port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"cannot serve HTTP on 127.0.0.1:{http_port}" in result.stderr
+    assert "Address already in use" in result.stderr
+    assert "registered" not in result.stderr  # no engine started
