@@ -450,8 +450,13 @@ def bind_http_port(host: str, port: int) -> socket.socket:
     )[0]
     bound = socket.socket(family, kind, protocol)
     try:
+        # SO_REUSEADDR for the bind only (a restart may find the last run's connections in
+        # TIME_WAIT), then cleared: a socket bound but not listening, with it set, lets another
+        # one that sets it too (ZMQ's, for one) bind the same port, and the front's listen would
+        # fail only once the engines had loaded.
         bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         bound.bind(address)
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     except OSError:
         bound.close()
         raise
@@ -519,6 +524,13 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     bound: socket.socket | None = None
+    if deployment.http_port == deployment.port:
+        print(
+            f"dpserve: the HTTP port and the coordinator's ZMQ port are both {deployment.port}: "
+            "give --http-port and --port different ports",
+            file=sys.stderr,
+        )
+        return 2
     if deployment.http_port:
         try:
             bound = bind_http_port(deployment.host, deployment.http_port)

@@ -252,3 +252,29 @@ def test_engines_of_either_backend_get_the_lora_flags_serve_was_given(backend: s
     args = build_parser().parse_args(engine.args[engine.args.index("engine") :])
     assert (args.backend, args.enable_lora, args.max_loras) == (backend, True, 2)
     assert flags.lora_modules(args) == {"a": "/x"}
+
+
+def test_the_bound_http_port_cannot_be_bound_by_a_zmq_socket_meanwhile() -> None:
+    """The HTTP port ``dpserve serve`` holds while its engines start is refused to another
+    socket that asks to reuse addresses, as ZMQ's do (with SO_REUSEADDR left on, the coordinator
+    could bind it and the front failed only after the engines had loaded)."""
+    import zmq
+
+    bound = local.bind_http_port("127.0.0.1", 0)
+    port = bound.getsockname()[1]
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            router.bind(f"tcp://*:{port}")
+        bound.listen()  # and the front can still listen on it
+    finally:
+        router.close(linger=0)
+        context.term()
+        bound.close()
+
+
+def test_serve_refuses_one_port_for_http_and_zmq(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["serve", "--fake", "--port", "8123", "--http-port", "8123"])
+    assert args.func(args) == 2
+    assert "give --http-port and --port different ports" in capsys.readouterr().err
