@@ -149,7 +149,9 @@ class LocalDeployment:
 
         # A session of their own: Ctrl-C in the terminal reaches only `dpserve serve`, which
         # then stops the children in order (engines drain while the coordinator still runs).
-        child.process = subprocess.Popen(command, preexec_fn=before_exec, start_new_session=True)
+        child.process = subprocess.Popen(
+            command, preexec_fn=before_exec, start_new_session=True, env=child_environment()
+        )
         child.started_at = time.monotonic()
 
     @property
@@ -437,6 +439,18 @@ def serve(deployment: LocalDeployment, model_name: str, *, throwaway_keys: bool)
             deployment.credentials = str(directory)
             deployment.throwaway_keys = True
         return asyncio.run(run_local(deployment, model_name))
+
+
+def child_environment() -> dict[str, str]:
+    """The environment ``dpserve serve`` starts its children in: its own, with
+    PYTHONSAFEPATH set (Python 3.11+; older ones ignore it). ``python -m`` otherwise puts the
+    working directory first on the child's ``sys.path``, and processes the child starts with
+    that path inherit it: started from this repository's root, whose ``operator/`` shadows the
+    standard library's module, torch inductor's check of the CPU's vector instructions (a fresh
+    interpreter on the engine's path, in vLLM's sampler) could not import torch, so inductor
+    compiled kernels cached by an engine started elsewhere without their instruction set, and
+    every compile failed ("'at::vec' has not been declared"), killing vLLM's worker."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
 def bind_http_port(host: str, port: int) -> socket.socket:

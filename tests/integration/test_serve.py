@@ -158,3 +158,32 @@ def test_an_http_port_in_use_is_refused_before_anything_starts() -> None:
     assert f"cannot serve HTTP on 127.0.0.1:{http_port}" in result.stderr
     assert "Address already in use" in result.stderr
     assert "registered" not in result.stderr  # no engine started
+
+
+def test_children_never_import_from_the_directory_serve_was_started_in(tmp_path: Path) -> None:
+    """``dpserve serve`` started in a directory with modules of its own (this repository's root
+    has ``operator/``, which shadows the standard library's): its children import what is
+    installed, and processes they start do not inherit that directory on their path (there,
+    vLLM's sampler compiled kernels without their instruction set and its worker died)."""
+    shadow = tmp_path / "dpserve"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise SystemExit('imported from the working directory')\n")
+    port, http_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(
+            [DPSERVE, "serve", "--fake", "--port", str(port), "--http-port", str(http_port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        banner = wait_for_banner(serve, log, within=60)
+        assert "imported from the working directory" not in banner
+        completion = http_json(
+            f"http://127.0.0.1:{http_port}/v1/completions", {"prompt": "Hi", "max_tokens": 4}
+        )
+        assert completion["choices"][0]["text"]
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(60)
