@@ -143,6 +143,24 @@ def test_the_measurement_picks_a_row_count_the_small_path_takes(
     assert 0 <= measured <= SMALL_BATCH_MAX_ROWS
 
 
+def test_a_probe_pass_is_timed_by_its_calls_no_thread_was_preempted_in() -> None:
+    """A pass's time from its calls one by one: calls that waited a scheduler slice for a
+    preempted thread (a third of them here, 40x as long) leave the pass's time where the
+    clean calls put it, and each shape counts as often as it was called."""
+    clean = [((960, 576), 100e-6), ((1536, 576), 150e-6)] * 12
+    assert linear_module.pass_seconds(clean) == pytest.approx(12 * 100e-6 + 12 * 150e-6)
+    preempted = [
+        (shape, seconds * 40 if index % 3 == 0 else seconds)
+        for index, (shape, seconds) in enumerate(clean)
+    ]
+    assert linear_module.pass_seconds(preempted) == pytest.approx(linear_module.pass_seconds(clean))
+    # A pass slow throughout (a slower path) reads slow.
+    slower = [(shape, seconds * 1.5) for shape, seconds in clean]
+    assert linear_module.pass_seconds(slower) == pytest.approx(
+        1.5 * linear_module.pass_seconds(clean)
+    )
+
+
 def test_the_probe_measures_the_model_s_shapes_cut_to_size() -> None:
     """SmolLM2's layer as it is; an 8B model's MLP cut to its first rows, its row width kept;
     a tiny test model's few KB replaced by the stand-in."""

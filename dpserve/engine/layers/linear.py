@@ -117,6 +117,18 @@ _PROBE_MAX_WEIGHT_BYTES = _PROBE_BYTES // 4
 _PROBE_MIN_LAYER_BYTES = 1 << 20
 _DENSE_MARGIN = 0.85
 _PROBE_ROUNDS = 5
+# A pass's time is taken from its calls one by one (``pass_seconds``): per shape, the median
+# of its calls' times, times their count. An engine that starts beside a busy process (another
+# engine starting, a compile) has its threads preempted in some calls, each then waiting a
+# scheduler slice at the parallel region's barrier, whichever path it runs; timed as whole
+# passes, both paths read as slow as that wait (0.4 GB/s each, 2026-11-28, an engine that
+# started while llama.cpp compiled on both cores) and the margin sent every step to oneDNN, for
+# the engine's life. The calls no thread was preempted in still time the path: with two
+# busy loops beside the probe (2 threads, Zen 4, SmolLM2's shapes) whole passes read 11-24 GB/s
+# and the median 21-46, as quiet. A lower quantile was as robust but favoured oneDNN, whose
+# calls' times spread wider: quiet, its 25th percentile read 7-18 % above its whole passes, the
+# kernel's 4-9 % (the median: 4-11 % and 3-7 %; BENCHMARKS.md, issue 33).
+_PROBE_CALL_QUANTILE = 0.5
 # Weight rows widened to fp32 at a time on a low-precision weight's large-step path: 512 x
 # SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
 # F.linear (measured as fast as widening the whole weight at once: module docstring).
@@ -252,6 +264,20 @@ def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return functional.linear(x, weight)
 
 
+def pass_seconds(calls: Sequence[tuple[Shape, float]]) -> float:
+    """A probe pass's seconds from its calls' ``(weight shape, seconds)``: per shape, the
+    ``_PROBE_CALL_QUANTILE`` of its calls' times, times their count, summed. Calls slowed by
+    a preempted thread count as the pass's ordinary ones (``_PROBE_CALL_QUANTILE``)."""
+    by_shape: dict[Shape, list[float]] = {}
+    for shape, seconds in calls:
+        by_shape.setdefault(shape, []).append(seconds)
+    total = 0.0
+    for times in by_shape.values():
+        times.sort()
+        total += len(times) * times[int(_PROBE_CALL_QUANTILE * (len(times) - 1))]
+    return total
+
+
 @functools.cache
 def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
     plain: list[torch.Tensor] = []
@@ -277,18 +303,20 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
     row_counts = range(1, SMALL_BATCH_MAX_ROWS + 1)
 
     def one_pass(rows: int, small: bool) -> float:
-        """Seconds for every copy: the small-batch path, or oneDNN at the rows the engine would
-        run it with (padded to ``ONEDNN_MIN_ROWS``)."""
-        start = time.perf_counter()
-        if small:
-            for weight, original in zip(dense, plain, strict=True):
-                _small_batch_product(inputs[rows, original.shape[1]], weight)
-        else:
-            padded = max(rows, ONEDNN_MIN_ROWS)
-            for weight, original in zip(packed, plain, strict=True):
-                x = inputs[padded, original.shape[1]]
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-        return time.perf_counter() - start
+        """Seconds for every copy (``pass_seconds`` of each call's): the small-batch path, or
+        oneDNN at the rows the engine would run it with (padded to ``ONEDNN_MIN_ROWS``)."""
+        calls: list[tuple[Shape, float]] = []
+        padded = max(rows, ONEDNN_MIN_ROWS)
+        for weight, kernel_weight, packed_weight in zip(plain, dense, packed, strict=True):
+            shape = (int(weight.shape[0]), int(weight.shape[1]))
+            start = time.perf_counter()
+            if small:
+                _small_batch_product(inputs[rows, shape[1]], kernel_weight)
+            else:
+                x = inputs[padded, shape[1]]
+                torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+            calls.append((shape, time.perf_counter() - start))
+        return pass_seconds(calls)
 
     # Round after round, every candidate once, the fastest pass of each kept: engines start
     # beside other processes, and a load that comes or goes mid-probe then weighs on all alike.
