@@ -538,13 +538,6 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     bound: socket.socket | None = None
-    if deployment.http_port == deployment.port:
-        print(
-            f"dpserve: the HTTP port and the coordinator's ZMQ port are both {deployment.port}: "
-            "give --http-port and --port different ports",
-            file=sys.stderr,
-        )
-        return 2
     if deployment.http_port:
         try:
             bound = bind_http_port(deployment.host, deployment.http_port)

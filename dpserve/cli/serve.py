@@ -100,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size is not None and args.data_parallel_size < 1:
         print("dpserve serve: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
+    if args.http_port and args.http_port == args.port:
+        print(
+            f"dpserve serve: the HTTP port and the coordinator's ZMQ port are both {args.port}: "
+            "give --http-port and --port different ports",
+            file=sys.stderr,
+        )
+        return 2
     if args.step_delay and not args.fake:
         print("dpserve serve: --step-delay is for fake engines (--fake)", file=sys.stderr)
         return 2

@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,9 +118,9 @@ _PROBE_MAX_WEIGHT_BYTES = _PROBE_BYTES // 4
 _PROBE_MIN_LAYER_BYTES = 1 << 20
 _DENSE_MARGIN = 0.85
 _PROBE_ROUNDS = 5
-# A pass's time is taken from its calls one by one (``pass_seconds``): per shape, the median
-# of its calls' times, times their count. An engine that starts beside a busy process (another
-# engine starting, a compile) has its threads preempted in some calls, each then waiting a
+# A pass's time is taken from its calls one by one (``pass_seconds``): per shape, the (lower)
+# median of its calls' times, times their count. An engine that starts beside a busy process
+# (another engine starting, a compile) has its threads preempted in some calls, each then waiting a
 # scheduler slice at the parallel region's barrier, whichever path it runs; timed as whole
 # passes, both paths read as slow as that wait (0.4 GB/s each, 2026-11-28, an engine that
 # started while llama.cpp compiled on both cores) and the margin sent every step to oneDNN, for
@@ -128,7 +129,7 @@ _PROBE_ROUNDS = 5
 # and the median 21-46, as quiet. A lower quantile was as robust but favoured oneDNN, whose
 # calls' times spread wider: quiet, its 25th percentile read 7-18 % above its whole passes, the
 # kernel's 4-9 % (the median: 4-11 % and 3-7 %; BENCHMARKS.md, issue 33).
-_PROBE_CALL_QUANTILE = 0.5
+
 # Weight rows widened to fp32 at a time on a low-precision weight's large-step path: 512 x
 # SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
 # F.linear (measured as fast as widening the whole weight at once: module docstring).
@@ -266,16 +267,12 @@ def _small_batch_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def pass_seconds(calls: Sequence[tuple[Shape, float]]) -> float:
     """A probe pass's seconds from its calls' ``(weight shape, seconds)``: per shape, the
-    ``_PROBE_CALL_QUANTILE`` of its calls' times, times their count, summed. Calls slowed by
-    a preempted thread count as the pass's ordinary ones (``_PROBE_CALL_QUANTILE``)."""
+    lower median of its calls' times, times their count, summed. Calls slowed by a preempted
+    thread count as the pass's ordinary ones (the comment on the probe's constants)."""
     by_shape: dict[Shape, list[float]] = {}
     for shape, seconds in calls:
         by_shape.setdefault(shape, []).append(seconds)
-    total = 0.0
-    for times in by_shape.values():
-        times.sort()
-        total += len(times) * times[int(_PROBE_CALL_QUANTILE * (len(times) - 1))]
-    return total
+    return sum(len(times) * statistics.median_low(times) for times in by_shape.values())
 
 
 @functools.cache
