@@ -70,7 +70,7 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
     # their rows, positions and tokens over instead of reading them.
     last_sampled: tuple[list[Sequence], list[int]] | None = None
     previous_decodes: list[Sequence] = []
-    carried = 0
+    carried = odd_steps = 0
     for step in range(60):
         # Some sequences leave (their rows are reused), new ones arrive, some mid-prefill.
         for s in [s for s in running if rng.random() < 0.08]:
@@ -106,6 +106,16 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
         assert batch.positions.tolist() == expected["positions"], step
         assert batch.slot_mapping.tolist() == expected["slots"], step
         assert batch.num_decodes == len(plan.decodes)
+        # Each tensor sent starts on a 16-byte boundary of the one buffer (Triton compiles a
+        # kernel per pointer alignment: the start-up warm-up runs aligned ones only).
+        for name, sent in {
+            "positions": batch.positions,
+            "slots": batch.slot_mapping,
+            "lens": batch.seq_lens,
+        }.items():
+            if sent is not None:
+                assert (sent.data_ptr() - batch.input_ids.data_ptr()) % 16 == 0, (step, name)
+        odd_steps += len(expected["ids"]) % 2
         if plan.decodes:
             assert batch.block_tables is not None and batch.seq_lens is not None
             assert batch.block_tables.tolist() == expected["tables"], step
@@ -132,6 +142,7 @@ def test_builder_matches_a_rebuild_from_lists_step_after_step() -> None:
                 chunk.sequence.tokens.append(rng.randrange(5, 300))
         last_sampled = (built.sampled, [s.tokens[-1] for s in built.sampled])
     assert carried >= 10
+    assert odd_steps >= 10  # steps of an odd token count, where a segment could start mid-way
 
 
 def test_pending_tokens_are_fed_from_the_device() -> None:

@@ -200,10 +200,16 @@ def varlen_layout(
         query_starts.append(query_starts[-1] + length)
         context_starts.append(context_starts[-1] + done + length)
     starts = torch.tensor([query_starts, context_starts], dtype=torch.int32).to(device)
+    context_slots = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if context_slots.data_ptr() % 16:
+        # A step's one chunk after an odd number of decode rows: its slots start mid-way in
+        # the step's. Triton compiles a variant per pointer alignment, and the start-up
+        # warm-up ran aligned ones: a copy of a few hundred bytes instead of a JIT stall.
+        context_slots = context_slots.clone()
     return VarlenPrefillLayout(
         query_starts=starts[0],
         context_starts=starts[1],
-        context_slots=pieces[0] if len(pieces) == 1 else torch.cat(pieces),
+        context_slots=context_slots,
         chunks=len(lengths),
         max_length=max(lengths),
     )

@@ -253,24 +253,31 @@ class BatchBuilder(Generic[T]):
             token_rows = np.concatenate([decode_rows, np.repeat(chunk_rows, counts)])
         else:
             positions, token_rows = decode_positions, decode_rows
-        # [tokens | positions | slots | decodes' table rows | their lengths as int32 pairs]
-        packed = np.empty(3 * total + num_decodes + (num_decodes + 1) // 2, dtype=np.int64)
-        packed[:total] = tokens
-        packed[total : 2 * total] = positions
-        slots = packed[2 * total : 3 * total]
+        # [tokens | positions | slots | decodes' table rows | their lengths as int32 pairs],
+        # each segment starting on a 16-byte boundary: Triton compiles a kernel once per
+        # pointer alignment class, so a segment that started mid-way would make a step of an
+        # odd size compile a variant the start-up warm-up never ran (0.4 s stalls, H200).
+        sizes = [total, total, total, num_decodes, (num_decodes + 1) // 2]
+        ends = np.cumsum([size + (size & 1) for size in sizes])
+        starts_at = [0, *ends[:-1].tolist()]
+        packed = np.empty(int(ends[-1]), dtype=np.int64)
+        segment = [packed[start : start + n] for start, n in zip(starts_at, sizes, strict=True)]
+        segment[0][:] = tokens
+        segment[1][:] = positions
+        slots = segment[2]
         block_index = positions // block_size
         np.multiply(
             self._host_table[token_rows, block_index], block_size, out=slots, dtype=np.int64
         )
         slots += positions - block_index * block_size
-        packed[3 * total : 3 * total + num_decodes] = decode_rows
-        packed[3 * total + num_decodes :].view(np.int32)[:num_decodes] = decode_positions + 1
+        segment[3][:] = decode_rows
+        segment[4].view(np.int32)[:num_decodes] = decode_positions + 1
         host = torch.from_numpy(packed)
         if self._pin:
             host = host.pin_memory()
         sent = host.to(self.device, non_blocking=True)
-        input_ids, positions_sent, slots_sent, sent_rows, sent_lengths = sent.split_with_sizes(
-            [total, total, total, num_decodes, (num_decodes + 1) // 2]
+        input_ids, positions_sent, slots_sent, sent_rows, sent_lengths = (
+            sent[start : start + n] for start, n in zip(starts_at, sizes, strict=True)
         )
 
         block_tables = seq_lens = None
