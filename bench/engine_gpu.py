@@ -244,6 +244,46 @@ def measure_bandwidth(device: str) -> float:
     return 2 * size * copies / seconds
 
 
+@dataclass
+class FirstUseCosts:
+    """What a run paid for the first time: Triton kernels compiled, memory taken from the
+    device by torch's allocator."""
+
+    compiled: list[str] = field(default_factory=list)
+    device_allocations: int = 0
+
+    def summary(self) -> str:
+        kernels = ", ".join(sorted(set(self.compiled))) or "none"
+        return (
+            f"{len(self.compiled)} Triton compiles ({kernels}); "
+            f"{self.device_allocations} device allocations by torch"
+        )
+
+
+@contextlib.contextmanager
+def first_use_costs(device: str) -> Iterator[FirstUseCosts]:
+    costs = FirstUseCosts()
+    if device != "cuda":
+        yield costs
+        return
+    from triton import knobs
+
+    def compiled(*_args: Any, **kwargs: Any) -> bool:
+        constants = kwargs.get("compile", {}).get("constants", {})
+        shown = ", ".join(f"{k}={v}" for k, v in constants.items() if not isinstance(v, type))
+        costs.compiled.append(f"{getattr(kwargs.get('fn'), 'name', '?')}({shown[:160]})")
+        return False  # compile as usual
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = compiled
+    before = torch.cuda.memory_stats().get("num_device_alloc", 0)
+    try:
+        yield costs
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+        costs.device_allocations = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -388,7 +428,8 @@ def run_shape(name: str, shape: LlamaShape, args: argparse.Namespace, scratch: P
     )
     print(start_line, flush=True)
     run_engine(runner, [(p, min(n, 4)) for p, n in workload[:32]], shape.vocab, args.device)
-    engine = run_engine(runner, workload, shape.vocab, args.device)
+    with first_use_costs(args.device) as first_use:
+        engine = run_engine(runner, workload, shape.vocab, args.device)
     results["dpserve ModelRunner"] = (engine.seconds, engine.tokens)
     pool = kv_pool(runner.stats())
     if args.profile_dir is not None:  # the workload's first (prefill-heavy) steps
@@ -410,8 +451,10 @@ def run_shape(name: str, shape: LlamaShape, args: argparse.Namespace, scratch: P
         f"   ModelRunner time to first token: {percentiles(engine.first_token)}; "
         f"inter-token latency: {percentiles(engine.between_tokens)}",
         f"   ModelRunner steps with prefill: {len(engine.prefill_steps)} in "
-        f"{sum(engine.prefill_steps):.2f} s; decode-only: {len(engine.decode_steps)} in "
-        f"{sum(engine.decode_steps):.2f} s",
+        f"{sum(engine.prefill_steps):.2f} s "
+        f"({', '.join(f'{step * 1e3:.0f}' for step in engine.prefill_steps)} ms); "
+        f"decode-only: {len(engine.decode_steps)} in {sum(engine.decode_steps):.2f} s",
+        f"   during the ModelRunner run (after its warm-up): {first_use.summary()}",
         f"   ModelRunner KV pool: {pool}",
         start_line,
         *step_lines,

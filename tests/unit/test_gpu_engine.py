@@ -35,12 +35,18 @@ needs_triton = pytest.mark.skipif(
 
 
 def drive(
-    runner: ModelRunner, requests: list[RunnerRequest]
+    runner: ModelRunner, requests: list[RunnerRequest], *, staggered: bool = False
 ) -> dict[int, tuple[list[int], list[float]]]:
-    for request in requests:
+    """Every request added at once, or (``staggered``) eight at once and then one a step, so
+    that prompts arrive while others decode."""
+    waiting = list(requests)
+    for request in waiting[: 8 if staggered else len(waiting)]:
         runner.add(request)
+    del waiting[: 8 if staggered else len(waiting)]
     out: dict[int, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in requests}
-    while runner.has_work():
+    while runner.has_work() or waiting:
+        if waiting:
+            runner.add(waiting.pop(0))
         for update in runner.step():
             out[update.request_id][0].extend(update.tokens)
             out[update.request_id][1].extend(update.logprobs or [])
@@ -139,7 +145,7 @@ def test_cuda_graph_replay_equals_eager(
         requests += workload(5, rng_seed=3, temperature=0.9, seed=11)  # ids 0-4 again: renumber
         for offset, request in enumerate(requests[40:]):
             request.request_id = 100 + offset
-        results.append(drive(runner, requests))
+        results.append(drive(runner, requests, staggered=True))
         assert bool(piecewise_steps) == graphs
     graphed, eager = results
     assert graphed.keys() == eager.keys()
