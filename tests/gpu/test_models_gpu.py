@@ -22,6 +22,7 @@ from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.sampling import SamplingParams
 from tests.tiny_model import VARIANT_KINDS, build_variant_model
+from tests.unit.test_triton_moe import moe_block
 
 pytestmark = [
     pytest.mark.skipif(
@@ -154,34 +155,11 @@ MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336
 
 
 def _moe_block(shape: str, dtype: torch.dtype) -> Any:
-    from transformers import MixtralConfig, Qwen3MoeConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
     hidden, inner, experts, top_k = MOE_SHAPES[shape]
-    torch.manual_seed(hidden + experts)
-    with torch.device("cuda"):
-        if shape.startswith("mixtral"):
-            config: Any = MixtralConfig(
-                hidden_size=hidden,
-                intermediate_size=inner,
-                num_local_experts=experts,
-                num_experts_per_tok=top_k,
-            )
-            block: Any = MixtralSparseMoeBlock(config)
-        else:
-            config = Qwen3MoeConfig(
-                hidden_size=hidden,
-                moe_intermediate_size=inner,
-                num_experts=experts,
-                num_experts_per_tok=top_k,
-                norm_topk_prob=True,
-            )
-            block = Qwen3MoeSparseMoeBlock(config)
-        with torch.no_grad():
-            for parameter in block.parameters():  # outputs of order 1 at every width
-                parameter.normal_(0.0, parameter.shape[-1] ** -0.5)
-    return block.to(dtype).eval()
+    kind = "mixtral" if shape.startswith("mixtral") else "qwen3-moe-renormalised"
+    # Outputs of order 1 at every width: each weight's std 1/sqrt(its input width).
+    block = moe_block(kind, hidden, inner, experts, top_k, device="cuda", std=None)
+    return block.to(dtype)
 
 
 @pytest.mark.parametrize("shape", list(MOE_SHAPES))

@@ -66,33 +66,44 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.Mon
         )
 
 
-def _moe_block(kind: str, hidden: int, inner: int, experts: int, top_k: int) -> Any:
-    """A transformers MoE block with random weights (its forward is the reference)."""
+def moe_block(
+    kind: str,
+    hidden: int,
+    inner: int,
+    experts: int,
+    top_k: int,
+    *,
+    device: str = "cpu",
+    std: float | None = 0.3,
+) -> Any:
+    """A transformers MoE block with random weights (its forward is the reference), made on
+    ``device``; ``std`` None: each weight's standard deviation is 1/sqrt(its input width)."""
     from transformers import MixtralConfig, Qwen3MoeConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     torch.manual_seed(hidden + inner + experts)
-    if kind == "mixtral":
-        config: Any = MixtralConfig(
-            hidden_size=hidden,
-            intermediate_size=inner,
-            num_local_experts=experts,
-            num_experts_per_tok=top_k,
-        )
-        block: Any = MixtralSparseMoeBlock(config)
-    else:
-        config = Qwen3MoeConfig(
-            hidden_size=hidden,
-            moe_intermediate_size=inner,
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=kind == "qwen3-moe-renormalised",
-        )
-        block = Qwen3MoeSparseMoeBlock(config)
+    with torch.device(device):
+        if kind == "mixtral":
+            config: Any = MixtralConfig(
+                hidden_size=hidden,
+                intermediate_size=inner,
+                num_local_experts=experts,
+                num_experts_per_tok=top_k,
+            )
+            block: Any = MixtralSparseMoeBlock(config)
+        else:
+            config = Qwen3MoeConfig(
+                hidden_size=hidden,
+                moe_intermediate_size=inner,
+                num_experts=experts,
+                num_experts_per_tok=top_k,
+                norm_topk_prob=kind == "qwen3-moe-renormalised",
+            )
+            block = Qwen3MoeSparseMoeBlock(config)
     with torch.no_grad():
         for parameter in block.parameters():
-            parameter.normal_(0.0, 0.3)
+            parameter.normal_(0.0, parameter.shape[-1] ** -0.5 if std is None else std)
     return block.eval()
 
 
@@ -101,7 +112,7 @@ def _moe_block(kind: str, hidden: int, inner: int, experts: int, top_k: int) -> 
 @pytest.mark.parametrize("tokens", [1, 7, 37])
 def test_the_fused_moe_equals_the_expert_loop_and_transformers(kind: str, tokens: int) -> None:
     # Widths that are not multiples of the kernel's blocks (16 rows, 64 columns, 32 inner).
-    block = _moe_block(kind, hidden=48, inner=40, experts=6, top_k=2)
+    block = moe_block(kind, hidden=48, inner=40, experts=6, top_k=2)
     top_k, renormalize = 2, kind != "qwen3-moe"
     loop = SparseMoE(block, top_k, renormalize, TORCH_LOOP)
     fused = SparseMoE(block, top_k, renormalize, TRITON)
@@ -118,7 +129,7 @@ def test_the_fused_moe_equals_the_expert_loop_and_transformers(kind: str, tokens
 @interpreter_case
 def test_the_fused_moe_with_many_experts_and_one_token_as_a_decode_step() -> None:
     # Qwen3-30B-A3B's routing at a small width: 8 of 128 experts for one token.
-    block = _moe_block("qwen3-moe-renormalised", hidden=32, inner=16, experts=128, top_k=8)
+    block = moe_block("qwen3-moe-renormalised", hidden=32, inner=16, experts=128, top_k=8)
     loop = SparseMoE(block, 8, True, TORCH_LOOP)
     fused = SparseMoE(block, 8, True, TRITON)
     normed = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
