@@ -165,8 +165,8 @@ async def streams_killed_mid_way(
     ]
     deadline = time.monotonic() + 60
     while not await _time_to_kill(client, chunks, streams, victim):
-        assert time.monotonic() < deadline, chunks
-        await asyncio.sleep(0.01)
+        assert time.monotonic() < deadline, (chunks, [task.done() for task in streams])
+        await asyncio.sleep(0.002)
     await kill()
     return await asyncio.gather(*streams)
 
@@ -214,11 +214,11 @@ def spawn_vllm_engine(
 def spawn_dpserve_engine(
     processes: Processes, port: int, rank: int, model: Path
 ) -> subprocess.Popen[bytes]:
-    # Streams flushed every 10 ms, not 50: the tiny model's streams on this engine ended
-    # within their first 3 chunks at 50 ms, so none stood "under way" for the kill while the
-    # engine held it (CI, cc67691: the kill never came).
+    # Streams flushed every 2 ms, not 50: the tiny model's streams on this engine ended
+    # within their first 3 chunks at 50 ms (CI, cc67691), and again at 10 ms (CI, 641cbad:
+    # every stream one chunk), so none stood "under way" for the kill while the engine held it.
     return processes.spawn(
         f"engine-{rank}", "engine", "--coordinator", f"tcp://127.0.0.1:{port}",
         "--rank", str(rank), "--model", str(model), "--torch-threads", "1",
-        "--stream-interval", "0.01",
+        "--stream-interval", "0.002",
     )  # fmt: skip
