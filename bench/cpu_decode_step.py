@@ -1,15 +1,19 @@
-"""Decode step time on CPU of a random-weight Llama-shaped model at 1 to 8 sequences, three ways in
-one run: the engine as it runs by default (the C++ decode kernel, rows of 2,048 columns or more
-column-blocked), the same kernel on row-major weights, and every step on oneDNN.
+"""Decode step time on CPU of a random-weight Llama-shaped model (or a model directory) at 1 to 16
+sequences, three ways in one run: the engine as it runs by default (the C++ decode kernel, rows of
+2,048 columns or more column-blocked), the same kernel on row-major weights, and every step on
+oneDNN.
 
-    python bench/cpu_decode_step.py [--shape 1b|8b] [--layers 4] [--rows 1 2 4 8] [--steps 10]
+    python bench/cpu_decode_step.py [--shape 1b|8b] [--layers 4] [--model DIR]
+                                    [--rows 1 2 4 8 16] [--steps 10]
 
 ``--shape`` picks a decoder layer's dimensions (``1b``: Llama-3.2-1B's, hidden 2,048, MLP 8,192;
 ``8b``: Llama-3-8B's, 4,096 and 14,336), ``--layers`` how many; the vocabulary is the embedded
 SmolLM2's (its tokenizer, 49,152 tokens), so that the layers, not the vocabulary projection,
-dominate. The model is written once to a temporary directory and loaded by a ``ModelRunner`` per
-way, with ``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (8, or 0 for oneDNN) so that no start-up probe
-decides; the row-major way raises ``cpu_kernels.BLOCK_FROM_COLUMNS`` out of reach before loading.
+dominate. ``--model`` times that model instead (``smollm2-135m-instruct``: the embedded one).
+The model is written once to a temporary directory and loaded by a ``ModelRunner`` per way, with
+``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (``cpu_kernels.DECODE_MATMUL_MAX_ROWS``, or 0 for oneDNN)
+so that no start-up probe decides; the row-major way raises ``cpu_kernels.BLOCK_FROM_COLUMNS``
+out of reach before loading.
 For each row count, ``rows`` greedy requests of 32 prompt tokens decode together (EOS ignored);
 after 3 warm-up steps the figure is the median over ``--runs`` of the mean of ``--steps`` steps
 (wall time), beside the GB/s of projection weights it streams (fp32 bytes / step time). Ways
@@ -51,8 +55,8 @@ class Shape:
 SHAPES = {"1b": Shape(2048, 8192, 32, 8), "8b": Shape(4096, 14336, 32, 8)}
 # name -> (small-batch rows, column-blocked)
 WAYS = {
-    "kernel, blocked (default)": (8, True),
-    "kernel, row-major": (8, False),
+    "kernel, blocked (default)": (cpu_kernels.DECODE_MATMUL_MAX_ROWS, True),
+    "kernel, row-major": (cpu_kernels.DECODE_MATMUL_MAX_ROWS, False),
     "oneDNN": (0, False),
 }
 PROMPT_TOKENS = 32
@@ -86,6 +90,23 @@ def write_model(directory: Path, shape: Shape, layers: int) -> int:
     return projections * 4
 
 
+def model_projection_bytes(path: Path) -> int:
+    """The fp32 bytes of a model directory's 2-D weights other than its embeddings (its
+    projections, a tied vocabulary projection counted once)."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shape = tensors.get_slice(name).get_shape()
+                if len(shape) == 2 and "norm" not in name:
+                    sizes[name] = shape[0] * shape[1] * 4
+    if any(name.endswith("lm_head.weight") for name in sizes):  # untied: the embedding is a lookup
+        sizes = {name: size for name, size in sizes.items() if "embed_tokens" not in name}
+    return sum(sizes.values())
+
+
 def step_ms(path: Path, rows: int, small_rows: int, blocked: bool, runs: int, steps: int) -> float:
     """ms per decode step of ``rows`` sequences, one way."""
     os.environ[SMALL_BATCH_ROWS_ENV] = str(small_rows)
@@ -116,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument(
+        "--model", help="a model directory or name to time instead of the random shape"
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
@@ -129,13 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         print("the CPU kernels are not built here: nothing to compare")
         return 1
     shape = SHAPES[args.shape]
+    what = args.model or f"{args.shape} layers x {args.layers}"
     print(
         f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')} UTC; {args.shape} layers x {args.layers}"
+        f"{time.strftime('%Y-%m-%d %H:%M')} UTC; {what}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch)
-        nbytes = write_model(path, shape, args.layers)
+        if args.model:
+            path = Path(resolve_model(args.model))
+            nbytes = model_projection_bytes(path)
+        else:
+            nbytes = write_model(path, shape, args.layers)
         print(f"projection weights: {nbytes / 1e9:.2f} GB fp32\n")
         results: dict[str, dict[int, float]] = {way: {} for way in WAYS}
         for rows in args.rows:

@@ -1,7 +1,7 @@
-"""GB/s of the CPU decode matmul (fp32 weights, 1 / 2 / 4 / 8 activation rows) beside the
+"""GB/s of the CPU decode matmul (fp32 weights, 1 / 2 / 4 / 8 / 16 activation rows) beside the
 machine's memory bandwidth and the libraries the engine could use instead, in one run.
 
-    python bench/decode_matmul.py [--threads N] [--rows 1 2 4 8] [--shapes NAME ...]
+    python bench/decode_matmul.py [--threads N] [--rows 1 2 4 8 16] [--shapes NAME ...]
 
 A decode step reads every weight once, so its matmuls are worth the rate at which they stream
 the weight: GB/s = weight bytes / seconds. Each shape is measured over copies of the weight
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument(
         "--megabytes", type=int, default=256, help="weight copies per shape, together (MiB)"

@@ -97,7 +97,7 @@ def test_quantizing_refuses_what_is_not_a_matrix() -> None:
 @needs_kernels
 @pytest.mark.parametrize("name", LOW_FORMATS)
 @pytest.mark.parametrize("isa", X86_PATHS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 16])
 @pytest.mark.parametrize(
     # N not a multiple of a thread's tile; K below one vector, not a multiple of 8, 16 or 32,
     # one vector plus a tail, SmolLM2's.

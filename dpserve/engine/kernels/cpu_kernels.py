@@ -394,10 +394,12 @@ def engine_isa() -> int:
     raise ValueError(f"{ISA_VARIABLE}={wanted!r}: one of {', '.join(ISA_NAMES.values())}")
 
 
-# The most activation rows ``decode_matmul`` is meant for: it takes any number, the weight
-# read from memory once (groups of 4 rows after the first re-read it from L2), but from about
-# this many rows on oneDNN's blocked kernels are as fast (bench/decode_matmul.py).
-DECODE_MATMUL_MAX_ROWS = 8
+# The most activation rows ``decode_matmul`` is meant for (the engine's probe measures it against
+# oneDNN up to here, ``layers.linear.small_batch_rows``): it takes any number, the weight read
+# from memory once (groups of 4 rows after the first re-read it from L2, on AVX2 register-blocked),
+# but at 24 rows oneDNN's blocked kernels were as fast (Zen 4 held to AVX2, 2 threads,
+# SmolLM2-135M's projections: 49 ms a step against oneDNN's 52; 16 rows 33 against 43; issue 33).
+DECODE_MATMUL_MAX_ROWS = 16
 
 
 # Rows of at least this many columns are held column-blocked for ``decode_matmul``, in chunks

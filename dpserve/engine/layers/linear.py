@@ -35,7 +35,8 @@ pages and row-major (oneDNN reads it too): steps of up to ``SMALL_BATCH_MAX_ROWS
 kernel and larger ones run oneDNN from the same unpacked weight, its epilogues still fused
 (``keeps_one_copy``; SmolLM2-135M's shapes, one thread, Zen 4, BENCHMARKS.md: oneDNN unpacked took
 1.04-1.41x the packed primitive's time at 4-512 rows, and the kernel less than unpacked oneDNN at
-4-8 rows; at 1-3 the engine pads oneDNN to 4). Without the kernel the one copy is oneDNN's packed
+4-8 rows; at 16 rows, 2 threads, a whole step's projections took 36-44 ms against 48-57; at 1-3
+the engine pads oneDNN to 4). Without the kernel the one copy is oneDNN's packed
 one, nothing measured. ``DPSERVE_CPU_SMALL_BATCH_ROWS=N`` sets the count instead, anywhere (0:
 never), and keeps both.
 
@@ -107,6 +108,11 @@ SMALL_BATCH_MAX_ROWS = cpu_kernels.DECODE_MATMUL_MAX_ROWS
 # further row count while it is not slower than oneDNN (the copy is held by then; at 8 rows on 2
 # threads, Zen 4, the kernel read 17.4 GB/s against oneDNN's 15.1, and the margin alone had sent
 # 8-sequence steps to oneDNN).
+# The row counts measured, in two stages: the second only where every count of the first went to
+# the small-batch path (on Zen 4 with AVX-512, 2 threads, oneDNN's 5-6-row kernels won and the
+# first stage ended at 4-5; held to AVX2 every count to 16 went to the kernel). Each stage costs
+# about a second at start-up.
+_PROBE_STAGES = (range(1, 9), range(9, SMALL_BATCH_MAX_ROWS + 1))
 _PROBE_SHAPE = (2048, 1024)
 _PROBE_BYTES = 192 << 20
 # The most bytes one probe weight takes: a larger projection (an 8B model's 14336x4096 MLP
@@ -297,7 +303,6 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
         for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)
         for width in widths
     }
-    row_counts = range(1, SMALL_BATCH_MAX_ROWS + 1)
 
     def one_pass(rows: int, small: bool) -> float:
         """Seconds for every copy (``pass_seconds`` of each call's): the small-batch path, or
@@ -315,23 +320,29 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
             calls.append((shape, time.perf_counter() - start))
         return pass_seconds(calls)
 
-    # Round after round, every candidate once, the fastest pass of each kept: engines start
-    # beside other processes, and a load that comes or goes mid-probe then weighs on all alike.
-    # oneDNN below ONEDNN_MIN_ROWS rows is the padded pass, measured once.
-    onednn_rows = range(ONEDNN_MIN_ROWS, SMALL_BATCH_MAX_ROWS + 1)
-    small = dict.fromkeys(row_counts, float("inf"))
-    onednn = dict.fromkeys(onednn_rows, float("inf"))
-    for _ in range(_PROBE_ROUNDS):
-        for rows in row_counts:
-            small[rows] = min(small[rows], one_pass(rows, small=True))
-        for rows in onednn_rows:
-            onednn[rows] = min(onednn[rows], one_pass(rows, small=False))
+    # Round after round, every candidate of a stage once, the fastest pass of each kept: engines
+    # start beside other processes, and a load that comes or goes mid-probe then weighs on all
+    # alike. oneDNN below ONEDNN_MIN_ROWS rows is the padded pass, measured once. The second
+    # stage's row counts are measured only where the first's all went to the small-batch path.
+    small: dict[int, float] = {}
+    onednn: dict[int, float] = {}
     chosen = 0
-    for rows, seconds in small.items():
-        margin = _DENSE_MARGIN if chosen == 0 else 1.0
-        if seconds > margin * onednn[max(rows, ONEDNN_MIN_ROWS)]:
+    for stage in _PROBE_STAGES:
+        small |= dict.fromkeys(stage, float("inf"))
+        onednn_rows = [rows for rows in stage if rows >= ONEDNN_MIN_ROWS]
+        onednn |= dict.fromkeys(onednn_rows, float("inf"))
+        for _ in range(_PROBE_ROUNDS):
+            for rows in stage:
+                small[rows] = min(small[rows], one_pass(rows, small=True))
+            for rows in onednn_rows:
+                onednn[rows] = min(onednn[rows], one_pass(rows, small=False))
+        for rows in stage:
+            margin = _DENSE_MARGIN if chosen == 0 else 1.0
+            if small[rows] > margin * onednn[max(rows, ONEDNN_MIN_ROWS)]:
+                break
+            chosen = rows
+        if chosen != stage[-1]:
             break
-        chosen = rows
     kernel = small_batch_kernel()
     choice = (
         f"CPU decode steps of at most {chosen} sequence(s) run through {kernel}, with a copy of "
@@ -345,7 +356,7 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
         "%s; GB/s of weights read by rows 1-%d: %s %s, oneDNN %s (padded to %d below it; %d "
         "threads; weights of %s)",
         choice,
-        SMALL_BATCH_MAX_ROWS,
+        len(small),
         kernel,
         " / ".join(f"{gigabytes / seconds:.1f}" for seconds in small.values()),
         " / ".join(f"{gigabytes / onednn[max(rows, ONEDNN_MIN_ROWS)]:.1f}" for rows in small),

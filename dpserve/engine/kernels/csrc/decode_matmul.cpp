@@ -13,7 +13,9 @@
 //   such a pass computes slowly enough per byte that the hardware prefetcher falls behind);
 // - at most kGroup activation rows ride one pass (their accumulators stay in registers); more
 //   rows are taken kGroup at a time over a tile of weight rows small enough to stay in L2, so
-//   that the later groups read the tile from there, not from memory;
+//   that the later groups read the tile from there, not from memory; those later passes are
+//   bound by arithmetic, not memory, and on AVX2 run a register-blocked pass (tiles_avx2: three
+//   weight rows at a time), while the first pass asks for the next tile;
 // - a weight with wide rows (2048 columns and up: cpu_kernels.column_blocked_copy) is held
 //   column-blocked, [chunks, n, width]: every weight row's first `width` columns, then every
 //   row's next, each chunk one sequential stream. A pass then re-reads only a chunk of each
@@ -76,7 +78,9 @@ constexpr int64_t kL2TileBytes = 64 * 1024;
 // prefetcher alone is faster (27 against 21 GB/s at one row), so those passes leave it to the
 // hardware. 32 KB ahead was as good as 64 KB and better than 0.5-4 KB (the L1 hint, too near:
 // no gain). A column-blocked weight's chunks do without (32 KB ahead read 0.85-1.0x as fast
-// at 1-4 rows).
+// at 1-4 rows). Where later groups re-read each tile from L2 (more than kGroup rows), a pass
+// asks for a whole tile ahead instead: the next tile then streams in while those groups compute
+// (SmolLM2-135M's step at 16 rows, 2 threads, AVX2: 33 ms against 36-38 with 32 KB ahead).
 constexpr int kPrefetchFromRows = 3;
 constexpr int64_t kPrefetchBytes = 32 * 1024;
 constexpr int64_t kCacheLine = 64;
@@ -230,6 +234,84 @@ __attribute__((DPSERVE_AVX512)) void dots_avx512(const Problem& p, int64_t begin
   }
 }
 
+// v's two halves added: 8 lanes whose sum is v's.
+__attribute__((DPSERVE_AVX512)) inline __m256 fold_halves(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The four sums of a, b, c, d's lanes, in that order: each folded to 256 bits, then three
+// horizontal adds and one add of the halves.
+__attribute__((DPSERVE_AVX512)) inline __m128 sum_lanes4_avx512(__m512 a, __m512 b, __m512 c,
+                                                               __m512 d) {
+  const auto fold = fold_halves;
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(fold(a), fold(b)),
+                                      _mm256_hadd_ps(fold(c), fold(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// Weight rows per tile of the register-blocked AVX-512 pass: 4 x 4 accumulators, four weight
+// vectors and one activation vector, 21 of AVX-512's 32 registers.
+constexpr int kTileWeights512 = 4;
+
+// tiles_avx2 (below) on AVX-512: for a group after the first, four weight rows at a time, 16
+// columns a step (8 loads for 16 FMAs at R = 4, where dots_avx512 loads 5 for 4). Measured on
+// Zen 4, 2 threads, SmolLM2-135M's projections (a whole step's, weights from memory): 16 rows
+// 41-46 ms with dots_avx512 in every group against oneDNN's 33-35 (issue 33).
+template <typename W, int R>
+__attribute__((DPSERVE_AVX512)) void tiles_avx512(const Problem& p, int64_t begin, int64_t end) {
+  constexpr int B = kTileWeights512;
+  const int64_t tail = p.k % 16, body = p.k - tail;
+  const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
+  int64_t n = begin;
+  for (; n + B <= end; n += B) {
+    const W* w[B];
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) w[j] = static_cast<const W*>(p.w) + (n + j) * p.w_stride;
+    __m512 acc[R][B];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < body; c += 16) {
+      __m512 v[B];
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) {
+        prefetch_ahead(w[j], c, p.ahead);
+        v[j] = widen16(w[j] + c);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_loadu_ps(p.x + r * p.x_stride + c);
+#pragma GCC unroll 4
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_fmadd_ps(v[j], xv, acc[r][j]);
+      }
+    }
+    if (tail != 0) {  // the last K % 16 columns: x masked, w zero-padded
+      __m512 v[B];
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) {
+        const PaddedTail<W, 16> padded(w[j] + body, tail);
+        v[j] = widen16(padded.values);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, p.x + r * p.x_stride + body);
+#pragma GCC unroll 4
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_fmadd_ps(v[j], xv, acc[r][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, sum_lanes4_avx512(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      for (int j = 0; j < B; ++j) put(p, r, n + j, scaled<W>(p, n + j, sums[j]));
+    }
+  }
+  if (n < end) dots_avx512<W, R>(p, n, end);
+}
+
 // --------------------------------------------------------------------------------- AVX2 path
 
 // Without AVX-512 (the file's own target has none), so this is the code an AVX2-only CPU runs,
@@ -303,27 +385,99 @@ __attribute__((DPSERVE_AVX2)) void dots_avx2(const Problem& p, int64_t begin, in
   }
 }
 
+// The four sums of a, b, c, d's lanes, in that order: three horizontal adds and one add of the
+// halves, where four sum_lanes_avx2 take twenty operations.
+__attribute__((DPSERVE_AVX2)) inline __m128 sum_lanes4_avx2(__m256 a, __m256 b, __m256 c,
+                                                           __m256 d) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// Weight rows per tile of the register-blocked AVX2 pass: R activation rows (up to kGroup) by
+// kTileWeights weight rows hold 12 accumulators, and the three weight vectors and one activation
+// vector fill AVX2's 16 registers.
+constexpr int kTileWeights = 3;
+
+// Weight rows [begin, end) against R activation rows, register-blocked, for a group after the
+// first (its weight tile in L2): each 8-column step loads three weight vectors and R activation
+// vectors for 3R FMAs (7 loads for 12 at R = 4), where dots_avx2 loads R + 1 for R (5 for 4).
+// From L2 a pass is bound by its arithmetic, not by the weight's stream, so the loads an FMA
+// costs decide its speed. Not for the first group: reading three weight rows side by side from
+// memory was slower than dots_avx2's one stream. Measured on Zen 4 held to AVX2, 2 threads,
+// SmolLM2-135M's projections (a whole step's, weights from memory, best of 15): 16 rows 33 ms,
+// against 40 with dots_avx2 in every group and 43 with oneDNN; 12 rows 29 / 32 / 38; 8 rows
+// 24 / 25 / 32 (issue 33). Rows left over from whole tiles go through dots_avx2.
+template <typename W, int R>
+__attribute__((DPSERVE_AVX2)) void tiles_avx2(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t tail = p.k % 8, body = p.k - tail;
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(tail)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  int64_t n = begin;
+  for (; n + kTileWeights <= end; n += kTileWeights) {
+    const W* w = static_cast<const W*>(p.w) + n * p.w_stride;
+    const W* w1 = w + p.w_stride;
+    const W* w2 = w1 + p.w_stride;
+    __m256 acc[R][kTileWeights];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = acc[r][2] = _mm256_setzero_ps();
+    }
+    for (int64_t c = 0; c < body; c += 8) {
+      prefetch_ahead(w, c, p.ahead);
+      prefetch_ahead(w1, c, p.ahead);
+      prefetch_ahead(w2, c, p.ahead);
+      const __m256 v0 = widen8(w + c), v1 = widen8(w1 + c), v2 = widen8(w2 + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(p.x + r * p.x_stride + c);
+        acc[r][0] = _mm256_fmadd_ps(v0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(v1, xv, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(v2, xv, acc[r][2]);
+      }
+    }
+    if (tail != 0) {  // the last K % 8 columns: x masked, w zero-padded
+      const PaddedTail<W, 8> t0(w + body, tail), t1(w1 + body, tail), t2(w2 + body, tail);
+      const __m256 v0 = widen8(t0.values), v1 = widen8(t1.values), v2 = widen8(t2.values);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_maskload_ps(p.x + r * p.x_stride + body, mask);
+        acc[r][0] = _mm256_fmadd_ps(v0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(v1, xv, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(v2, xv, acc[r][2]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, sum_lanes4_avx2(acc[r][0], acc[r][1], acc[r][2], acc[r][2]));
+      for (int j = 0; j < kTileWeights; ++j) put(p, r, n + j, scaled<W>(p, n + j, sums[j]));
+    }
+  }
+  if (n < end) dots_avx2<W, R>(p, n, end);
+}
+
 #endif  // DPSERVE_X86
 
 using Dots = void (*)(const Problem&, int64_t, int64_t);
 
-// A path's instantiations for each weight format and 1 to kGroup rows.
+// A path's instantiations for each weight format and 1 to kGroup rows: `streamed` for the first
+// group of activation rows, which reads each tile of the weight from memory, `cached` for the
+// later groups, which re-read it from L2 (the register-blocked pass where the path has one).
 struct Path {
-  Dots rows[kFormats][kGroup];
+  Dots streamed[kFormats][kGroup];
+  Dots cached[kFormats][kGroup];
 };
 
-// One path's table: `dots` instantiated for each format (in Format's order) and row count.
-#define DPSERVE_PATH(dots)                                                                  \
-  Path {                                                                                    \
-    {{&dots<float, 1>, &dots<float, 2>, &dots<float, 3>, &dots<float, 4>},                  \
-     {&dots<Bf16Bits, 1>, &dots<Bf16Bits, 2>, &dots<Bf16Bits, 3>, &dots<Bf16Bits, 4>},      \
-     {&dots<int8_t, 1>, &dots<int8_t, 2>, &dots<int8_t, 3>, &dots<int8_t, 4>}}              \
-  }
+// `dots` instantiated for each format (in Format's order) and row count.
+#define DPSERVE_TABLE(dots)                                                                 \
+  {{&dots<float, 1>, &dots<float, 2>, &dots<float, 3>, &dots<float, 4>},                    \
+   {&dots<Bf16Bits, 1>, &dots<Bf16Bits, 2>, &dots<Bf16Bits, 3>, &dots<Bf16Bits, 4>},        \
+   {&dots<int8_t, 1>, &dots<int8_t, 2>, &dots<int8_t, 3>, &dots<int8_t, 4>}}
 
-constexpr Path kPortablePath = DPSERVE_PATH(dots_portable);
+constexpr Path kPortablePath{DPSERVE_TABLE(dots_portable), DPSERVE_TABLE(dots_portable)};
 #if DPSERVE_X86
-constexpr Path kAvx2Path = DPSERVE_PATH(dots_avx2);
-constexpr Path kAvx512Path = DPSERVE_PATH(dots_avx512);
+constexpr Path kAvx2Path{DPSERVE_TABLE(dots_avx2), DPSERVE_TABLE(tiles_avx2)};
+constexpr Path kAvx512Path{DPSERVE_TABLE(dots_avx512), DPSERVE_TABLE(tiles_avx512)};
 #endif
 
 bool cpu_has(Isa isa) {
@@ -463,6 +617,10 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
   // Weight rows per L2 tile, in the format's bytes of a chunk: every group of activation rows
   // runs over it before the next.
   const int64_t tile_rows = std::max<int64_t>(1, kL2TileBytes / (width * element));
+  // Whether later groups re-read each tile from L2 (more rows than one group): the first
+  // group's pass then asks for the next tile, a tile ahead, while the later ones compute.
+  const bool rereads = rows > kGroup;
+  const int64_t ahead_bytes = rereads ? kL2TileBytes : kPrefetchBytes;
   const int64_t tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
     const int64_t begin = tile_begin * kTile, end = std::min(n, tile_end * kTile);
@@ -473,7 +631,7 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
         const int64_t stop = std::min(end, start + tile_rows);
         for (int64_t first = 0; first < rows; first += kGroup) {
           const int64_t count = std::min(kGroup, rows - first);
-          const int64_t ahead = !blocked && count >= kPrefetchFromRows ? kPrefetchBytes : 0;
+          const int64_t ahead = !blocked && count >= kPrefetchFromRows ? ahead_bytes : 0;
           const Problem group{x_data + first * x.stride(0) + column,
                               x.stride(0),
                               chunk_data,
@@ -484,7 +642,7 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                               n,
                               chunk > 0,
                               ahead};
-          path.rows[format][count - 1](group, start, stop);
+          (first == 0 ? path.streamed : path.cached)[format][count - 1](group, start, stop);
         }
       }
     }
