@@ -198,11 +198,11 @@ def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:
 
 def _generate(path: Path, cpu_weights: str) -> dict[int, tuple[list[int], list[float]]]:
     from dpserve.engine.model_runner import ModelRunner
-    from tests.runner_runs import six_greedy_requests
+    from tests.runner_runs import greedy_requests
 
     runner = ModelRunner(str(path), device="cpu", max_num_seqs=8, cpu_weights=cpu_weights)
     assert runner.backend.model.lm_head.weight_format == cpu_weights
-    return six_greedy_requests(runner)
+    return greedy_requests(runner)
 
 
 def _teacher_forced(path: Path, cpu_weights: str, prompts: list[list[int]]) -> list[list[float]]:

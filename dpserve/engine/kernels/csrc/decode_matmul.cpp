@@ -244,9 +244,8 @@ __attribute__((DPSERVE_AVX512)) inline __m256 fold_halves(__m512 v) {
 // horizontal adds and one add of the halves.
 __attribute__((DPSERVE_AVX512)) inline __m128 sum_lanes4_avx512(__m512 a, __m512 b, __m512 c,
                                                                __m512 d) {
-  const auto fold = fold_halves;
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(fold(a), fold(b)),
-                                      _mm256_hadd_ps(fold(c), fold(d)));
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(fold_halves(a), fold_halves(b)),
+                                      _mm256_hadd_ps(fold_halves(c), fold_halves(d)));
   return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
 }
 
@@ -257,7 +256,8 @@ constexpr int kTileWeights512 = 4;
 // tiles_avx2 (below) on AVX-512: for a group after the first, four weight rows at a time, 16
 // columns a step (8 loads for 16 FMAs at R = 4, where dots_avx512 loads 5 for 4). Measured on
 // Zen 4, 2 threads, SmolLM2-135M's projections (a whole step's, weights from memory): 16 rows
-// 41-46 ms with dots_avx512 in every group against oneDNN's 33-35 (issue 33).
+// 35-39 ms, against 41-46 with dots_avx512 in every group and oneDNN's 33-36 (Zen 4 runs a
+// 512-bit FMA as two 256-bit halves: there the AVX2 path's 33 ms was as fast; issue 33).
 template <typename W, int R>
 __attribute__((DPSERVE_AVX512)) void tiles_avx512(const Problem& p, int64_t begin, int64_t end) {
   constexpr int B = kTileWeights512;
