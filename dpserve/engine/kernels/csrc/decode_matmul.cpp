@@ -182,6 +182,15 @@ void dots_portable(const Problem& p, int64_t begin, int64_t end) {
 
 #if DPSERVE_X86
 
+// A register-blocked pass's dot products of row r with weight rows n to n + count - 1 (count
+// <= 4), summed into `sums`' first lanes: stored (or added) as put does, int8's scaled.
+template <typename W>
+inline void put_sums(const Problem& p, int r, int64_t n, int count, __m128 sums) {
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, sums);
+  for (int j = 0; j < count; ++j) put(p, r, n + j, scaled<W>(p, n + j, lanes[j]));
+}
+
 // ------------------------------------------------------------------------------ AVX-512 path
 
 #define DPSERVE_AVX512 target("avx512f")
@@ -304,9 +313,7 @@ __attribute__((DPSERVE_AVX512)) void tiles_avx512(const Problem& p, int64_t begi
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, sum_lanes4_avx512(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-      for (int j = 0; j < B; ++j) put(p, r, n + j, scaled<W>(p, n + j, sums[j]));
+      put_sums<W>(p, r, n, B, sum_lanes4_avx512(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
     }
   }
   if (n < end) dots_avx512<W, R>(p, n, end);
@@ -448,9 +455,8 @@ __attribute__((DPSERVE_AVX2)) void tiles_avx2(const Problem& p, int64_t begin, i
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, sum_lanes4_avx2(acc[r][0], acc[r][1], acc[r][2], acc[r][2]));
-      for (int j = 0; j < kTileWeights; ++j) put(p, r, n + j, scaled<W>(p, n + j, sums[j]));
+      put_sums<W>(p, r, n, kTileWeights,
+                  sum_lanes4_avx2(acc[r][0], acc[r][1], acc[r][2], acc[r][2]));
     }
   }
   if (n < end) dots_avx2<W, R>(p, n, end);
