@@ -62,9 +62,8 @@ WAYS = {
 PROMPT_TOKENS = 32
 
 
-def write_model(directory: Path, shape: Shape, layers: int) -> int:
-    """A random Llama of ``shape`` with SmolLM2's tokenizer in ``directory``; returns its
-    projections' fp32 bytes."""
+def write_model(directory: Path, shape: Shape, layers: int) -> None:
+    """A random Llama of ``shape`` with SmolLM2's tokenizer in ``directory``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL))
@@ -82,29 +81,14 @@ def write_model(directory: Path, shape: Shape, layers: int) -> int:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
-    projections = sum(
-        module.weight.numel()
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-    )
-    return projections * 4
 
 
-def model_projection_bytes(path: Path) -> int:
-    """The fp32 bytes of a model directory's 2-D weights other than its embeddings (its
-    projections, a tied vocabulary projection counted once)."""
-    from safetensors import safe_open
-
-    sizes: dict[str, int] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as tensors:
-            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shape = tensors.get_slice(name).get_shape()
-                if len(shape) == 2 and "norm" not in name:
-                    sizes[name] = shape[0] * shape[1] * 4
-    if any(name.endswith("lm_head.weight") for name in sizes):  # untied: the embedding is a lookup
-        sizes = {name: size for name, size in sizes.items() if "embed_tokens" not in name}
-    return sum(sizes.values())
+def projection_bytes(path: Path) -> int:
+    """The fp32 bytes of the model's projections as the engine holds them
+    (``projections()``: every layer's and the lm_head), loaded once without the probe."""
+    os.environ[SMALL_BATCH_ROWS_ENV] = "0"
+    model = ModelRunner(str(path), device="cpu", max_num_seqs=1).backend.model
+    return sum(linear.out_features * linear.in_features * 4 for linear in model.projections())
 
 
 def step_ms(path: Path, rows: int, small_rows: int, blocked: bool, runs: int, steps: int) -> float:
@@ -162,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(scratch)
         if args.model:
             path = Path(resolve_model(args.model))
-            nbytes = model_projection_bytes(path)
         else:
-            nbytes = write_model(path, shape, args.layers)
+            write_model(path, shape, args.layers)
+        nbytes = projection_bytes(path)
         print(f"projection weights: {nbytes / 1e9:.2f} GB fp32\n")
         results: dict[str, dict[int, float]] = {way: {} for way in WAYS}
         for rows in args.rows:

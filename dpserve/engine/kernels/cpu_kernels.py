@@ -396,7 +396,7 @@ def engine_isa() -> int:
 
 # The most activation rows ``decode_matmul`` is meant for (the engine's probe measures it against
 # oneDNN up to here, ``layers.linear.small_batch_rows``): it takes any number, the weight read
-# from memory once (groups of 4 rows after the first re-read it from L2, on AVX2 register-blocked),
+# from memory once (groups of 4 rows after the first re-read it from L2, register-blocked),
 # but at 24 rows oneDNN's blocked kernels were as fast (Zen 4 held to AVX2, 2 threads,
 # SmolLM2-135M's projections: 49 ms a step against oneDNN's 52; 16 rows 33 against 43; issue 33).
 DECODE_MATMUL_MAX_ROWS = 16

@@ -14,8 +14,8 @@
 // - at most kGroup activation rows ride one pass (their accumulators stay in registers); more
 //   rows are taken kGroup at a time over a tile of weight rows small enough to stay in L2, so
 //   that the later groups read the tile from there, not from memory; those later passes are
-//   bound by arithmetic, not memory, and on AVX2 run a register-blocked pass (tiles_avx2: three
-//   weight rows at a time), while the first pass asks for the next tile;
+//   bound by arithmetic, not memory, and run a register-blocked pass (tiles_avx2: three weight
+//   rows at a time, tiles_avx512: four), while the first pass asks for the next tile;
 // - a weight with wide rows (2048 columns and up: cpu_kernels.column_blocked_copy) is held
 //   column-blocked, [chunks, n, width]: every weight row's first `width` columns, then every
 //   row's next, each chunk one sequential stream. A pass then re-reads only a chunk of each
