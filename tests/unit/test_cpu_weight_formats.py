@@ -12,6 +12,7 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.layers import linear as linear_module
 from dpserve.engine.layers import weight_format
 from dpserve.engine.layers.linear import Linear
 from dpserve.engine.layers.weight_format import (
@@ -162,15 +163,24 @@ def test_a_huge_page_copy_holds_low_precision_weights(dtype: torch.dtype) -> Non
 @pytest.mark.parametrize("name", LOW_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 40, 700])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("kernel_rows", [None, "8"], ids=["kernel-everywhere", "kernel-to-8"])
 def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
-    name: str, rows: int, with_bias: bool
+    name: str, rows: int, with_bias: bool, kernel_rows: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every variant, small steps (the kernel where built) and large ones (the library path,
-    more output rows than a dequantization tile); only the low-precision copy is kept."""
+    """Every variant, on the kernel where built (every row count, unless
+    ``DPSERVE_CPU_SMALL_BATCH_ROWS`` bounds it) and on the library path past that bound or
+    without the kernel (more output rows than a dequantization tile); only the low-precision
+    copy is kept."""
+    if kernel_rows is None:
+        monkeypatch.delenv(linear_module.SMALL_BATCH_ROWS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(linear_module.SMALL_BATCH_ROWS_ENV, kernel_rows)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(1100, 97, generator=generator)
     bias = torch.randn(1100, generator=generator) if with_bias else None
     linear = Linear(weight, bias, name)  # type: ignore[arg-type]
+    on_kernel = cpu_kernels.available() and (kernel_rows is None or rows <= int(kernel_rows))
+    assert linear._kernel(torch.empty(rows, 97)) == on_kernel
     stored, scales = _stored(weight, name)
     assert linear.dense is not None and linear.dense.dtype == stored.dtype
     assert torch.equal(linear.dense, stored)

@@ -42,10 +42,12 @@ never), and keeps both.
 
 With a lower-precision weight format (``weight_format``: ``dpserve engine --cpu-weights bf16`` or
 ``int8``, never the default) only the bf16 or int8 copy is kept, as the decode kernel reads it where
-the kernel serves it (``cpu_kernels.decode_weight_copy``): steps of up to
-``LOW_PRECISION_KERNEL_MAX_ROWS`` rows run the kernel on it (a half or a quarter of fp32's bytes
-streamed), larger ones a library path from the same copy, their epilogues as separate torch
-operations. Which library path was measured (SmolLM2-135M's shapes, 16-512 rows, one thread, AMD
+the kernel serves it (``cpu_kernels.decode_weight_copy``), and every product runs the kernel on it,
+prompt chunks too: decode steps stream a half or a quarter of fp32's bytes, and from 5 rows its
+register-blocked passes compute a prompt chunk faster than any library path from the same copy
+(``_low_precision_kernel_rows``). Without the kernel (or past ``SMALL_BATCH_ROWS_ENV``'s count where
+it is set) a library path runs from the same copy, its epilogues as separate torch operations.
+Which library path was measured (SmolLM2-135M's shapes, 16-512 rows, one thread, AMD
 EPYC with AVX-512-BF16, torch 2.13, a shared machine): ``aten._weight_int8pack_mm`` takes fp32
 activations but ran 30-130x oneDNN fp32's time (36 ms against 0.28 for 16 rows of the 1536x576
 projection), so int8 is widened to fp32 a tile of ``_DEQUANT_TILE_ROWS`` weight rows at a time (a
@@ -64,6 +66,7 @@ import functools
 import logging
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,16 +143,21 @@ _PROBE_ROUNDS = 5
 # SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
 # F.linear (measured as fast as widening the whole weight at once: module docstring).
 _DEQUANT_TILE_ROWS = 512
-# The most rows a bf16 or int8 weight's product runs on the decode kernel; beyond, widened in
-# tiles. The kernel beats the tiles well past its fp32 range (there it races oneDNN's packed
-# weight, here fp32 tiles widened and packed on every call): SmolLM2-135M's projections and
-# lm_head, 2 threads, AMD EPYC Zen 4, ms per step (kernel / tiles), int8: 16.5 / 102 at 8 rows,
-# 30 / 105 at 16, 57 / 133 at 32, 114 / 171 at 64; bf16 alike. At 64 rows both grow ~linearly
-# with the kernel ~1.4x steeper, so decode steps (CPU engines run up to ~45 sequences) stay on
-# the kernel and prompt chunks (up to 512 tokens) go to the tiles. Before this bound was 8, a
-# 16-sequence decode step of SmolLM2 took 136 ms in int8 (ITL 300 ms at 16 streams against
-# 43 at 8; issue 33).
-LOW_PRECISION_KERNEL_MAX_ROWS = 64
+
+
+def _low_precision_kernel_rows() -> int:
+    """Up to how many rows a bf16 or int8 weight's product runs on the decode kernel:
+    ``SMALL_BATCH_ROWS_ENV``'s count where it is set, else every row count. The kernel beats the
+    tiles (fp32 widened and packed on every call) at every size measured, decode steps and
+    prompt chunks alike: from 5 rows its later groups of activation rows run register-blocked
+    over a weight tile held in L2. AMD EPYC Zen 4, 2 threads, ms for a whole step's projections
+    (kernel / tiles): SmolLM2-135M's shapes, bf16, 8 rows 15 / 49, 128 rows 134 / 180, 512 rows
+    523 / 591, 2,048 rows 2,254 / 2,414 (int8 alike); a 1B model's (8192x2048, 2048x8192,
+    3072x2048; column-blocked), 128 rows 102 / 147 (bf16) and 97 / 143 (int8), 512 rows 423 /
+    491 and 404 / 502. Before the register-blocked passes the kernel grew ~1.4x steeper than the
+    tiles past 64 rows, which was then its bound (issue 33)."""
+    setting = small_batch_rows_setting()
+    return sys.maxsize if setting is None else setting
 
 
 @functools.cache
@@ -443,12 +451,7 @@ class Linear:
         self.onednn = False
         self.one_copy = True
         self.decode_kernel = cpu_kernels.available()
-        setting = small_batch_rows_setting()
-        self.small_rows = (
-            (LOW_PRECISION_KERNEL_MAX_ROWS if setting is None else setting)
-            if self.decode_kernel
-            else 0
-        )
+        self.small_rows = _low_precision_kernel_rows() if self.decode_kernel else 0
         self.dense = cpu_kernels.decode_weight_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
 
