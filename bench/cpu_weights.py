@@ -1,10 +1,12 @@
 """What the CPU engine's lower-precision weights cost in quality and give in speed
 (``dpserve engine --cpu-weights``, issue 33), each format through the engine's own model path.
 
-    python bench/cpu_weights.py [--model DIR] [--formats fp32 bf16 int8] [--threads N]
+    python bench/cpu_weights.py [--model DIR] [--formats fp32 bf16 int8 bf16-dots] [--threads N]
                                 [--batches 1 2 4 8] [--steps N] [--cpu-time]
 
-For each format, one ``ModelRunner`` on the CPU (``--cpu-weights`` as the engine passes it):
+For each format, one ``ModelRunner`` on the CPU (``--cpu-weights`` as the engine passes it;
+"bf16-dots": bf16 with ``DPSERVE_CPU_BF16_DOTS=1``, its activations rounded to bf16 too, where
+the CPU has AVX-512-BF16):
 
 - quality: the mean negative log-likelihood per token (nats) and the perplexity of ``TEXT``
   below (the opening of Jane Austen's *Pride and Prejudice*, 1813, public domain), teacher
@@ -12,6 +14,9 @@ For each format, one ``ModelRunner`` on the CPU (``--cpu-weights`` as the engine
   token given those before it (prefill steps, chunked as the engine chunks them); the delta
   against fp32, and the greedy agreement over ``PROMPTS``: the share of generated tokens equal
   to fp32's, position by position, and the tokens before the first difference;
+- exact failover: each greedy continuation resumed after every ``RESUME_EVERY``-th of its tokens
+  (``resume_tokens``, as a coordinator re-dispatches a dead engine's stream: the tokens so far
+  prefilled), and how many resumed streams continue exactly as the uninterrupted one;
 - speed: the median wall time of a decode step of 1 / 2 / 4 / 8 sequences (``--batches``),
   their prompts prefilled first, ``--steps`` steps timed after 3 untimed ones; with
   ``--cpu-time`` (one thread) the process's CPU time per step instead, which time spent
@@ -28,15 +33,17 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from dpserve.engine.layers.weight_format import WEIGHT_FORMATS
+from dpserve.engine.layers.weight_format import BF16_DOTS_ENV, WEIGHT_FORMATS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.model_loading import resolve_model
@@ -186,6 +193,9 @@ PROMPTS = (
     "Water boils at a temperature of",
 )
 GREEDY_TOKENS = 32
+RESUME_EVERY = 4
+# The formats this bench runs beside --cpu-weights' own: bf16 with bf16 activations.
+BF16_DOTS = "bf16-dots"
 WARM_UP_STEPS = 3
 DECODE_PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few ordinary tokens; their text is immaterial
 
@@ -197,8 +207,21 @@ class Result:
     nll: float
     tokens_scored: int
     greedy: list[list[int]]
-    small_rows: int  # decode steps of up to this many sequences run the decode kernel
+    resumed_exact: tuple[int, int]  # resumed streams equal to the uninterrupted one, of all
+    products: str  # which steps run the decode kernel, and in which arithmetic
     step_seconds: dict[int, float] = field(default_factory=dict)
+
+
+def _products(model: object) -> str:
+    """Which steps run the decode kernel (up to how many sequences, or every step: a
+    low-precision weight's prompt chunks too) and whether a bf16 weight meets activations
+    rounded to bf16 (AVX-512-BF16's dot products) or widened to fp32."""
+    lm_head = getattr(model, "lm_head", None)
+    rows = int(getattr(lm_head, "small_rows", 0))
+    if rows == 0:
+        return "none"
+    reach = "every step" if rows == sys.maxsize else f"up to {rows} seq"
+    return f"{reach}, bf16 x bf16" if getattr(lm_head, "bf16_dots", False) else reach
 
 
 def _runner(model: str, weight_format: str) -> ModelRunner:
@@ -240,6 +263,25 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
     return [found[100 + request] for request in range(len(prompts))]
 
 
+def _resumed_exact(
+    runner: ModelRunner, prompts: list[list[int]], whole: list[list[int]]
+) -> tuple[int, int]:
+    """How many of the streams resumed from ``whole``'s greedy continuations (after every
+    ``RESUME_EVERY``-th token) continue exactly as they did, and how many were resumed."""
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=GREEDY_TOKENS)
+    expected: dict[int, list[int]] = {}
+    for index, (prompt, tokens) in enumerate(zip(prompts, whole, strict=True)):
+        for at in range(RESUME_EVERY, GREEDY_TOKENS, RESUME_EVERY):
+            request = 10_000 + index * GREEDY_TOKENS + at
+            runner.add(RunnerRequest(request, prompt, params, resume_tokens=tokens[:at]))
+            expected[request] = tokens[at:]
+    found: dict[int, list[int]] = {request: [] for request in expected}
+    while runner.has_work():
+        for update in runner.step():
+            found[update.request_id].extend(update.tokens)
+    return sum(found[request] == expected[request] for request in expected), len(expected)
+
+
 def _decode_step_seconds(
     runner: ModelRunner, batch: int, steps: int, clock: Callable[[], float]
 ) -> float:
@@ -270,12 +312,14 @@ def measure(
     steps: int,
     clock: Callable[[], float],
 ) -> Result:
-    runner = _runner(model, weight_format)
+    os.environ[BF16_DOTS_ENV] = "1" if weight_format == BF16_DOTS else "0"
+    runner = _runner(model, "bf16" if weight_format == BF16_DOTS else weight_format)
     paged = runner.backend.model
     weight_bytes = int(paged.projection_bytes()) if hasattr(paged, "projection_bytes") else 0
     nll, scored = _teacher_forced_nll(runner, text_tokens)
-    small_rows = int(getattr(getattr(paged, "lm_head", None), "small_rows", 0))
-    result = Result(weight_format, weight_bytes, nll, scored, _greedy(runner, prompts), small_rows)
+    greedy = _greedy(runner, prompts)
+    resumed = _resumed_exact(runner, prompts, greedy)
+    result = Result(weight_format, weight_bytes, nll, scored, greedy, resumed, _products(paged))
     for batch in batches:
         result.step_seconds[batch] = _decode_step_seconds(runner, batch, steps, clock)
     runner.release()
@@ -302,7 +346,9 @@ def _agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M)")
-    parser.add_argument("--formats", nargs="+", default=list(WEIGHT_FORMATS))
+    parser.add_argument(
+        "--formats", nargs="+", choices=[*WEIGHT_FORMATS, BF16_DOTS], default=list(WEIGHT_FORMATS)
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch")
@@ -340,9 +386,9 @@ def main() -> None:
     batch_columns = " | ".join(f"step ms, {batch} seq" for batch in args.batches)
     print(
         f"\n| format | weights MB | NLL/token | perplexity | ΔNLL vs fp32 | greedy tokens = fp32 "
-        f"| tokens before first diff | kernel up to | {batch_columns} |"
+        f"| tokens before first diff | resumed streams exact | decode kernel | {batch_columns} |"
     )
-    print("|---|" + "---:|" * (7 + len(args.batches)))
+    print("|---|" + "---:|" * (8 + len(args.batches)))
     for weight_format, result in results.items():
         share, prefix = _agreement(result.greedy, base.greedy)
         seconds, fp32_seconds = result.step_seconds, base.step_seconds
@@ -353,7 +399,8 @@ def main() -> None:
         print(
             f"| {weight_format} | {result.weight_bytes / 1e6:.0f} | {result.nll:.4f} | "
             f"{math.exp(result.nll):.3f} | {result.nll - base.nll:+.4f} | {share:.3f} | "
-            f"{prefix:.1f} of {GREEDY_TOKENS} | {result.small_rows} seq | {steps} |"
+            f"{prefix:.1f} of {GREEDY_TOKENS} | {result.resumed_exact[0]} of "
+            f"{result.resumed_exact[1]} | {result.products} | {steps} |"
         )
 
 

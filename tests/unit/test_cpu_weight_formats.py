@@ -134,6 +134,66 @@ def test_decode_matmul_of_a_low_precision_weight_equals_torch_on_its_dequantized
             torch.testing.assert_close(out, wanted, rtol=1e-4, atol=1e-5 * in_features**0.5)
 
 
+needs_bf16_dots = pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.decode_matmul_supports_bf16_dots(),
+    reason="this CPU lacks AVX-512-BF16 (or the CPU kernels did not build): the bf16 dot "
+    "products cannot run here",
+)
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 40])
+@pytest.mark.parametrize(
+    # K below one 32-pair step, one plus a tail, a 64-column step plus a 32 and a tail,
+    # SmolLM2's (whole steps), a column-blocked weight's (three chunks of 688: 21 whole 32s and
+    # a tail of 16 each).
+    ("out_features", "in_features"),
+    [(37, 5), (19, 45), (67, 113), (130, 576), (21, 2064)],
+)
+def test_bf16_dot_products_equal_torch_on_activations_rounded_to_bf16(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """``bf16_dots``: the weight's and the activations' bf16 values multiplied exactly and
+    summed in fp32, so within fp32 summation error of torch's float64 product of the same
+    rounded values; every epilogue, with and without a bias, row-major and column-blocked."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features + 3, generator=generator)[:, :in_features]
+    stored = to_bf16(torch.randn(out_features, in_features, generator=generator))
+    weight = cpu_kernels.decode_weight_copy(stored)
+    bias = torch.randn(out_features, generator=generator)
+    other = torch.randn(rows, out_features + 1, generator=generator)[:, :out_features]
+    plain = (x.bfloat16().double() @ stored.double().T).float()
+    for with_bias in (None, bias):
+        biased = plain if with_bias is None else plain + with_bias
+        expected = {
+            cpu_kernels.EPILOGUE_NONE: (None, biased),
+            cpu_kernels.EPILOGUE_SILU: (None, functional.silu(biased)),
+            cpu_kernels.EPILOGUE_MUL: (other, biased * other),
+            cpu_kernels.EPILOGUE_ADD: (other, biased + other),
+        }
+        for epilogue, (with_other, wanted) in expected.items():
+            out = cpu_kernels.decode_matmul(
+                x, weight, with_bias, with_other, epilogue, cpu_kernels.ISA_AVX512, bf16_dots=True
+            )
+            assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+            torch.testing.assert_close(out, wanted, rtol=1e-5, atol=1e-6 * in_features**0.5)
+    # Against the fp32 activations the rounding shows (so the activations really were rounded).
+    exact = x.double() @ stored.double().T
+    assert not torch.allclose(plain.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_bf16_dot_products_are_refused_where_they_cannot_run() -> None:
+    x = torch.ones(2, 64)
+    with pytest.raises(RuntimeError, match="take a bfloat16 weight"):
+        cpu_kernels.decode_matmul(x, torch.ones(4, 64), bf16_dots=True)
+    if cpu_kernels.decode_matmul_supports(cpu_kernels.ISA_AVX2):
+        with pytest.raises(RuntimeError, match="AVX-512 path on a CPU with AVX-512-BF16"):
+            cpu_kernels.decode_matmul(
+                x, to_bf16(torch.ones(4, 64)), isa=cpu_kernels.ISA_AVX2, bf16_dots=True
+            )
+
+
 @needs_kernels
 def test_decode_matmul_refuses_formats_without_their_scales() -> None:
     x = torch.ones(2, 8)
@@ -171,6 +231,7 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
     ``DPSERVE_CPU_SMALL_BATCH_ROWS`` bounds it) and on the library path past that bound or
     without the kernel (more output rows than a dequantization tile); only the low-precision
     copy is kept."""
+    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
     if kernel_rows is None:
         monkeypatch.delenv(linear_module.SMALL_BATCH_ROWS_ENV, raising=False)
     else:
@@ -191,11 +252,56 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
     assert linear.nbytes == weight.numel() * stored.element_size() + (0 if scales is None else 4400)
     x = torch.randn(rows, 97, generator=generator)
     other = torch.randn(rows, 1100, generator=generator)
+    assert not linear.bf16_dots  # only where asked for (below)
     plain = x @ dequantize(stored, scales).T + (0 if bias is None else bias)
     torch.testing.assert_close(linear(x), plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear.silu(x), functional.silu(plain), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear.times(x, other), plain * other, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear.plus(x, other), plain + other, rtol=1e-4, atol=1e-4)
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("rows", [1, 9, 700])
+def test_bf16_activations_are_an_opt_in_of_bf16_weights(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DPSERVE_CPU_BF16_DOTS=1``: a bf16 linear rounds its activations to bf16 for every
+    product (decode steps and prompt chunks: the same arithmetic), fp32 sums and outputs; an
+    int8 or fp32 linear is unchanged by it; unset, a bf16 linear keeps fp32 activations."""
+    monkeypatch.delenv(linear_module.SMALL_BATCH_ROWS_ENV, raising=False)
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 576, generator=generator)
+    x = torch.randn(rows, 576, generator=generator)
+    rounded = (x.bfloat16().double() @ to_bf16(weight).double().T).float()
+    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "1")
+    linear = Linear(weight, None, "bf16")
+    assert linear.bf16_dots and "rounded to bf16" in linear.arithmetic
+    torch.testing.assert_close(linear(x), rounded, rtol=1e-5, atol=1e-5)
+    assert not Linear(weight, None, "int8").bf16_dots
+    assert not Linear(weight).bf16_dots
+    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "0")
+    widened = Linear(weight, None, "bf16")
+    assert not widened.bf16_dots and "fp32 activations" in widened.arithmetic
+    exact = (x.double() @ to_bf16(weight).double().T).float()
+    torch.testing.assert_close(widened(x), exact, rtol=1e-5, atol=1e-5)
+    # The two differ by the activations' rounding, well beyond fp32's summation error.
+    assert (linear(x) - widened(x)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "", "true"])
+def test_a_bad_bf16_dots_setting_is_refused_by_name(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By the setting's reader, and by an engine before it reads any model (one line, exit
+    status 2)."""
+    from dpserve.cli import main
+
+    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, value)
+    with pytest.raises(ValueError, match=weight_format.BF16_DOTS_ENV):
+        weight_format.bf16_dots_setting()
+    assert main([*ENGINE, "--cpu-weights", "bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"dpserve engine: {weight_format.BF16_DOTS_ENV} must be 0 or 1 (got {value!r})"
 
 
 def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:
@@ -235,15 +341,16 @@ def _teacher_forced(path: Path, cpu_weights: str, prompts: list[list[int]]) -> l
 # Bounds on log-prob deviations from fp32 on the tiny model (nats), about twice what was
 # measured: its random weights, 64 columns a row, make int8's rounding large (a row's step is
 # its largest weight / 127, ~1% of a typical weight at 64 columns), and a random model's
-# log-probs of unlikely tokens (~-6 nats) move most. Measured: teacher-forced mean 0.023 bf16,
-# 0.088 int8; greedy up to the first divergence at most 0.05 bf16, 0.17 int8.
-FORCED_MEAN_BOUND = {"bf16": 0.05, "int8": 0.2}
-GREEDY_BOUND = {"bf16": 0.1, "int8": 0.35}
+# log-probs of unlikely tokens (~-6 nats) move most. Measured (every product on the decode
+# kernel): teacher-forced mean 0.016 bf16, 0.020 bf16 with bf16 activations, 0.048 int8; greedy
+# up to the first divergence at most 0.051 bf16, 0.043 bf16 with bf16 activations, 0.17 int8.
+FORCED_MEAN_BOUND = {"bf16": 0.05, "int8": 0.2, "bf16-dots": 0.05}
+GREEDY_BOUND = {"bf16": 0.1, "int8": 0.35, "bf16-dots": 0.1}
 
 
-@pytest.mark.parametrize("name", LOW_FORMATS)
+@pytest.mark.parametrize("name", [*LOW_FORMATS, "bf16-dots"])
 def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
-    tiny_model_path: Path, name: str
+    tiny_model_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy to completion, every request its full length, its first token fp32's; the log-probs
     agree with fp32's within ``GREEDY_BOUND`` up to and including the first token where the two
@@ -251,9 +358,18 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
     distributions have near ties that any rounding flips, after which the two continuations
     differ by construction; at the flip both picked a near-maximal token, so their log-probs
     still agree. Then teacher-forced (prefill steps, fp32's continuations as prompts): the mean
-    deviation of every token's log-prob within ``FORCED_MEAN_BOUND``."""
+    deviation of every token's log-prob within ``FORCED_MEAN_BOUND``. "bf16-dots": bf16 with
+    ``BF16_DOTS_ENV=1``."""
+    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
     fp32 = _generate(tiny_model_path, "fp32")
-    ours = _generate(tiny_model_path, name)
+    prompts = [[3 + request, 17, 40 + 2 * request, *fp32[request][0]] for request in range(6)]
+    forced_fp32 = _teacher_forced(tiny_model_path, "fp32", prompts)
+    if name == "bf16-dots":
+        if not cpu_kernels.available() or not cpu_kernels.supports_bf16_dots():
+            pytest.skip("this CPU lacks AVX-512-BF16 (or the CPU kernels did not build)")
+        monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "1")
+    held = "bf16" if name == "bf16-dots" else name
+    ours = _generate(tiny_model_path, held)
     assert ours.keys() == fp32.keys() == set(range(6))
     for request, (tokens, logprobs) in ours.items():
         wanted_tokens, wanted_logprobs = fp32[request]
@@ -272,9 +388,7 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
             )
         )
         assert deviation < GREEDY_BOUND[name], (request, deviation)
-    prompts = [[3 + request, 17, 40 + 2 * request, *fp32[request][0]] for request in range(6)]
-    forced_fp32 = _teacher_forced(tiny_model_path, "fp32", prompts)
-    forced_ours = _teacher_forced(tiny_model_path, name, prompts)
+    forced_ours = _teacher_forced(tiny_model_path, held, prompts)
     deviations = [
         abs(a - b)
         for ours_lps, fp32_lps in zip(forced_ours, forced_fp32, strict=True)
@@ -285,6 +399,43 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
 
 
 # ------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("name", LOW_FORMATS)
+def test_a_resumed_stream_continues_exactly_on_low_precision_weights(
+    tiny_model_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exact failover holds for the formats as they run by default (fp32 activations): a greedy
+    stream resumed after any of its tokens (the new engine prefills them) continues with the
+    uninterrupted run's tokens. (``BF16_DOTS_ENV=1`` gives this up: weight_format.)"""
+    from dpserve.engine.model_runner import ModelRunner
+    from dpserve.engine.runner import RunnerRequest
+    from dpserve.sampling import SamplingParams
+    from tests.runner_runs import greedy_prompt
+
+    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
+    runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8, cpu_weights=name)
+    runner.eos_token_ids = frozenset()
+    prompt = greedy_prompt(3)
+
+    def run(requests: list[RunnerRequest]) -> dict[int, list[int]]:
+        for each in requests:
+            runner.add(each)
+        tokens: dict[int, list[int]] = {each.request_id: [] for each in requests}
+        while runner.has_work():
+            for update in runner.step():
+                tokens[update.request_id].extend(update.tokens)
+        return tokens
+
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=40)
+    whole = run([RunnerRequest(0, prompt, params)])[0]
+    assert len(whole) == 40
+    points = range(1, 40, 3)
+    resumed = run(
+        [RunnerRequest(1 + at, prompt, params, resume_tokens=whole[:at]) for at in points]
+    )
+    for at in points:
+        assert resumed[1 + at] == whole[at:], at
 
 
 def test_the_formats_are_refused_where_they_cannot_be_honoured() -> None:

@@ -450,15 +450,18 @@ def decode_matmul(
     epilogue: int = EPILOGUE_NONE,
     isa: int = ISA_AUTO,
     scales: torch.Tensor | None = None,
+    bf16_dots: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a few fp32 rows of ``x`` ``[rows, k]``, ``weight``
     ``[n, k]`` contiguous or column-blocked (``decode_weight_copy``), each weight row read once
     for all rows; then ``silu`` of it, or it
     times or plus ``other`` ``[rows, n]`` (``epilogue``). A new fp32 ``[rows, n]`` tensor.
     ``weight`` is fp32, bf16, or int8 with fp32 ``scales`` ``[n]`` (the product is then
-    ``x @ (weight * scales[:, None]).T``, summed in fp32: ``layers.weight_format``)."""
+    ``x @ (weight * scales[:, None]).T``, summed in fp32: ``layers.weight_format``).
+    ``bf16_dots``: a bf16 ``weight`` against ``x`` rounded to bf16, the products summed in fp32
+    (AVX-512-BF16's dot-product instruction: ``supports_bf16_dots``; refused elsewhere)."""
     out: torch.Tensor = torch.ops.dpserve_cpu.decode_matmul(
-        x, weight, bias, other, epilogue, isa, scales
+        x, weight, bias, other, epilogue, isa, scales, bf16_dots
     )
     return out
 
@@ -491,6 +494,22 @@ def huge_page_copy(weight: torch.Tensor) -> torch.Tensor:
 def decode_matmul_supports(isa: int) -> bool:
     """Whether this CPU runs ``decode_matmul``'s instruction path ``isa``."""
     return bool(torch.ops.dpserve_cpu.decode_matmul_supports(isa))
+
+
+def decode_matmul_supports_bf16_dots() -> bool:
+    """Whether this CPU runs ``decode_matmul``'s ``bf16_dots`` (AVX-512-BF16)."""
+    return bool(torch.ops.dpserve_cpu.decode_matmul_supports_bf16_dots())
+
+
+@functools.cache
+def supports_bf16_dots() -> bool:
+    """Whether the engine's ``decode_matmul`` calls take ``bf16_dots`` here: the kernels are
+    loaded, the CPU has AVX-512-BF16 and ``ISA_VARIABLE`` leaves the AVX-512 path to them."""
+    return (
+        available()
+        and engine_isa() in (ISA_AUTO, ISA_AVX512)
+        and decode_matmul_supports_bf16_dots()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,8 +57,11 @@ time on this CPU (AVX-512-BF16) but 3-5x with oneDNN held to AVX2 (``ONEDNN_MAX_
 even where it is fast it rounds the activations and its output to bf16 (torch 2.13 has no bf16
 product with an fp32 result on CPU: ``aten::mm.dtype`` has no CPU kernel): every projection's output
 and the logits to 8 significant bits, a logit of 15 off by up to 0.03, and prefill's numbers unlike
-decode's. So both formats keep fp32 activations and outputs everywhere; the weight's rounding is the
-only approximation."""
+decode's. So both formats keep fp32 activations and outputs; the weight's rounding is the only
+approximation. The one exception is asked for: ``weight_format.BF16_DOTS_ENV=1`` rounds a bf16
+weight's activations to bf16 too, on the kernel of a CPU with AVX-512-BF16 (``bf16_dots``; fp32
+sums and outputs; the trade is in that module's docstring), for every product of the engine,
+prompt chunks and decode steps alike."""
 
 from __future__ import annotations
 
@@ -77,8 +80,10 @@ from torch.nn import functional
 
 from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers.weight_format import (
+    BF16_DOTS_ENV,
     DEFAULT_WEIGHT_FORMAT,
     WeightFormat,
+    bf16_dots_setting,
     dequantize,
     quantize_int8_per_channel,
     to_bf16,
@@ -143,6 +148,22 @@ _PROBE_ROUNDS = 5
 # SmolLM2's 576 or 1536 columns is 1.2-3 MB of fp32, read back from the last-level cache by
 # F.linear (measured as fast as widening the whole weight at once: module docstring).
 _DEQUANT_TILE_ROWS = 512
+
+
+@functools.cache
+def _bf16_dots_here() -> bool:
+    """Whether this process's bf16 linears can take ``BF16_DOTS_ENV``'s bf16 activations (the
+    kernels loaded, AVX-512-BF16, the AVX-512 path); a warning, once, where they cannot: the
+    weights are then widened to fp32 as without it (the engine's facts say which)."""
+    if cpu_kernels.supports_bf16_dots():
+        return True
+    log.warning(
+        "%s=1, but this engine cannot round activations to bf16 (no AVX-512-BF16, the CPU "
+        "kernels not loaded, or %s held to another path): bf16 weights are widened to fp32",
+        BF16_DOTS_ENV,
+        cpu_kernels.ISA_VARIABLE,
+    )
+    return False
 
 
 def _low_precision_kernel_rows() -> int:
@@ -394,6 +415,9 @@ class Linear:
         self.weight_format: WeightFormat = weight_format
         # int8's per-row scales (``weight_format``); None for the other formats.
         self.scales: torch.Tensor | None = None
+        # Whether the decode kernel multiplies a bf16 weight by activations rounded to bf16
+        # (``_hold_low_precision``).
+        self.bf16_dots = False
         self.bias = bias
         if weight_format != DEFAULT_WEIGHT_FORMAT:
             self._hold_low_precision(weight, weight_format)
@@ -452,8 +476,18 @@ class Linear:
         self.one_copy = True
         self.decode_kernel = cpu_kernels.available()
         self.small_rows = _low_precision_kernel_rows() if self.decode_kernel else 0
+        self.bf16_dots = weight_format == "bf16" and bf16_dots_setting() and _bf16_dots_here()
         self.dense = cpu_kernels.decode_weight_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
+
+    @property
+    def arithmetic(self) -> str:
+        """How this linear's products are computed, for an engine's start-up facts."""
+        if self.weight_format == DEFAULT_WEIGHT_FORMAT:
+            return "fp32"
+        if self.bf16_dots:
+            return "bf16 weights x activations rounded to bf16, fp32 sums (AVX-512-BF16)"
+        return f"{self.weight_format} weights widened to fp32, fp32 activations and sums"
 
     @property
     def nbytes(self) -> int:
@@ -486,6 +520,7 @@ class Linear:
             epilogue,
             cpu_kernels.engine_isa(),
             self.scales,
+            self.bf16_dots,
         )
 
     def _onednn(self, x: torch.Tensor, post_op: str) -> torch.Tensor:

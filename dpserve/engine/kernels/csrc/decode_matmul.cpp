@@ -3,7 +3,8 @@
 // bf16 (widened to fp32 in registers by a 16-bit shift) or as int8 with an fp32 scale per output
 // row (w[n, k] ~= q[n, k] * scale[n]: x . q summed in fp32, times scale[n], then the bias and the
 // epilogue; layers/weight_format.py quantizes). Accumulation is fp32 throughout, so a
-// lower-precision weight changes only the bytes streamed: 1/2 or 1/4 of fp32's. Such a product
+// lower-precision weight changes only the bytes streamed: 1/2 or 1/4 of fp32's (bf16_dots,
+// below, rounds x too). Such a product
 // is bound by how fast the weight streams from memory, so the weight is read from memory once
 // for all rows of x:
 // - each weight row is read as one sequential stream, one row at a time, every activation row
@@ -25,6 +26,10 @@
 //   strided, read 11).
 // Threads split the output rows (torch's intra-op pool: the engine's thread count).
 //
+// A bf16 weight can instead meet x rounded to bf16 (`bf16_dots`, on CPUs with AVX-512-BF16): its
+// dot-product instruction takes twice an FMA's products and the weight needs no widening (the
+// AVX-512-BF16 section below).
+//
 // One source, three instruction paths chosen at run time, each for the three weight formats:
 // AVX-512 and AVX2+FMA, each compiled for its own target by function attributes (the file's own
 // target is x86-64-v2, so the AVX2 path holds no AVX-512 instruction whichever CPU built it: it
@@ -43,6 +48,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -90,8 +96,11 @@ constexpr int64_t kCacheLine = 64;
 // apart, x and w at the columns' first; w's elements are of the format's type (float,
 // Bf16Bits or int8_t), `scales` int8's [n] (else null). `accumulate`: add to out (a chunk after
 // the first), else store. `ahead`: prefetch the weight this many bytes past each line (0: none).
+// `x_bf16`: x rounded to bf16 (the bf16 dot-product passes read it instead of x; x_stride is
+// its row stride then), else null.
 struct Problem {
   const float* x;
+  const Bf16Bits* x_bf16;
   int64_t x_stride;
   const void* w;
   int64_t w_stride;
@@ -319,6 +328,153 @@ __attribute__((DPSERVE_AVX512)) void tiles_avx512(const Problem& p, int64_t begi
   if (n < end) dots_avx512<W, R>(p, n, end);
 }
 
+// ------------------------------------------------------------- AVX-512-BF16 dot-product path
+
+// A bf16 weight against activations rounded to bf16 too (decode_matmul's `bf16_dots`), where
+// the CPU has AVX-512-BF16 (Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids): one
+// VDPBF16PS multiplies 32 pairs of bf16 and adds them into 16 fp32 lanes, where an FMA of
+// widened weights takes 16 products and the widening costs a shuffle more. The product of two
+// bf16 is exact in fp32 and the sums stay fp32 (the instruction flushes denormal inputs and
+// results to zero: values under 1e-38, nowhere near an activation's or a weight's scale), so
+// the activation's rounding to bf16 (as the weight's: relative 2^-9 at most) is the one
+// approximation added. The activations are rounded once a call (round_to_bf16), then read as
+// 2 bytes a value.
+#define DPSERVE_AVX512_BF16 target("avx512f,avx512bw,avx512bf16")
+
+// 32 bf16 as VDPBF16PS's operand: loaded whole, or the first `mask`'s elements, zeros beyond.
+__attribute__((DPSERVE_AVX512_BF16)) inline __m512bh load_bf16x32(const Bf16Bits* values) {
+  return (__m512bh)_mm512_loadu_si512(values);
+}
+__attribute__((DPSERVE_AVX512_BF16)) inline __m512bh load_bf16x32(const Bf16Bits* values,
+                                                                   __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, values);
+}
+
+// The first `count` (at most 32) elements set.
+inline __mmask32 first_lanes(int64_t count) {
+  return static_cast<__mmask32>((uint64_t{1} << count) - 1);
+}
+
+// x [rows, k] (rows `stride` floats apart) rounded to bf16, nearest even, into out [rows, k].
+__attribute__((DPSERVE_AVX512_BF16)) void round_to_bf16(const float* x, int64_t stride,
+                                                         int64_t rows, int64_t k,
+                                                         Bf16Bits* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * stride;
+    Bf16Bits* to = out + r * k;
+    for (int64_t c = 0; c < k; c += 32) {
+      const int64_t left = std::min<int64_t>(32, k - c);
+      const __mmask16 low = static_cast<__mmask16>(first_lanes(std::min<int64_t>(16, left)));
+      const __mmask16 high =
+          static_cast<__mmask16>(first_lanes(std::max<int64_t>(0, left - 16)));
+      const __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, in + c + 16),
+                                                   _mm512_maskz_loadu_ps(low, in + c));
+      _mm512_mask_storeu_epi16(to + c, first_lanes(left), (__m512i)rounded);
+    }
+  }
+}
+
+// Weight rows [begin, end) against R bf16 activation rows, 64 columns a step into two
+// accumulators a row (the instruction's latency, as dots_avx2's FMAs'), then 32, then the rest
+// masked.
+template <int R>
+__attribute__((DPSERVE_AVX512_BF16)) void dots_bf16_pairs(const Problem& p, int64_t begin,
+                                                          int64_t end) {
+  const int64_t tail = p.k % 32, body = p.k - tail;
+  for (int64_t n = begin; n < end; ++n) {
+    const Bf16Bits* w = static_cast<const Bf16Bits*>(p.w) + n * p.w_stride;
+    __m512 acc[R], more[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r] = more[r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 64 <= body; c += 64) {
+      prefetch_ahead(w, c, p.ahead);
+      prefetch_ahead(w, c + 32, p.ahead);
+      const __m512bh first = load_bf16x32(w + c), second = load_bf16x32(w + c + 32);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const Bf16Bits* x = p.x_bf16 + r * p.x_stride + c;
+        acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x), first);
+        more[r] = _mm512_dpbf16_ps(more[r], load_bf16x32(x + 32), second);
+      }
+    }
+    if (c < body) {  // one more whole 32
+      prefetch_ahead(w, c, p.ahead);
+      const __m512bh wv = load_bf16x32(w + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(p.x_bf16 + r * p.x_stride + c), wv);
+      }
+    }
+    if (tail != 0) {  // the last K % 32 columns, both operands masked
+      const __mmask32 mask = first_lanes(tail);
+      const __m512bh wv = load_bf16x32(w + body, mask);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = load_bf16x32(p.x_bf16 + r * p.x_stride + body, mask);
+        more[r] = _mm512_dpbf16_ps(more[r], xv, wv);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      put(p, r, n, _mm512_reduce_add_ps(_mm512_add_ps(acc[r], more[r])));
+    }
+  }
+}
+
+// tiles_avx512 with VDPBF16PS: for a group after the first, four weight rows at a time, 32
+// columns a step (8 loads for 16 instructions of 32 products each at R = 4).
+template <int R>
+__attribute__((DPSERVE_AVX512_BF16)) void tiles_bf16_pairs(const Problem& p, int64_t begin,
+                                                           int64_t end) {
+  constexpr int B = kTileWeights512;
+  const int64_t tail = p.k % 32, body = p.k - tail;
+  int64_t n = begin;
+  for (; n + B <= end; n += B) {
+    const Bf16Bits* w[B];
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) w[j] = static_cast<const Bf16Bits*>(p.w) + (n + j) * p.w_stride;
+    __m512 acc[R][B];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) acc[r][j] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < body; c += 32) {
+      __m512bh v[B];
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) {
+        prefetch_ahead(w[j], c, p.ahead);
+        v[j] = load_bf16x32(w[j] + c);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = load_bf16x32(p.x_bf16 + r * p.x_stride + c);
+#pragma GCC unroll 4
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, v[j]);
+      }
+    }
+    if (tail != 0) {  // the last K % 32 columns, both operands masked
+      const __mmask32 mask = first_lanes(tail);
+      __m512bh v[B];
+#pragma GCC unroll 4
+      for (int j = 0; j < B; ++j) v[j] = load_bf16x32(w[j] + body, mask);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv = load_bf16x32(p.x_bf16 + r * p.x_stride + body, mask);
+#pragma GCC unroll 4
+        for (int j = 0; j < B; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, v[j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      put_sums<Bf16Bits>(p, r, n, B,
+                         sum_lanes4_avx512(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    }
+  }
+  if (n < end) dots_bf16_pairs<R>(p, n, end);
+}
+
 // --------------------------------------------------------------------------------- AVX2 path
 
 // Without AVX-512 (the file's own target has none), so this is the code an AVX2-only CPU runs,
@@ -484,7 +640,23 @@ constexpr Path kPortablePath{DPSERVE_TABLE(dots_portable), DPSERVE_TABLE(dots_po
 #if DPSERVE_X86
 constexpr Path kAvx2Path{DPSERVE_TABLE(dots_avx2), DPSERVE_TABLE(tiles_avx2)};
 constexpr Path kAvx512Path{DPSERVE_TABLE(dots_avx512), DPSERVE_TABLE(tiles_avx512)};
+// The bf16 dot-product passes for 1 to kGroup rows: streamed, then cached (as Path's).
+constexpr Dots kBf16PairsStreamed[kGroup] = {&dots_bf16_pairs<1>, &dots_bf16_pairs<2>,
+                                             &dots_bf16_pairs<3>, &dots_bf16_pairs<4>};
+constexpr Dots kBf16PairsCached[kGroup] = {&tiles_bf16_pairs<1>, &tiles_bf16_pairs<2>,
+                                           &tiles_bf16_pairs<3>, &tiles_bf16_pairs<4>};
 #endif
+
+// Whether this CPU runs the bf16 dot-product passes (AVX-512-BF16, with AVX-512BW's masked
+// 16-bit loads).
+bool cpu_has_bf16_dots() {
+#if DPSERVE_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
 
 bool cpu_has(Isa isa) {
 #if DPSERVE_X86
@@ -513,6 +685,15 @@ const Path& path_for(Isa isa) {
   if (isa == kAvx2) return kAvx2Path;
 #endif
   return kPortablePath;
+}
+
+// The pass for a group of `count` activation rows: the first group's (streamed) or a later
+// one's (cached), of `path` for the weight's format, or the bf16 dot-product passes.
+Dots pass_for(const Path& path, Format format, bool bf16_dots, bool first, int64_t count) {
+#if DPSERVE_X86
+  if (bf16_dots) return (first ? kBf16PairsStreamed : kBf16PairsCached)[count - 1];
+#endif
+  return (first ? path.streamed : path.cached)[format][count - 1];
 }
 
 // Bias and epilogue over out[:rows, begin:end), just written (still in cache).
@@ -572,11 +753,13 @@ Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& 
 // x [rows, k] float32 (rows may be strided), weight [n, k] or column-blocked [chunks, n,
 // width] (chunks * width >= k > (chunks - 1) * width, the last chunk's columns past k unread),
 // contiguous (float32, bfloat16, or int8 with float32 scales [n]), bias [n] or none, other
-// [rows, n] (rows may be strided) for kMul / kAdd. Returns [rows, n] float32.
+// [rows, n] (rows may be strided) for kMul / kAdd. `bf16_dots`: a bfloat16 weight against x
+// rounded to bf16, on the AVX-512 path of a CPU with AVX-512-BF16 (refused elsewhere). Returns
+// [rows, n] float32.
 at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& other, int64_t epilogue, int64_t isa,
-                         const std::optional<at::Tensor>& scales) {
+                         const std::optional<at::Tensor>& scales, bool bf16_dots) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_matmul takes float32 activations");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, k] with contiguous rows");
   TORCH_CHECK((weight.dim() == 2 || weight.dim() == 3) && weight.is_contiguous(),
@@ -611,11 +794,30 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
     other_data = other->data_ptr<float>();
     other_stride = other->stride(0);
   }
-  const Path& path = path_for(resolve(isa));
+  const Isa resolved = resolve(isa);
+  const Path& path = path_for(resolved);
+  if (bf16_dots) {
+    TORCH_CHECK(format == kBf16, "bf16 dot products take a bfloat16 weight");
+    TORCH_CHECK(resolved == kAvx512 && cpu_has_bf16_dots(),
+                "bf16 dot products need the AVX-512 path on a CPU with AVX-512-BF16");
+  }
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   const Epilogue kind = static_cast<Epilogue>(epilogue);
   const float* x_data = x.data_ptr<float>();
+  int64_t x_stride = x.stride(0);
+  // x rounded to bf16 for the bf16 dot products, in a buffer this thread keeps (an allocation
+  // a call cost more than the rounding on SmolLM2's small projections).
+  thread_local std::vector<Bf16Bits> rounded;
+  const Bf16Bits* x_bf16 = nullptr;
+#if DPSERVE_X86
+  if (bf16_dots) {
+    rounded.resize(static_cast<size_t>(rows * k));
+    round_to_bf16(x_data, x_stride, rows, k, rounded.data());
+    x_bf16 = rounded.data();
+    x_stride = k;
+  }
+#endif
   const void* w_data = weight.data_ptr();
   const float* scale_data = format == kInt8 ? scales->data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
@@ -638,8 +840,9 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
         for (int64_t first = 0; first < rows; first += kGroup) {
           const int64_t count = std::min(kGroup, rows - first);
           const int64_t ahead = !blocked && count >= kPrefetchFromRows ? ahead_bytes : 0;
-          const Problem group{x_data + first * x.stride(0) + column,
-                              x.stride(0),
+          const Problem group{x_data + first * x_stride + column,
+                              x_bf16 == nullptr ? nullptr : x_bf16 + first * x_stride + column,
+                              x_stride,
                               chunk_data,
                               width,
                               scale_data,
@@ -648,7 +851,7 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                               n,
                               chunk > 0,
                               ahead};
-          (first == 0 ? path.streamed : path.cached)[format][count - 1](group, start, stop);
+          pass_for(path, format, bf16_dots, first == 0, count)(group, start, stop);
         }
       }
     }
@@ -662,13 +865,17 @@ bool decode_matmul_supports(int64_t isa) {
   return isa >= kAuto && isa <= kAvx512 && (isa == kAuto || cpu_has(static_cast<Isa>(isa)));
 }
 
+// Whether decode_matmul takes `bf16_dots` here (the AVX-512 path and AVX-512-BF16).
+bool decode_matmul_supports_bf16_dots() { return cpu_has(kAvx512) && cpu_has_bf16_dots(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dpserve_cpu, m) {
   m.def(
       "decode_matmul(Tensor x, Tensor weight, Tensor? bias, Tensor? other, int epilogue, "
-      "int isa, Tensor? scales=None) -> Tensor");
+      "int isa, Tensor? scales=None, bool bf16_dots=False) -> Tensor");
   m.def("decode_matmul_supports(int isa) -> bool", &decode_matmul_supports);
+  m.def("decode_matmul_supports_bf16_dots() -> bool", &decode_matmul_supports_bf16_dots);
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) { m.impl("decode_matmul", &decode_matmul); }
