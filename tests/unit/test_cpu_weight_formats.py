@@ -49,6 +49,19 @@ def _stored(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     return quantize_int8_per_channel(weight)
 
 
+def _epilogues(
+    biased: torch.Tensor, other: torch.Tensor
+) -> dict[int, tuple[torch.Tensor | None, torch.Tensor]]:
+    """Each of the decode kernel's epilogues: the other operand it takes, and what it should
+    give after a product of ``biased``."""
+    return {
+        cpu_kernels.EPILOGUE_NONE: (None, biased),
+        cpu_kernels.EPILOGUE_SILU: (None, functional.silu(biased)),
+        cpu_kernels.EPILOGUE_MUL: (other, biased * other),
+        cpu_kernels.EPILOGUE_ADD: (other, biased + other),
+    }
+
+
 # ------------------------------------------------------------------------ quantization
 
 
@@ -118,13 +131,7 @@ def test_decode_matmul_of_a_low_precision_weight_equals_torch_on_its_dequantized
     plain = x @ reference.T
     for with_bias in (None, bias):
         biased = plain if with_bias is None else plain + with_bias
-        expected = {
-            cpu_kernels.EPILOGUE_NONE: (None, biased),
-            cpu_kernels.EPILOGUE_SILU: (None, functional.silu(biased)),
-            cpu_kernels.EPILOGUE_MUL: (other, biased * other),
-            cpu_kernels.EPILOGUE_ADD: (other, biased + other),
-        }
-        for epilogue, (with_other, wanted) in expected.items():
+        for epilogue, (with_other, wanted) in _epilogues(biased, other).items():
             out = cpu_kernels.decode_matmul(
                 x, stored, with_bias, with_other, epilogue, isa, scales=scales
             )
@@ -165,13 +172,7 @@ def test_bf16_dot_products_equal_torch_on_activations_rounded_to_bf16(
     plain = (x.bfloat16().double() @ stored.double().T).float()
     for with_bias in (None, bias):
         biased = plain if with_bias is None else plain + with_bias
-        expected = {
-            cpu_kernels.EPILOGUE_NONE: (None, biased),
-            cpu_kernels.EPILOGUE_SILU: (None, functional.silu(biased)),
-            cpu_kernels.EPILOGUE_MUL: (other, biased * other),
-            cpu_kernels.EPILOGUE_ADD: (other, biased + other),
-        }
-        for epilogue, (with_other, wanted) in expected.items():
+        for epilogue, (with_other, wanted) in _epilogues(biased, other).items():
             out = cpu_kernels.decode_matmul(
                 x, weight, with_bias, with_other, epilogue, cpu_kernels.ISA_AVX512, bf16_dots=True
             )
