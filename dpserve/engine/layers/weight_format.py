@@ -10,8 +10,9 @@ kernel, or a library path without it) and keeps no fp32 copy beside them.
 One opt-in trades more: ``BF16_DOTS_ENV=1`` on a CPU with AVX-512-BF16 (Zen 4 and 5, Intel from
 Cooper Lake and Sapphire Rapids) rounds the activations entering each bf16 projection to bf16 as
 well, as llama.cpp's bf16 does, and multiplies them by that instruction set's dot product: twice
-an FMA's products per instruction and no widening (SmolLM2-135M, 2 threads, Zen 4: prompt chunks
-of 64-256 tokens 1.6x faster, decode steps of 2-8 sequences 1.2-1.3x). Its NLL on a fixed text
+an FMA's products per instruction and no widening (SmolLM2-135M's projections, 2 threads, Zen 4:
+prompt chunks of 64-256 tokens 1.6x faster, decode steps of 2-8 sequences 1.1-1.3x; whole decode
+steps 1.06-1.13x, bench/cpu_weights.py). Its NLL on a fixed text
 did not move, but the rounding makes an engine's numbers depend on how a step batches its rows,
 so a stream resumed after a failover can part from the uninterrupted run at a near tie (11 of 80
 greedy resumes on SmolLM2, against 0 of 80 without it): exact failover is what it gives up, and
