@@ -133,7 +133,6 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             small_batch_rows_setting()
-            weight_format.bf16_dots_setting()
             device, dtype = pick_device_and_dtype(engine_device(args.device, rank), args.dtype)
         except ValueError as exc:
             print(f"dpserve engine: {exc}", file=sys.stderr)

@@ -293,16 +293,18 @@ def test_bf16_activations_are_an_opt_in_of_bf16_weights(
 def test_a_bad_bf16_dots_setting_is_refused_by_name(
     value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """By the setting's reader, and by an engine before it reads any model (one line, exit
-    status 2)."""
+    """By the setting's reader, by an engine before it reads any model, and by ``dpserve
+    serve`` before it starts any engine (one line, exit status 2)."""
     from dpserve.cli import main
 
     monkeypatch.setenv(weight_format.BF16_DOTS_ENV, value)
     with pytest.raises(ValueError, match=weight_format.BF16_DOTS_ENV):
         weight_format.bf16_dots_setting()
+    why = f"{weight_format.BF16_DOTS_ENV} must be 0 or 1 (got {value!r})"
     assert main([*ENGINE, "--cpu-weights", "bf16"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == f"dpserve engine: {weight_format.BF16_DOTS_ENV} must be 0 or 1 (got {value!r})"
+    assert capsys.readouterr().err.strip() == f"dpserve engine: {why}"
+    assert main(["serve", "--model", "/no/such/model", "--cpu-weights", "bf16"]) == 2
+    assert capsys.readouterr().err.strip() == f"dpserve serve: {why}"
 
 
 def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:

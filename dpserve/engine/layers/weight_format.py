@@ -182,8 +182,13 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def flag_error(args: argparse.Namespace) -> str | None:
-    """Why ``--cpu-weights`` cannot hold with the other flags (an engine checks its device and
-    dtype itself, once it knows them); None when it can."""
+    """Why ``--cpu-weights`` cannot hold with the other flags, or ``BF16_DOTS_ENV`` holds no
+    setting (``dpserve serve`` asks before it starts any engine, each engine again; an engine
+    checks its device and dtype itself, once it knows them); None when they can."""
+    try:
+        bf16_dots_setting()
+    except ValueError as exc:
+        return str(exc)
     if args.cpu_weights != DEFAULT_WEIGHT_FORMAT and args.fake:
         return f"{FLAG} needs a model (not --fake)"
     return refusal(args.cpu_weights, backend=args.backend)
