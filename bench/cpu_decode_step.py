@@ -11,7 +11,7 @@ oneDNN.
 SmolLM2's (its tokenizer, 49,152 tokens), so that the layers, not the vocabulary projection,
 dominate. ``--model`` times that model instead (``smollm2-135m-instruct``: the embedded one).
 The model is written once to a temporary directory and loaded by a ``ModelRunner`` per way, with
-``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (``cpu_kernels.DECODE_MATMUL_MAX_ROWS``, or 0 for oneDNN)
+``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (``cpu_settings.DECODE_MATMUL_MAX_ROWS``, or 0 for oneDNN)
 so that no start-up probe decides; the row-major way raises ``cpu_kernels.BLOCK_FROM_COLUMNS``
 out of reach before loading.
 For each row count, ``rows`` greedy requests of 32 prompt tokens decode together (EOS ignored);
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.decode_matmul import _cpu_name
-from dpserve.engine.kernels import cpu_kernels
-from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV
+from dpserve.engine.kernels import cpu_kernels, cpu_settings
+from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.model_loading import DEFAULT_MODEL, resolve_model
@@ -55,8 +55,8 @@ class Shape:
 SHAPES = {"1b": Shape(2048, 8192, 32, 8), "8b": Shape(4096, 14336, 32, 8)}
 # name -> (small-batch rows, column-blocked)
 WAYS = {
-    "kernel, blocked (default)": (cpu_kernels.DECODE_MATMUL_MAX_ROWS, True),
-    "kernel, row-major": (cpu_kernels.DECODE_MATMUL_MAX_ROWS, False),
+    "kernel, blocked (default)": (cpu_settings.DECODE_MATMUL_MAX_ROWS, True),
+    "kernel, row-major": (cpu_settings.DECODE_MATMUL_MAX_ROWS, False),
     "oneDNN": (0, False),
 }
 PROMPT_TOKENS = 32

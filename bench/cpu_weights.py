@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpserve.engine.layers.weight_format import BF16_DOTS_ENV, WEIGHT_FORMATS
+from dpserve.engine.kernels.cpu_settings import BF16_DOTS_ENV
+from dpserve.engine.layers.weight_format import WEIGHT_FORMATS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.model_loading import resolve_model

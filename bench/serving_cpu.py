@@ -65,7 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = Path.home() / ".cache" / "dpserve" / "models" / "smollm2-135m-instruct"
 DEFAULT_PEERS = Path.home() / ".cache" / "dpserve" / "peers"
-# ``--avx2-only``: dpserve's decode kernel and glue (cpu_kernels.ISA_VARIABLE), torch's own
+# ``--avx2-only``: dpserve's decode kernel and glue (cpu_settings.ISA_ENV), torch's own
 # kernels and oneDNN's, each held to AVX2.
 AVX2_ONLY_ENV = {
     "DPSERVE_CPU_ISA": "avx2",

@@ -128,11 +128,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not args.fake and args.backend == "dpserve":
         # Before the model loads: a bad setting should not cost a load to find.
-        from dpserve.engine.layers.linear import small_batch_rows_setting
         from dpserve.model_loading import pick_device_and_dtype
 
         try:
-            small_batch_rows_setting()
             device, dtype = pick_device_and_dtype(engine_device(args.device, rank), args.dtype)
         except ValueError as exc:
             print(f"dpserve engine: {exc}", file=sys.stderr)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.kernels import cpu_kernels, cpu_settings
 from dpserve.engine.layers.attention import paged_decode_attention_reference
 from dpserve.engine.layers.rotary import rotate_in_place
 from dpserve.engine.layers.weight_format import quantize_int8_per_channel, to_bf16
@@ -285,15 +285,15 @@ def test_the_environment_names_the_engine_s_instruction_path(
 ) -> None:
     """``DPSERVE_CPU_ISA`` (``bench/serving_cpu.py --avx2-only``): the layers' decode path, and
     the glue built for x86-64-v3 (a build of its own), as on an AVX2-only CPU."""
-    engine_isa = cpu_kernels.engine_isa.__wrapped__  # type: ignore[attr-defined]
+    engine_isa = cpu_settings.isa_setting.__wrapped__
     assert engine_isa() == cpu_kernels.ISA_AUTO
-    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "avx2")
+    monkeypatch.setenv(cpu_settings.ISA_ENV, "avx2")
     assert engine_isa() == cpu_kernels.ISA_AVX2
     assert cpu_kernels.build_key("g++", (cpu_kernels.PORTABLE_ARCH,)) != cpu_kernels.build_key(
         "g++"
     )
-    monkeypatch.setenv(cpu_kernels.ISA_VARIABLE, "sse9")
-    with pytest.raises(ValueError, match="DPSERVE_CPU_ISA='sse9': one of auto, portable"):
+    monkeypatch.setenv(cpu_settings.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="DPSERVE_CPU_ISA must be one of auto, portable"):
         engine_isa()
 
 
@@ -511,7 +511,8 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
     oneDNN's (the kernel's dot products are the nearer to float64's, ~4e-8 relative against
     ~1.5e-7). ``wide``: a model whose MLP rows have 2,048 columns, which the kernel holds
     column-blocked."""
-    from dpserve.engine.layers.linear import SMALL_BATCH_ROWS_ENV, uses_onednn
+    from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
+    from dpserve.engine.layers.linear import uses_onednn
     from dpserve.engine.model_runner import ModelRunner
     from tests.runner_runs import greedy_requests
     from tests.tiny_model import build_tiny_model
@@ -530,7 +531,7 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
             assert down.dense is not None and down.dense.dim() == (3 if wide else 2)
         return greedy_requests(runner, requests)
 
-    ours, onednn = generate(cpu_kernels.DECODE_MATMUL_MAX_ROWS), generate(0)
+    ours, onednn = generate(cpu_settings.DECODE_MATMUL_MAX_ROWS), generate(0)
     assert ours.keys() == onednn.keys() == set(range(requests))
     for request, (tokens, logprobs) in ours.items():
         assert tokens == onednn[request][0] and len(tokens) == 4 + 5 * request

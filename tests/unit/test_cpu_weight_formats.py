@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels
-from dpserve.engine.layers import linear as linear_module
+from dpserve.engine.kernels import cpu_kernels, cpu_settings
 from dpserve.engine.layers import weight_format
 from dpserve.engine.layers.linear import Linear
 from dpserve.engine.layers.weight_format import (
@@ -232,11 +231,11 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
     ``DPSERVE_CPU_SMALL_BATCH_ROWS`` bounds it) and on the library path past that bound or
     without the kernel (more output rows than a dequantization tile); only the low-precision
     copy is kept."""
-    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
+    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
     if kernel_rows is None:
-        monkeypatch.delenv(linear_module.SMALL_BATCH_ROWS_ENV, raising=False)
+        monkeypatch.delenv(cpu_settings.SMALL_BATCH_ROWS_ENV, raising=False)
     else:
-        monkeypatch.setenv(linear_module.SMALL_BATCH_ROWS_ENV, kernel_rows)
+        monkeypatch.setenv(cpu_settings.SMALL_BATCH_ROWS_ENV, kernel_rows)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(1100, 97, generator=generator)
     bias = torch.randn(1100, generator=generator) if with_bias else None
@@ -269,42 +268,24 @@ def test_bf16_activations_are_an_opt_in_of_bf16_weights(
     """``DPSERVE_CPU_BF16_DOTS=1``: a bf16 linear rounds its activations to bf16 for every
     product (decode steps and prompt chunks: the same arithmetic), fp32 sums and outputs; an
     int8 or fp32 linear is unchanged by it; unset, a bf16 linear keeps fp32 activations."""
-    monkeypatch.delenv(linear_module.SMALL_BATCH_ROWS_ENV, raising=False)
+    monkeypatch.delenv(cpu_settings.SMALL_BATCH_ROWS_ENV, raising=False)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 576, generator=generator)
     x = torch.randn(rows, 576, generator=generator)
     rounded = (x.bfloat16().double() @ to_bf16(weight).double().T).float()
-    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "1")
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "1")
     linear = Linear(weight, None, "bf16")
     assert linear.bf16_dots and "rounded to bf16" in linear.arithmetic
     torch.testing.assert_close(linear(x), rounded, rtol=1e-5, atol=1e-5)
     assert not Linear(weight, None, "int8").bf16_dots
     assert not Linear(weight).bf16_dots
-    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "0")
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "0")
     widened = Linear(weight, None, "bf16")
     assert not widened.bf16_dots and "fp32 activations" in widened.arithmetic
     exact = (x.double() @ to_bf16(weight).double().T).float()
     torch.testing.assert_close(widened(x), exact, rtol=1e-5, atol=1e-5)
     # The two differ by the activations' rounding, well beyond fp32's summation error.
     assert (linear(x) - widened(x)).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("value", ["2", "yes", "", "true"])
-def test_a_bad_bf16_dots_setting_is_refused_by_name(
-    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """By the setting's reader, by an engine before it reads any model, and by ``dpserve
-    serve`` before it starts any engine (one line, exit status 2)."""
-    from dpserve.cli import main
-
-    monkeypatch.setenv(weight_format.BF16_DOTS_ENV, value)
-    with pytest.raises(ValueError, match=weight_format.BF16_DOTS_ENV):
-        weight_format.bf16_dots_setting()
-    why = f"{weight_format.BF16_DOTS_ENV} must be 0 or 1 (got {value!r})"
-    assert main([*ENGINE, "--cpu-weights", "bf16"]) == 2
-    assert capsys.readouterr().err.strip() == f"dpserve engine: {why}"
-    assert main(["serve", "--model", "/no/such/model", "--cpu-weights", "bf16"]) == 2
-    assert capsys.readouterr().err.strip() == f"dpserve serve: {why}"
 
 
 def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:
@@ -363,14 +344,14 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
     still agree. Then teacher-forced (prefill steps, fp32's continuations as prompts): the mean
     deviation of every token's log-prob within ``FORCED_MEAN_BOUND``. "bf16-dots": bf16 with
     ``BF16_DOTS_ENV=1``."""
-    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
+    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
     fp32 = _generate(tiny_model_path, "fp32")
     prompts = [[3 + request, 17, 40 + 2 * request, *fp32[request][0]] for request in range(6)]
     forced_fp32 = _teacher_forced(tiny_model_path, "fp32", prompts)
     if name == "bf16-dots":
         if not cpu_kernels.available() or not cpu_kernels.supports_bf16_dots():
             pytest.skip("this CPU lacks AVX-512-BF16 (or the CPU kernels did not build)")
-        monkeypatch.setenv(weight_format.BF16_DOTS_ENV, "1")
+        monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "1")
     held = "bf16" if name == "bf16-dots" else name
     ours = _generate(tiny_model_path, held)
     assert ours.keys() == fp32.keys() == set(range(6))
@@ -416,7 +397,7 @@ def test_a_resumed_stream_continues_exactly_on_low_precision_weights(
     from dpserve.sampling import SamplingParams
     from tests.runner_runs import greedy_prompt
 
-    monkeypatch.delenv(weight_format.BF16_DOTS_ENV, raising=False)
+    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
     runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8, cpu_weights=name)
     runner.eos_token_ids = frozenset()
     prompt = greedy_prompt(3)

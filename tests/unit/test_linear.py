@@ -11,10 +11,10 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.kernels import cpu_kernels
+from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.layers import linear as linear_module
 from dpserve.engine.layers.linear import (
     SMALL_BATCH_MAX_ROWS,
-    SMALL_BATCH_ROWS_ENV,
     Linear,
     small_batch_rows,
     uses_onednn,
@@ -234,20 +234,6 @@ def test_under_a_memory_limit_the_kernel_s_copy_is_the_only_one(
         assert not both.one_copy and both.small_rows == 2 and both.weight.is_mkldnn
     finally:
         linear_module._under_memory_limit.cache_clear()
-
-
-def test_an_engine_refuses_a_bad_small_batch_setting_before_loading(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from dpserve.cli import main
-
-    monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(SMALL_BATCH_MAX_ROWS + 1))
-    code = main(["engine", "--model", "/no/such/model", "--coordinator", "tcp://127.0.0.1:1"])
-    assert code == 2
-    assert (
-        f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {SMALL_BATCH_MAX_ROWS}"
-        in capsys.readouterr().err
-    )
 
 
 @needs_onednn

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS, SMALL_BATCH_ROWS_ENV
+from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged import backend as paged_backend
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate

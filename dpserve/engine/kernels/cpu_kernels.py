@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from dpserve.engine.kernels import cpu_settings
 from dpserve.model_loading import cache_dir
 
 log = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ def build() -> Path:
     """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
     the compiler's message when it cannot be built."""
     compiler = _required_compiler()
-    # What an AVX2-only CPU builds, when the engine is told to run its AVX2 path (ISA_VARIABLE).
+    # What an AVX2-only CPU builds, when the engine is told to run its AVX2 path
+    # (cpu_settings.ISA_ENV).
     arch = (PORTABLE_ARCH,) if engine_isa() == ISA_AVX2 else None
     directory = cache_dir() / "cpu-kernels" / build_key(compiler, arch)
     library = directory / "dpserve_cpu_kernels.so"
@@ -374,32 +376,16 @@ def lora_delta(
 # What ``decode_matmul`` does after the product (csrc/decode_matmul.cpp's Epilogue).
 EPILOGUE_NONE, EPILOGUE_SILU, EPILOGUE_MUL, EPILOGUE_ADD = range(4)
 # Which instruction path computes it (csrc/decode_matmul.cpp's Isa): the fastest this CPU
-# runs, or one named (for the tests and the bench; refused where the CPU lacks it).
-ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(4)
-ISA_NAMES = {ISA_AUTO: "auto", ISA_PORTABLE: "portable", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
-# The path the engine's layers ask for: "auto" unless ``DPSERVE_CPU_ISA`` names another, so that
-# an AVX-512 machine can run (and time) what an AVX2-only CPU runs (``bench/serving_cpu.py
-# --avx2-only``).
-ISA_VARIABLE = "DPSERVE_CPU_ISA"
+# runs, or one named (for the tests and the bench; refused where the CPU lacks it), in the order
+# of ``cpu_settings.ISA_CHOICES``.
+ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(len(cpu_settings.ISA_CHOICES))
+ISA_NAMES = dict(enumerate(cpu_settings.ISA_CHOICES))
 
 
-@functools.cache
 def engine_isa() -> int:
-    """The instruction path the engine's layers use (``ISA_VARIABLE``; refused by name where
-    unknown)."""
-    wanted = os.environ.get(ISA_VARIABLE, "auto")
-    for isa, name in ISA_NAMES.items():
-        if name == wanted:
-            return isa
-    raise ValueError(f"{ISA_VARIABLE}={wanted!r}: one of {', '.join(ISA_NAMES.values())}")
-
-
-# The most activation rows ``decode_matmul`` is meant for (the engine's probe measures it against
-# oneDNN up to here, ``layers.linear.small_batch_rows``): it takes any number, the weight read
-# from memory once (groups of 4 rows after the first re-read it from L2, register-blocked),
-# but at 24 rows oneDNN's blocked kernels were as fast (Zen 4 held to AVX2, 2 threads,
-# SmolLM2-135M's projections: 49 ms a step against oneDNN's 52; 16 rows 33 against 43; issue 33).
-DECODE_MATMUL_MAX_ROWS = 16
+    """The instruction path the engine's layers use (``cpu_settings.ISA_ENV``; refused by name
+    where unknown)."""
+    return cpu_settings.isa_setting()
 
 
 # Rows of at least this many columns are held column-blocked for ``decode_matmul``, in chunks
@@ -504,7 +490,8 @@ def decode_matmul_supports_bf16_dots() -> bool:
 @functools.cache
 def supports_bf16_dots() -> bool:
     """Whether the engine's ``decode_matmul`` calls take ``bf16_dots`` here: the kernels are
-    loaded, the CPU has AVX-512-BF16 and ``ISA_VARIABLE`` leaves the AVX-512 path to them."""
+    loaded, the CPU has AVX-512-BF16 and ``cpu_settings.ISA_ENV`` leaves the AVX-512 path to
+    them."""
     return (
         available()
         and engine_isa() in (ISA_AUTO, ISA_AVX512)

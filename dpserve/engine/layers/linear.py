@@ -78,12 +78,16 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels
-from dpserve.engine.layers.weight_format import (
+from dpserve.engine.kernels import cpu_kernels, cpu_settings
+from dpserve.engine.kernels.cpu_settings import (
     BF16_DOTS_ENV,
+    SMALL_BATCH_ROWS_ENV,
+    bf16_dots_setting,
+    small_batch_rows_setting,
+)
+from dpserve.engine.layers.weight_format import (
     DEFAULT_WEIGHT_FORMAT,
     WeightFormat,
-    bf16_dots_setting,
     dequantize,
     quantize_int8_per_channel,
     to_bf16,
@@ -101,10 +105,9 @@ _MKLDNN_DTYPES = frozenset({torch.float32, torch.bfloat16})
 # batches are padded up to it (``paged.batch.pad_decodes``).
 ONEDNN_MIN_ROWS = 4
 
-SMALL_BATCH_ROWS_ENV = "DPSERVE_CPU_SMALL_BATCH_ROWS"
 # The most rows the small-batch path is measured for and may take: the decode kernel's one
 # pass over the weight (beyond it oneDNN's kernels stream the weight as fast; issue 33).
-SMALL_BATCH_MAX_ROWS = cpu_kernels.DECODE_MATMUL_MAX_ROWS
+SMALL_BATCH_MAX_ROWS = cpu_settings.DECODE_MATMUL_MAX_ROWS
 # The probe: copies of the model's own projection shapes (one decoder layer's, in turn; a weight
 # of another shape where none are given), together far larger than a server's last-level cache,
 # so that they come from memory as a decode step's weights do. The shapes decide the result: on
@@ -161,7 +164,7 @@ def _bf16_dots_here() -> bool:
         "%s=1, but this engine cannot round activations to bf16 (no AVX-512-BF16, the CPU "
         "kernels not loaded, or %s held to another path): bf16 weights are widened to fp32",
         BF16_DOTS_ENV,
-        cpu_kernels.ISA_VARIABLE,
+        cpu_settings.ISA_ENV,
     )
     return False
 
@@ -229,21 +232,6 @@ def probe_shapes(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
         (max(1, min(rows_out, _PROBE_MAX_WEIGHT_BYTES // (rows_in * 4))), rows_in)
         for rows_out, rows_in in shapes
     )
-
-
-def small_batch_rows_setting() -> int | None:
-    """``SMALL_BATCH_ROWS_ENV`` as a row count, None where it is not set; ValueError, naming it,
-    for anything but 0 to ``SMALL_BATCH_MAX_ROWS`` (an engine checks it before loading a
-    model)."""
-    value = os.environ.get(SMALL_BATCH_ROWS_ENV)
-    if value is None:
-        return None
-    if not value.strip().isdigit() or int(value) > SMALL_BATCH_MAX_ROWS:
-        raise ValueError(
-            f"{SMALL_BATCH_ROWS_ENV} must be a whole number from 0 to {SMALL_BATCH_MAX_ROWS} "
-            f"(got {value!r})"
-        )
-    return int(value)
 
 
 def keeps_one_copy(weight: torch.Tensor) -> bool:

@@ -7,16 +7,16 @@ attention and the embedding stay fp32, so the only approximation is the weight's
 pure functions here make the low-precision copies; ``linear.Linear`` runs them (the C++ decode
 kernel, or a library path without it) and keeps no fp32 copy beside them.
 
-One opt-in trades more: ``BF16_DOTS_ENV=1`` on a CPU with AVX-512-BF16 (Zen 4 and 5, Intel from
-Cooper Lake and Sapphire Rapids) rounds the activations entering each bf16 projection to bf16 as
-well, as llama.cpp's bf16 does, and multiplies them by that instruction set's dot product: twice
-an FMA's products per instruction and no widening (SmolLM2-135M's projections, 2 threads, Zen 4:
-prompt chunks of 64-256 tokens 1.6x faster, decode steps of 2-8 sequences 1.1-1.3x; whole decode
-steps 1.06-1.13x, bench/cpu_weights.py). Its NLL on a fixed text
-did not move, but the rounding makes an engine's numbers depend on how a step batches its rows,
-so a stream resumed after a failover can part from the uninterrupted run at a near tie (11 of 80
-greedy resumes on SmolLM2, against 0 of 80 without it): exact failover is what it gives up, and
-why it is not the default.
+One opt-in trades more: ``DPSERVE_CPU_BF16_DOTS=1`` (``cpu_settings``) on a CPU with
+AVX-512-BF16 (Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids) rounds the activations
+entering each bf16 projection to bf16 as well, as llama.cpp's bf16 does, and multiplies them by
+that instruction set's dot product: twice an FMA's products per instruction and no widening
+(SmolLM2-135M's projections, 2 threads, Zen 4: prompt chunks of 64-256 tokens 1.6x faster,
+decode steps of 2-8 sequences 1.1-1.3x; whole decode steps 1.06-1.13x, bench/cpu_weights.py).
+Its NLL on a fixed text did not move, but the rounding makes an engine's numbers depend on how
+a step batches its rows, so a stream resumed after a failover can part from the uninterrupted
+run at a near tie (11 of 80 greedy resumes on SmolLM2, against 0 of 80 without it): exact
+failover is what it gives up, and why it is not the default.
 
 - bf16: the fp32 weight rounded to nearest even (8 significant bits, 7 stored): a relative error
   of at most 2**-8 per element.
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING, Final, Literal
+
+from dpserve.engine.kernels import cpu_settings
 
 if TYPE_CHECKING:
     import torch
@@ -48,22 +50,6 @@ ELEMENT_BYTES: Final[dict[WeightFormat, int]] = {"fp32": 4, "bf16": 2, "int8": 1
 
 class WeightFormatRefused(ValueError):
     """A lower-precision weight format asked for where it cannot be honoured (one line)."""
-
-
-# The opt-in above: "1" rounds bf16 projections' activations to bf16 where the CPU can multiply
-# them so ("0" or unset: never).
-BF16_DOTS_ENV = "DPSERVE_CPU_BF16_DOTS"
-
-
-def bf16_dots_setting() -> bool:
-    """Whether ``BF16_DOTS_ENV`` asks for bf16 activations; ValueError, naming it, for anything
-    but 0 or 1 (an engine checks it before loading a model)."""
-    import os
-
-    value = os.environ.get(BF16_DOTS_ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{BF16_DOTS_ENV} must be 0 or 1 (got {value!r})")
-    return value == "1"
 
 
 def parse(name: str) -> WeightFormat | None:
@@ -175,20 +161,21 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_WEIGHT_FORMAT,
         help="how a CPU engine holds its projection weights: fp32 as loaded, bf16, or int8 with "
         "a scale per output row; decode steps stream a half or a quarter of the bytes, at a "
-        f"small quality cost (bench/cpu_weights.py; {BF16_DOTS_ENV}=1 also rounds bf16's "
-        "activations, on CPUs with AVX-512-BF16, faster but without exact failover). dpserve's "
+        "small quality cost (bench/cpu_weights.py; "
+        f"{cpu_settings.BF16_DOTS_ENV}=1 also rounds bf16's activations, on CPUs with "
+        "AVX-512-BF16, faster but without exact failover). dpserve's "
         "own engine, on CPU, with a float32 model only (default: %(default)s)",
     )
 
 
 def flag_error(args: argparse.Namespace) -> str | None:
-    """Why ``--cpu-weights`` cannot hold with the other flags, or ``BF16_DOTS_ENV`` holds no
-    setting (``dpserve serve`` asks before it starts any engine, each engine again; an engine
-    checks its device and dtype itself, once it knows them); None when they can."""
-    try:
-        bf16_dots_setting()
-    except ValueError as exc:
-        return str(exc)
+    """Why ``--cpu-weights`` cannot hold with the other flags, or the CPU engine's environment
+    holds a setting it does not take (``cpu_settings.error``; ``dpserve serve`` asks before it
+    starts any engine, each engine again; an engine checks its device and dtype itself, once it
+    knows them); None when they can."""
+    settings_error = cpu_settings.error()
+    if settings_error is not None:
+        return settings_error
     if args.cpu_weights != DEFAULT_WEIGHT_FORMAT and args.fake:
         return f"{FLAG} needs a model (not --fake)"
     return refusal(args.cpu_weights, backend=args.backend)
