@@ -6,6 +6,7 @@ build cache is keyed and switched off."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -585,3 +586,33 @@ def test_a_huge_page_copy_holds_the_weight_on_its_own(shape: tuple[int, int]) ->
     large = copy.numel() * 4 >= cpu_kernels.HUGE_PAGE_BYTES
     if large and hasattr(cpu_kernels.mmap, "MADV_HUGEPAGE"):
         assert copy.data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0
+
+
+@pytest.mark.skipif(
+    not hasattr(cpu_kernels.mmap, "MADV_HUGEPAGE"), reason="no madvise(MADV_HUGEPAGE) here"
+)
+def test_weights_under_a_huge_page_lie_side_by_side_in_memory_advised_into_huge_pages() -> None:
+    """Each alone would sit in 4 KB pages: they share regions, one after another from cache-line
+    boundaries, and the kernel holds those regions under the huge-page advice (smaps' ``hg``)."""
+    weights = [torch.randn(rows, 576) for rows in (300, 299, 1, 600)]
+    copies = [cpu_kernels.huge_page_copy(weight) for weight in weights]
+    for weight, copy in zip(weights, copies, strict=True):
+        assert torch.equal(copy, weight) and copy.data_ptr() % 64 == 0
+    for before, after in itertools.pairwise(copies):
+        following = before.data_ptr() + -(-before.numel() * 4 // 64) * 64
+        # the next weight follows, or opens the next region (on a huge page's boundary)
+        assert after.data_ptr() == following or after.data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0
+    assert all(_advised_into_huge_pages(copy.data_ptr()) for copy in copies)
+
+
+def _advised_into_huge_pages(address: int) -> bool:
+    """Whether the mapping holding ``address`` has madvise(MADV_HUGEPAGE) (smaps' ``hg``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(end, 16) for end in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    return False

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -456,25 +457,65 @@ def decode_matmul(
 HUGE_PAGE_BYTES = 2 << 20
 
 
+# Weights under a huge page share regions of this many bytes, each from a cache line's boundary:
+# a region of its own would hold such a weight in 4 KB pages (the part of a region that is not
+# a whole, aligned 2 MB gets no huge page), and every projection of a bf16 or int8 SmolLM2-135M
+# is under 2 MB. Its decode step of one sequence streamed its bf16 projections at 33 GB/s apart
+# and 45 shared (1536x576, 2 threads, Zen 4; issue 33).
+SHARED_REGION_BYTES = 32 << 20
+_SHARED_ALIGNMENT = 64
+
+
 def huge_page_copy(weight: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``weight`` in memory the kernel is asked to back with 2 MB pages
     (``madvise(MADV_HUGEPAGE)``, which transparent huge pages honour in their default
     ``madvise`` mode), for ``decode_matmul`` to stream: with 4 KB pages a weight streamed from
     memory misses the TLB every 64 cache lines, and a SmolLM2-135M decode step of one sequence
-    took ~33 CPU ms against ~27 (Zen 4, one thread, issue 33). A plain contiguous copy where the
-    platform has no such advice or the weight is under one page."""
+    took ~33 CPU ms against ~27 (Zen 4, one thread, issue 33). A weight of at least a huge page
+    gets a region of its own, starting on a page; smaller ones share regions
+    (``SHARED_REGION_BYTES``), each region freed once no weight in it is alive and no more are
+    placed in it. A plain contiguous copy where the platform has no such advice."""
     nbytes = weight.numel() * weight.element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < HUGE_PAGE_BYTES:
+    if getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return weight.contiguous().clone()
-    # Over-allocated by a page so that the weight can start on a 2 MB boundary.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(advice)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` as long as it lives
-    start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    out = raw[start : start + nbytes].view(weight.dtype).view(weight.shape)
+    raw = _huge_page_region(nbytes) if nbytes >= HUGE_PAGE_BYTES else _SHARED.take(nbytes)
+    out = raw.view(weight.dtype).view(weight.shape)
     out.copy_(weight)
     return out
+
+
+def _huge_page_region(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of anonymous memory advised into huge pages, from a 2 MB boundary, as uint8
+    (the tensor holds the mapping as long as it or a view of it lives)."""
+    # Over-allocated by a page so that the bytes can start on a 2 MB boundary.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[start : start + nbytes]
+
+
+class _SharedRegions:
+    """Slices of ``SHARED_REGION_BYTES`` regions for weights under a huge page, handed out in
+    turn; the next region is mapped when one is full. Its pages are committed as weights are
+    written, so the unused end of the region in use costs no memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._region: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (at most ``SHARED_REGION_BYTES``) of a region, from a cache line."""
+        with self._lock:
+            start = self._used + -self._used % _SHARED_ALIGNMENT
+            if self._region is None or start + nbytes > SHARED_REGION_BYTES:
+                self._region, start = _huge_page_region(SHARED_REGION_BYTES), 0
+            self._used = start + nbytes
+            return self._region[start : start + nbytes]
+
+
+_SHARED = _SharedRegions()
 
 
 def decode_matmul_supports(isa: int) -> bool:
