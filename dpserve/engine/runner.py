@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dpserve.protocol import ErrorCode
 from dpserve.sampling import SamplingParams
 
 
@@ -33,6 +34,28 @@ class RunnerRequest:
     # Tokens another engine already generated (re-dispatch after that engine died):
     # generation continues after them, and they count towards num_tokens_to_generate.
     resume_tokens: list[int] = field(default_factory=list)
+
+
+def check_tokens_fit(request: RunnerRequest, context_size: int, vocab_size: int) -> None:
+    """``RequestRejected`` unless ``request``'s prompt is not empty, its prompt and resumed
+    tokens leave room for a new token in a context of ``context_size``, and every token id is
+    one of the model's ``vocab_size`` (a model runner's first check, whatever its engine)."""
+    prompt_length = len(request.prompt_tokens)
+    if prompt_length == 0:
+        raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
+    if prompt_length + len(request.resume_tokens) >= context_size:
+        resumed = f" + {len(request.resume_tokens)} resumed tokens" if request.resume_tokens else ""
+        raise RequestRejected(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt of {prompt_length} tokens{resumed} leaves no room for a new token in "
+            f"this engine's context of {context_size} tokens (at most {context_size - 1} prompt "
+            "tokens)",
+        )
+    all_tokens = request.prompt_tokens + request.resume_tokens
+    if min(all_tokens) < 0 or max(all_tokens) >= vocab_size:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST, f"token ids must be in [0, {vocab_size}) for this model"
+        )
 
 
 @dataclass(slots=True)

@@ -58,6 +58,8 @@ CSRC = Path(__file__).with_name("csrc")
 GLUE_SOURCE = CSRC / "cpu_kernels.cpp"
 MATMUL_SOURCE = CSRC / "decode_matmul.cpp"
 SOURCES = (GLUE_SOURCE, MATMUL_SOURCE)
+# What both include (from their own directory); part of the build's key as the sources are.
+HEADERS = (CSRC / "exp_nonpositive.h",)
 DISABLE_VARIABLE = "DPSERVE_CPU_KERNELS"
 PREBUILT_VARIABLE = "DPSERVE_CPU_KERNELS_PREBUILT"
 # A portable build's target, and the /proc/cpuinfo flags a CPU needs to run it.
@@ -165,7 +167,7 @@ def compile_commands(
 def build_key(compiler: str, arch: tuple[str, ...] | None = None) -> str:
     digest = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         *(
             " ".join(command).encode()
             for command in compile_commands(compiler, Path("out.so"), arch)

@@ -38,7 +38,7 @@ from dpserve.engine.lora.serving import (
     AdapterReport,
     unknown_adapter,
 )
-from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate, check_tokens_fit
 from dpserve.engine.sample.constraint_compiler import ConstraintCompiler
 from dpserve.engine.sample.grammar import Grammars, GrammarUnavailable
 from dpserve.engine.sequences import Sequence
@@ -268,25 +268,7 @@ class VllmRunner:
         return updates
 
     def _validate(self, request: RunnerRequest) -> None:
-        prompt_length = len(request.prompt_tokens)
-        if prompt_length == 0:
-            raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
-        context_length = prompt_length + len(request.resume_tokens)
-        if context_length >= self.context_size:
-            resumed = (
-                f" + {len(request.resume_tokens)} resumed tokens" if request.resume_tokens else ""
-            )
-            raise RequestRejected(
-                ErrorCode.PROMPT_TOO_LONG,
-                f"prompt of {prompt_length} tokens{resumed} leaves no room for a new token in "
-                f"this engine's context of {self.context_size} tokens (at most "
-                f"{self.context_size - 1} prompt tokens)",
-            )
-        all_tokens = request.prompt_tokens + request.resume_tokens
-        if min(all_tokens) < 0 or max(all_tokens) >= self.vocab_size:
-            raise RequestRejected(
-                ErrorCode.BAD_REQUEST, f"token ids must be in [0, {self.vocab_size}) for this model"
-            )
+        check_tokens_fit(request, self.context_size, self.vocab_size)
         params = request.params
         if params.lora_name is not None:
             self._check_adapter(params.lora_name)

@@ -50,6 +50,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "exp_nonpositive.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define DPSERVE_X86 1
@@ -155,22 +157,6 @@ inline void prefetch_ahead(const W* w, int64_t c, int64_t ahead) {
     _mm_prefetch(reinterpret_cast<const char*>(w + c) + ahead, _MM_HINT_T1);
   }
 #endif
-}
-
-// exp(x) for x <= 0 (Cephes' expf, as in cpu_kernels.cpp): a simd loop vectorizes it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
 }
 
 // ---------------------------------------------------------------------------- portable path
