@@ -20,6 +20,7 @@ Both compute, for every request, exactly what it would compute alone: greedy out
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 from collections import Counter, deque
@@ -161,6 +162,7 @@ class ModelRunner:
         )
         self.max_num_seqs: int = self.backend.max_num_seqs
         self.context_size: int = self.backend.context_size
+        _return_freed_heap()
         facts = ", ".join(f"{key} {value}" for key, value in self.backend.describe().items())
         log.info("model %s on %s (%s): %s", self.model_path, self.device, self.dtype, facts)
         # Built on the first structured request (llguidance reads the whole vocabulary once);
@@ -255,7 +257,7 @@ class ModelRunner:
         self.backend.release()
         self.model = None
         self._released = True
-        gc.collect()
+        _return_freed_heap()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -266,6 +268,7 @@ class ModelRunner:
         self.backend.reload(model)
         self.model = self.backend.model
         self._released = False
+        _return_freed_heap()
 
     # ------------------------------------------------------------------------ LoRA adapters
 
@@ -588,6 +591,20 @@ class ModelRunner:
         if why is None:
             return None
         return TokenUpdate(sequence.request_id, [], finish_reason=ErrorCode.ENGINE_ERROR, error=why)
+
+
+def _return_freed_heap() -> None:
+    """Collects garbage, then hands the C heap's free memory back to the system (glibc's
+    ``malloc_trim``; nothing where the C library has none). A load frees what it converted or
+    packed (the loaded fp32 weights of a bf16 or int8 engine) in the middle of the heap, where
+    glibc keeps it: SmolLM2-135M on CPU with ``--cpu-weights bf16``, RSS 1,252 MB after the
+    load, 866 MB after this (int8 1,115 / 730; issue 33)."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _find_eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -603,6 +603,16 @@ def test_weights_under_a_huge_page_lie_side_by_side_in_memory_advised_into_huge_
         # the next weight follows, or opens the next region (on a huge page's boundary)
         assert after.data_ptr() == following or after.data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0
     assert all(_advised_into_huge_pages(copy.data_ptr()) for copy in copies)
+    # Copies that live briefly (the engine's probe) take regions of their own, not the ones a
+    # model's weights hold: a region of the process's would keep their memory after them.
+    regions = cpu_kernels.SharedRegions()
+    brief = [cpu_kernels.huge_page_copy(weight, regions) for weight in weights[:2]]
+    assert brief[0].data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0
+    assert brief[1].data_ptr() == brief[0].data_ptr() + -(-brief[0].numel() * 4 // 64) * 64
+    after = cpu_kernels.huge_page_copy(weights[0])
+    assert after.data_ptr() == copies[-1].data_ptr() + -(-copies[-1].numel() * 4 // 64) * 64 or (
+        after.data_ptr() % cpu_kernels.HUGE_PAGE_BYTES == 0
+    )
 
 
 def _advised_into_huge_pages(address: int) -> bool:

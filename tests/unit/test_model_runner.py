@@ -3,6 +3,7 @@ tokens, and every finishing rule, rejection and suspend/resume path must hold.""
 
 from __future__ import annotations
 
+import platform
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -835,3 +836,26 @@ def test_the_paged_model_keeps_no_view_of_the_weights_file(
     assert not mapped, mapped
     runner.add(RunnerRequest(0, [5, 6, 7], SamplingParams(temperature=0.0)))
     assert runner.step() is not None  # still computes from its own copies
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_the_heap_a_load_freed_goes_back_to_the_system() -> None:
+    """What a load converts or packs is freed in the middle of the C heap, where glibc keeps it
+    (RSS) until asked: ``_return_freed_heap`` asks. Many small tensors (heap, not mmap), all
+    freed but the last, which keeps the heap's top from being trimmed on its own."""
+    from dpserve.engine.model_runner import _return_freed_heap
+
+    def resident_mb() -> float:
+        status = Path("/proc/self/status").read_text()
+        return (
+            int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+            / 1024
+        )
+
+    held = [torch.ones(16 << 10) for _ in range(2048)]  # 64 KB each: 128 MB
+    last = held[-1]
+    del held
+    before = resident_mb()
+    _return_freed_heap()
+    assert before - resident_mb() > 64, "at least half of the 128 MB freed went back"
+    assert last.sum().item() == 16 << 10

@@ -408,19 +408,19 @@ def chunk_width(columns: int) -> int:
     return -(-per_chunk // 16) * 16
 
 
-def decode_weight_copy(weight: torch.Tensor) -> torch.Tensor:
+def decode_weight_copy(weight: torch.Tensor, shared: SharedRegions | None = None) -> torch.Tensor:
     """``weight`` ``[n, k]`` as ``decode_matmul`` reads it fastest, in 2 MB pages
-    (``huge_page_copy``): column-blocked, ``[chunks, n, chunk_width(k)]`` (every row's first
-    chunk of columns, then every row's next; zeros past column k), where k is at least
-    ``BLOCK_FROM_COLUMNS``, else as it is."""
+    (``huge_page_copy``, ``shared`` as there): column-blocked, ``[chunks, n, chunk_width(k)]``
+    (every row's first chunk of columns, then every row's next; zeros past column k), where k
+    is at least ``BLOCK_FROM_COLUMNS``, else as it is."""
     rows, columns = int(weight.shape[0]), int(weight.shape[1])
     if columns < BLOCK_FROM_COLUMNS:
-        return huge_page_copy(weight)
+        return huge_page_copy(weight, shared)
     width = chunk_width(columns)
     chunks = -(-columns // width)
     padded = weight.new_zeros(rows, chunks * width)
     padded[:, :columns] = weight
-    return huge_page_copy(padded.view(rows, chunks, width).transpose(0, 1))
+    return huge_page_copy(padded.view(rows, chunks, width).transpose(0, 1), shared)
 
 
 def weight_rows(weight: torch.Tensor, start: int, stop: int, columns: int) -> torch.Tensor:
@@ -468,19 +468,24 @@ SHARED_REGION_BYTES = 32 << 20
 _SHARED_ALIGNMENT = 64
 
 
-def huge_page_copy(weight: torch.Tensor) -> torch.Tensor:
+def huge_page_copy(weight: torch.Tensor, shared: SharedRegions | None = None) -> torch.Tensor:
     """A contiguous copy of ``weight`` in memory the kernel is asked to back with 2 MB pages
     (``madvise(MADV_HUGEPAGE)``, which transparent huge pages honour in their default
     ``madvise`` mode), for ``decode_matmul`` to stream: with 4 KB pages a weight streamed from
     memory misses the TLB every 64 cache lines, and a SmolLM2-135M decode step of one sequence
     took ~33 CPU ms against ~27 (Zen 4, one thread, issue 33). A weight of at least a huge page
-    gets a region of its own, starting on a page; smaller ones share regions
-    (``SHARED_REGION_BYTES``), each region freed once no weight in it is alive and no more are
-    placed in it. A plain contiguous copy where the platform has no such advice."""
+    gets a region of its own, starting on a page; smaller ones share regions (``shared``'s, by
+    default the process's), each freed once no weight in it is alive and no more are placed in
+    it: copies that live briefly (the engine's probe) take regions of their own, so that they
+    do not hold a model's regions' memory. A plain contiguous copy where the platform has no
+    such advice."""
     nbytes = weight.numel() * weight.element_size()
     if getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return weight.contiguous().clone()
-    raw = _huge_page_region(nbytes) if nbytes >= HUGE_PAGE_BYTES else _SHARED.take(nbytes)
+    if nbytes >= HUGE_PAGE_BYTES:
+        raw = _huge_page_region(nbytes)
+    else:
+        raw = (shared if shared is not None else _SHARED).take(nbytes)
     out = raw.view(weight.dtype).view(weight.shape)
     out.copy_(weight)
     return out
@@ -497,7 +502,7 @@ def _huge_page_region(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-class _SharedRegions:
+class SharedRegions:
     """Slices of ``SHARED_REGION_BYTES`` regions for weights under a huge page, handed out in
     turn; the next region is mapped when one is full. Its pages are committed as weights are
     written, so the unused end of the region in use costs no memory."""
@@ -517,7 +522,7 @@ class _SharedRegions:
             return self._region[start : start + nbytes]
 
 
-_SHARED = _SharedRegions()
+_SHARED = SharedRegions()
 
 
 def decode_matmul_supports(isa: int) -> bool:

@@ -309,8 +309,10 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in plain]
     # The small-batch path's weights as a Linear keeps them (for the kernel: in huge pages,
     # column-blocked where rows are wide).
+    # Regions of the probe's own, gone with it (cpu_kernels.huge_page_copy).
+    regions = cpu_kernels.SharedRegions()
     dense = (
-        [cpu_kernels.decode_weight_copy(weight) for weight in plain]
+        [cpu_kernels.decode_weight_copy(weight, regions) for weight in plain]
         if small_batch_kernel() == "decode_matmul"
         else plain
     )
