@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from bench.decode_matmul import _cpu_name
-from dpserve.engine.kernels import cpu_kernels, cpu_settings
-from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve import cpu_settings
+from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest
 from dpserve.model_loading import DEFAULT_MODEL, resolve_model

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpserve.engine.kernels.cpu_settings import BF16_DOTS_ENV
+from dpserve.cpu_settings import BF16_DOTS_ENV
 from dpserve.engine.layers.weight_format import WEIGHT_FORMATS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest

@@ -25,6 +25,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from dpserve import cpu_settings
 from dpserve.limits import DEFAULT_LORA_LIMITS
 from dpserve.sampling import InvalidSamplingParams, check_lora_name
 
@@ -646,6 +647,12 @@ def _parse_engine(engine: _Reader) -> EngineSpec:
         seen.add(env_name)
         if "value" in variable and not isinstance(variable["value"], str):
             engine.fail(f"{path}.value", f"must be a string, got {_describe(variable['value'])}")
+        elif isinstance(variable.get("value"), str):
+            # The CPU engine's own settings: a value it would refuse at start-up is refused
+            # here, rather than as engine pods in CrashLoopBackOff.
+            why = cpu_settings.value_error(env_name, variable["value"])
+            if why is not None:
+                engine.fail(f"{path}.value", why)
     return EngineSpec(
         resources=resources,
         max_batch_size=engine.integer("maxBatchSize"),

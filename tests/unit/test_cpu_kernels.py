@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels, cpu_settings
+from dpserve import cpu_settings
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers.attention import paged_decode_attention_reference
 from dpserve.engine.layers.rotary import rotate_in_place
 from dpserve.engine.layers.weight_format import quantize_int8_per_channel, to_bf16
@@ -512,7 +513,7 @@ def test_an_engine_decodes_the_same_tokens_and_logprobs_with_the_decode_kernel(
     oneDNN's (the kernel's dot products are the nearer to float64's, ~4e-8 relative against
     ~1.5e-7). ``wide``: a model whose MLP rows have 2,048 columns, which the kernel holds
     column-blocked."""
-    from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
+    from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
     from dpserve.engine.layers.linear import uses_onednn
     from dpserve.engine.model_runner import ModelRunner
     from tests.runner_runs import greedy_requests

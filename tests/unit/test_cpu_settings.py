@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dpserve.engine.kernels import cpu_settings
+from dpserve import cpu_settings
 
 MAX_ROWS = cpu_settings.DECODE_MATMUL_MAX_ROWS
 BAD_VALUES = [

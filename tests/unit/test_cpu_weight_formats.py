@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels, cpu_settings
+from dpserve import cpu_settings
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers import weight_format
 from dpserve.engine.layers.linear import Linear
 from dpserve.engine.layers.weight_format import (

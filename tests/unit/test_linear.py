@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.nn import functional
 
+from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.kernels import cpu_kernels
-from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.layers import linear as linear_module
 from dpserve.engine.layers.linear import (
     SMALL_BATCH_MAX_ROWS,

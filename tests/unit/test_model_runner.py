@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.layers.linear import ONEDNN_MIN_ROWS
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.paged import backend as paged_backend

@@ -343,6 +343,18 @@ def test_user_env_overrides_the_operator_defaults() -> None:
     assert [v for v in env if v["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/data/hf"}]
 
 
+def test_the_cpu_engine_s_settings_pass_through_when_the_engine_takes_them() -> None:
+    """Their values are checked (the invalid cases above); one the engine takes reaches it."""
+    settings = [
+        {"name": "DPSERVE_CPU_ISA", "value": "avx2"},
+        {"name": "DPSERVE_CPU_SMALL_BATCH_ROWS", "value": "8"},
+        {"name": "DPSERVE_CPU_BF16_DOTS", "value": "1"},
+    ]
+    raw = {**MINIMAL_SPEC, "engine": {"env": settings}}
+    env = container(children(raw)[("StatefulSet", "demo-engine")])["env"]
+    assert [v for v in env if v["name"].startswith("DPSERVE_CPU_")] == settings
+
+
 # --------------------------------------------------------------------------- pods in general
 
 
@@ -657,6 +669,16 @@ INVALID_SPECS = [
          "A is defined twice"),
     case("bad-env-name", with_(engine={"env": [{"name": "1 bad"}]}),
          "not a valid environment variable name"),
+    case("bad-cpu-isa", with_(engine={"env": [{"name": "A", "value": "1"},
+                                               {"name": "DPSERVE_CPU_ISA", "value": "avx3"}]}),
+         "spec.engine.env[1].value: DPSERVE_CPU_ISA must be one of auto, portable, avx2, avx512 "
+         "(got 'avx3')"),
+    case("bad-small-batch-rows",
+         with_(engine={"env": [{"name": "DPSERVE_CPU_SMALL_BATCH_ROWS", "value": "32"}]}),
+         "spec.engine.env[0].value: DPSERVE_CPU_SMALL_BATCH_ROWS must be a whole number from 0 "
+         "to 16 (got '32')"),
+    case("bad-bf16-dots", with_(engine={"env": [{"name": "DPSERVE_CPU_BF16_DOTS", "value": "on"}]}),
+         "spec.engine.env[0].value: DPSERVE_CPU_BF16_DOTS must be 0 or 1 (got 'on')"),
     case("reserved-label",
          with_(podTemplate={"metadata": {"labels": {"app.kubernetes.io/name": "x"}}}),
          "are set by the operator"),

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.ops_per_layer import count_decode_ops_per_layer
+from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
 from dpserve.engine.kernels import cpu_kernels
-from dpserve.engine.kernels.cpu_settings import SMALL_BATCH_ROWS_ENV
 
 MAX_OPS_PER_LAYER = 12
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from dpserve.engine.kernels import cpu_settings
+from dpserve import cpu_settings
 from dpserve.model_loading import cache_dir
 
 log = logging.getLogger(__name__)
@@ -462,8 +462,8 @@ HUGE_PAGE_BYTES = 2 << 20
 # Weights under a huge page share regions of this many bytes, each from a cache line's boundary:
 # a region of its own would hold such a weight in 4 KB pages (the part of a region that is not
 # a whole, aligned 2 MB gets no huge page), and every projection of a bf16 or int8 SmolLM2-135M
-# is under 2 MB. Its decode step of one sequence streamed its bf16 projections at 33 GB/s apart
-# and 45 shared (1536x576, 2 threads, Zen 4; issue 33).
+# is under 2 MB. A one-sequence step's bf16 projections of its shapes streamed at 33 GB/s apart
+# and 40 shared (2 threads, Zen 4, medians of 30 alternating rounds; int8 22 and 25; issue 33).
 SHARED_REGION_BYTES = 32 << 20
 _SHARED_ALIGNMENT = 64
 

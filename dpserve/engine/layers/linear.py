@@ -78,13 +78,14 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from dpserve.engine.kernels import cpu_kernels, cpu_settings
-from dpserve.engine.kernels.cpu_settings import (
+from dpserve import cpu_settings
+from dpserve.cpu_settings import (
     BF16_DOTS_ENV,
     SMALL_BATCH_ROWS_ENV,
     bf16_dots_setting,
     small_batch_rows_setting,
 )
+from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers.weight_format import (
     DEFAULT_WEIGHT_FORMAT,
     WeightFormat,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Final, Literal
 
-from dpserve.engine.kernels import cpu_settings
+from dpserve import cpu_settings
 
 if TYPE_CHECKING:
     import torch
