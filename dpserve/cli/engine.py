@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpserve import flags
+from dpserve import cpu_settings, flags
 from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     why = (
         flags.backend_flags_error(args)
         or flags.lora_flags_error(args)
+        or cpu_settings.error()
         or weight_format.flag_error(args)
     )
     if why is not None:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from dpserve import flags
+from dpserve import cpu_settings, flags
 from dpserve.cli.common import (
     DEFAULT_HTTP_PORT,
     DEFAULT_ZMQ_PORT,
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     why = (
         flags.backend_flags_error(args)
         or flags.lora_flags_error(args)
+        or cpu_settings.error()
         or weight_format.flag_error(args)
     )
     if why is not None:

@@ -598,7 +598,7 @@ def _return_freed_heap() -> None:
     ``malloc_trim``; nothing where the C library has none). A load frees what it converted or
     packed (the loaded fp32 weights of a bf16 or int8 engine) in the middle of the heap, where
     glibc keeps it: SmolLM2-135M on CPU with ``--cpu-weights bf16``, RSS 1,252 MB after the
-    load, 866 MB after this (int8 1,115 / 730; issue 33)."""
+    load, 844 MB after this (int8 1,115 / 712; issue 33)."""
     gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim

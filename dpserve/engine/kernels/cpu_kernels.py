@@ -385,10 +385,9 @@ ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = range(len(cpu_settings.ISA_CHOICE
 ISA_NAMES = dict(enumerate(cpu_settings.ISA_CHOICES))
 
 
-def engine_isa() -> int:
-    """The instruction path the engine's layers use (``cpu_settings.ISA_ENV``; refused by name
-    where unknown)."""
-    return cpu_settings.isa_setting()
+# The instruction path the engine's layers use (``cpu_settings.ISA_ENV``, read once; refused by
+# name where unknown): every product asks, so no wrapper of its own.
+engine_isa = cpu_settings.isa_setting
 
 
 # Rows of at least this many columns are held column-blocked for ``decode_matmul``, in chunks

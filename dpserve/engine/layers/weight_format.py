@@ -169,13 +169,9 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def flag_error(args: argparse.Namespace) -> str | None:
-    """Why ``--cpu-weights`` cannot hold with the other flags, or the CPU engine's environment
-    holds a setting it does not take (``cpu_settings.error``; ``dpserve serve`` asks before it
+    """Why ``--cpu-weights`` cannot hold with the other flags (``dpserve serve`` asks before it
     starts any engine, each engine again; an engine checks its device and dtype itself, once it
-    knows them); None when they can."""
-    settings_error = cpu_settings.error()
-    if settings_error is not None:
-        return settings_error
+    knows them); None when it can."""
     if args.cpu_weights != DEFAULT_WEIGHT_FORMAT and args.fake:
         return f"{FLAG} needs a model (not --fake)"
     return refusal(args.cpu_weights, backend=args.backend)
