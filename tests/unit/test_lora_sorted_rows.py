@@ -11,8 +11,9 @@ import torch
 
 from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.lora import delta as lora_delta
-from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta, StepAdapters, group_rows
+from dpserve.engine.lora.delta import StepAdapters, group_rows
 from dpserve.engine.lora.sorted_rows import PaddedAdapters, nonzero_spans
+from dpserve.engine.lora.weights import AdapterWeights, ModuleDelta
 
 HIDDEN, Q, KV, INNER = 40, 48, 24, 70  # widths off the kernel's 16 and 64 on purpose
 # Output widths of each fused projection's parts (B is block-diagonal over them).

@@ -14,7 +14,8 @@ import torch
 
 from dpserve.engine.kernels import triton_layer_ops, triton_lora
 from dpserve.engine.lora import delta
-from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta, StepAdapters
+from dpserve.engine.lora.delta import StepAdapters
+from dpserve.engine.lora.weights import AdapterWeights, ModuleDelta
 from tests.triton_interpreter import TRITON_MISSING, interpreter_case, interpreter_run
 
 pytest.importorskip("triton", reason=TRITON_MISSING)

@@ -1,5 +1,5 @@
 """A PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``), checked
-against the model it is to run on and converted to ``delta.AdapterWeights``.
+against the model it is to run on and converted to ``weights.AdapterWeights``.
 
 What runs: LoRA (``r``, ``lora_alpha``, ``use_rslora``) on the attention projections
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) and the gated MLP's (``gate_proj``,
@@ -27,14 +27,14 @@ from typing import Any, Final
 import torch
 
 from dpserve.engine.layers.rotary import pair_rotary_dims
-from dpserve.engine.lora.delta import AdapterWeights, ModuleDelta
 from dpserve.engine.lora.serving import AdapterError
+from dpserve.engine.lora.weights import AdapterWeights, ModuleDelta
 
 CONFIG_FILE: Final = "adapter_config.json"
 WEIGHTS_FILE: Final = "adapter_model.safetensors"
 ATTENTION_MODULES: Final = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: Final = ("gate_proj", "up_proj", "down_proj")
-# Projections our layers compute as one output (``delta.AdapterWeights`` holds them fused):
+# Projections our layers compute as one output (``weights.AdapterWeights`` holds them fused):
 # q/k/v always (one ``Linear``), gate/up whose deltas are added to the two halves of one.
 FUSED_MODULES: Final = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 

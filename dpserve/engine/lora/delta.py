@@ -9,10 +9,7 @@ after Punica's SGMV/BGMV); everything else is the torch path (CPU; on CUDA the g
 the stacked form without Triton). A step with adapter rows runs eagerly on CUDA, outside the
 CUDA graphs.
 
-The weights are ``AdapterWeights``: per layer, per projection (``qkv``, ``o_proj``,
-``gate_up``, ``down_proj``), A ``[r, in]`` and B ``[out, r]`` with the scale folded into B, the
-query and key rows of B already in RoPE pair order; q/k/v and gate/up fused as our layers
-compute them, B block-diagonal (``adapter``).
+The weights are ``weights.AdapterWeights`` (their layout is described there).
 """
 
 from __future__ import annotations
@@ -25,30 +22,7 @@ import torch
 
 from dpserve.engine.kernels import triton_layer_ops, triton_lora
 from dpserve.engine.lora.sorted_rows import PaddedAdapters, SortedRows, kernel_runs, sort_rows
-
-
-@dataclass(frozen=True, slots=True)
-class ModuleDelta:
-    """One adapted module of one layer: A ``[r, in]`` and the scaled B ``[out, r]``."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-
-
-@dataclass(slots=True)
-class AdapterWeights:
-    """A loaded adapter: its deltas per layer (index) and projection."""
-
-    name: str
-    path: str
-    rank: int
-    layers: list[dict[str, ModuleDelta]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(
-            delta.a.nbytes + delta.b.nbytes for layer in self.layers for delta in layer.values()
-        )
+from dpserve.engine.lora.weights import AdapterWeights
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from dpserve.engine.lora.adapter import AdapterLayout, read_adapter
-from dpserve.engine.lora.delta import AdapterWeights
 from dpserve.engine.lora.serving import AdapterError
+from dpserve.engine.lora.weights import AdapterWeights
 from dpserve.limits import DEFAULT_LORA_LIMITS
 
 log = logging.getLogger(__name__)

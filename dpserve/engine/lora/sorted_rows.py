@@ -20,15 +20,12 @@ absent ones all zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional
 
 from dpserve.engine.kernels import cpu_kernels
-
-if TYPE_CHECKING:  # delta imports this module
-    from dpserve.engine.lora.delta import AdapterWeights
+from dpserve.engine.lora.weights import AdapterWeights
 
 # Ranks are padded to a multiple of this (the kernel's vector width in floats).
 RANK_MULTIPLE = 16

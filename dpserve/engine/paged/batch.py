@@ -28,7 +28,8 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import torch
 
-from dpserve.engine.lora.delta import AdapterWeights, StepAdapters, group_rows
+from dpserve.engine.lora.delta import StepAdapters, group_rows
+from dpserve.engine.lora.weights import AdapterWeights
 from dpserve.engine.models.base import ForwardBatch, PrefillSlice
 from dpserve.engine.paged.scheduler import PagedSequence, StepPlan
 
