@@ -34,6 +34,7 @@ class RequestLimits:
     max_new_tokens: int = 1_000_000  # max_tokens; a runner also clamps to its context size
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1_000
+    max_stop_token_ids: int = 64  # stop_token_ids: each one is looked up per generated token
     max_json_depth: int = 64  # nesting of the HTTP JSON body
     max_top_logprobs: int = 20  # alternatives per token (logprobs / top_logprobs), as vLLM
     max_choices: int = 16  # n (and best_of): completions generated for one prompt

@@ -44,9 +44,15 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy decoding
     top_k: int = 0  # 0 disables top-k filtering
     top_p: float = 1.0  # 1.0 disables nucleus filtering
+    # vLLM's extension: tokens less likely than min_p x the most likely one are not sampled
+    # (after temperature, before top-k / top-p, as vLLM); 0 disables it.
+    min_p: float = 0.0
     num_tokens_to_generate: int = 16
     termination_id: int | None = None  # None: the model's EOS token
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    # vLLM's extension: tokens that end the request as EOS does (also with ignore_eos), in
+    # addition to the EOS / termination_id; like EOS, not part of the text.
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     return_log_probs: bool = False
     seed: int | None = None  # same seed, prompt and model -> same tokens
     stream: bool = False
@@ -79,7 +85,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Accept a list for stop_strings (msgpack and JSON have no tuples) but store a tuple so
         # the object stays hashable and immutable.
-        for name in ("stop_strings", "guided_choice"):
+        for name in ("stop_strings", "stop_token_ids", "guided_choice"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         self.validate()
@@ -102,6 +108,9 @@ class SamplingParams:
         _require_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParams(f"min_p must be in [0, 1], got {self.min_p}")
         _require_int("num_tokens_to_generate", self.num_tokens_to_generate)
         if self.num_tokens_to_generate < 1:
             raise InvalidSamplingParams(
@@ -124,6 +133,7 @@ class SamplingParams:
             raise InvalidSamplingParams(
                 f"a stop string may have at most {limits.max_stop_string_chars} characters"
             )
+        self._validate_stop_token_ids()
         _require_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.num_tokens_to_generate:
             raise InvalidSamplingParams(
@@ -165,6 +175,16 @@ class SamplingParams:
             or self.guided_regex is not None
             or bool(self.guided_choice)
         )
+
+    def _validate_stop_token_ids(self) -> None:
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            isinstance(token, int) and not isinstance(token, bool) and 0 <= token < 2**31
+            for token in self.stop_token_ids
+        ):
+            raise InvalidSamplingParams("stop_token_ids must be a list of token ids >= 0")
+        most = DEFAULT_REQUEST_LIMITS.max_stop_token_ids
+        if len(self.stop_token_ids) > most:
+            raise InvalidSamplingParams(f"at most {most} stop_token_ids are allowed")
 
     def _validate_logprobs(self) -> None:
         _require_int("top_logprobs", self.top_logprobs)

@@ -6,9 +6,10 @@ ASCII letters, readable through the byte tokenizer.
 
 It finishes requests by the model runner's own rules (``Sequence.accept``, the same code):
 ``num_tokens_to_generate`` (resume tokens included) or the context size -> "length";
-``termination_id`` or a stop string -> "stop", neither part of the output; ``ignore_eos``
-disables the termination token and ``min_tokens`` defers it and stop strings. Like a model
-runner it keeps each request's generated tokens (a small int each) until the request ends.
+``termination_id``, a ``stop_token_ids`` token or a stop string -> "stop", none part of the
+output; ``ignore_eos`` disables the termination token and ``min_tokens`` defers it and stop
+strings. Like a model runner it keeps each request's generated tokens (a small int each) until
+the request ends.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake_cache import SimulatedPrefixCache
 from dpserve.engine.kv_events import KVEvent
 from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
-from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens
+from dpserve.engine.sequences import Sequence, StopText, decode_new_tokens, stop_ids_of
 from dpserve.protocol import ErrorCode
 from dpserve.tokenizer import ByteTokenizer
 
@@ -79,14 +80,13 @@ class FakeRunner:
                 f"engine's context of {self.max_context} tokens",
             )
         params = request.params
-        termination = params.termination_id
         sequence = Sequence(
             request=request,
             params=params,
             max_generated=min(
                 params.num_tokens_to_generate, self.max_context - len(request.prompt_tokens)
             ),
-            stop_ids=frozenset(() if termination is None or params.ignore_eos else (termination,)),
+            stop_ids=stop_ids_of(params, frozenset()),  # no model, so no EOS of its own
             tokens=list(request.resume_tokens),
             emitted=len(request.resume_tokens),
         )

@@ -77,8 +77,8 @@ class TokenUpdate:
     # request's first update.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # With finish_reason "stop": the EOS / termination_id token that ended the request (not in
-    # tokens, but generated: usage counts it, as vLLM and llama.cpp do).
+    # With finish_reason "stop": the EOS / termination_id / stop_token_ids token that ended the
+    # request (not in tokens, but generated: usage counts it, as vLLM and llama.cpp do).
     stop_token: int | None = None
     # Its log-prob and alternatives, when the request asked for log-probs.
     stop_logprob: float | None = None

@@ -1,13 +1,14 @@
 """One request's state in a runner, and the rules that finish it.
 
-Finishing: ``num_tokens_to_generate`` (resume tokens included) or the context size ->
-"length"; EOS / ``termination_id`` -> "stop", and like OpenAI the stop token is **not**
-returned; a stop string -> "stop", with the returned tokens cut before the token in which the
-stop string starts (the coordinator detokenizes tokens, so text can only be cut at token
-boundaries). While the decoded tail could still become a stop string, those tokens are held
-back rather than streamed, so nothing ever has to be taken back. ``ignore_eos`` turns the stop
-tokens into ordinary tokens; before ``min_tokens`` tokens neither stop tokens nor stop strings
-end a request (a stop token is then returned like any other).
+Finishing: ``num_tokens_to_generate`` (resume tokens included) or the context size -> "length";
+EOS / ``termination_id`` / a ``stop_token_ids`` token -> "stop", and like OpenAI the stop token
+is **not** returned; a stop string -> "stop", with the returned tokens cut before the token in
+which the stop string starts (the coordinator detokenizes tokens, so text can only be cut at
+token boundaries). While the decoded tail could still become a stop string, those tokens are
+held back rather than streamed, so nothing ever has to be taken back. ``ignore_eos`` turns EOS
+and ``termination_id`` into ordinary tokens (not ``stop_token_ids``, as in vLLM); before
+``min_tokens`` tokens neither stop tokens nor stop strings end a request (a stop token is then
+returned like any other).
 
 Stop strings are looked for in the request's text as its ``IncrementalDetokenizer`` produces
 it (``StopText``), one token at a time: that text is also what the engine sends with the
@@ -171,6 +172,19 @@ def decode_new_tokens(sequences: list[Sequence], tokens: list[int]) -> None:
         text._next_delta = delta
 
 
+def stop_ids_of(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The tokens that end a request: its ``stop_token_ids``, and unless ``ignore_eos`` its
+    ``termination_id`` or else the model's EOS (vLLM's rule: ``ignore_eos`` leaves the
+    ``stop_token_ids``)."""
+    if params.ignore_eos:
+        eos: frozenset[int] = frozenset()
+    elif params.termination_id is not None:
+        eos = frozenset({params.termination_id})
+    else:
+        eos = eos_token_ids
+    return eos | frozenset(params.stop_token_ids) if params.stop_token_ids else eos
+
+
 @dataclass(eq=False, slots=True)
 class Sequence:
     request: RunnerRequest
@@ -225,17 +239,11 @@ class Sequence:
         context_size: int,
         text_tokenizer: BatchTokenizer,
     ) -> Sequence:
-        """A request's sequence as a runner (ours or vLLM's) takes it in: its stop ids (none
-        with ignore_eos, else its termination_id or the model's EOS), its tokens clamped to
-        the context, the resume tokens already had, its prefix-cache keys, and its stop
-        strings' text."""
+        """A request's sequence as a runner (ours or vLLM's) takes it in: its stop ids, its
+        tokens clamped to the context, the resume tokens already had, its prefix-cache keys,
+        and its stop strings' text."""
         params = request.params
-        if params.ignore_eos:
-            stop_ids: frozenset[int] = frozenset()
-        elif params.termination_id is not None:
-            stop_ids = frozenset({params.termination_id})
-        else:
-            stop_ids = eos_token_ids
+        stop_ids = stop_ids_of(params, eos_token_ids)
         room = context_size - len(request.prompt_tokens)
         sequence = cls(
             request=request,

@@ -24,17 +24,17 @@ API choices, where OpenAI leaves room or where this server differs:
   (``adapters``); while no engine serves adapters it may name anything (the base model
   answers), once one does an unknown name is a 404 naming it, as vLLM answers.
 * Every field a client sends is honoured or refused: ``requests.COMPLETION_FIELDS`` and
-  ``requests.CHAT_FIELDS`` list each known field and what is done with it; ``n``, ``best_of``,
-  penalties, ``logit_bias``, tools and the like are accepted only at their no-op values, and
-  an unknown field is a 400 naming it. A null value counts as absent.
+  ``requests.CHAT_FIELDS`` list each known field and what is done with it; ``logit_bias``,
+  tools and the like are accepted only at their no-op values, and an unknown field is a 400
+  naming it. A null value counts as absent.
 * ``max_tokens`` defaults to 16 for completions (OpenAI's default) and to
   ``DEFAULT_CHAT_MAX_TOKENS`` for chat (OpenAI's is "until the context is full"; a bound keeps
   a forgotten ``max_tokens`` from holding an engine for minutes).
-* Extensions (vLLM's spelling): ``top_k`` (0 or -1 disables it), ``ignore_eos``,
-  ``min_tokens``, ``stream_options.continuous_usage_stats`` (usage in every chunk).
-* ``logprobs`` returns the sampled tokens' log-probabilities (completions: ``logprobs: 0``;
-  chat: ``logprobs: true``); alternatives (``top_logprobs`` > 0) are refused, as is
-  ``logprobs`` with ``stream``. The token strings concatenate to the returned text.
+* Extensions (vLLM's spelling): ``top_k`` (0 or -1 disables it), ``min_p``, ``ignore_eos``,
+  ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``, ``cache_salt``, guided decoding,
+  ``stream_options.continuous_usage_stats`` (usage in every chunk).
+* ``logprobs`` returns the sampled tokens' log-probabilities and their alternatives
+  (docs/openai-api.md). The token strings concatenate to the returned text.
 * A streamed request that fails before its first token gets an ordinary JSON error with the
   mapped status; after the first token, an SSE ``data: {"error": ...}`` event and ``[DONE]``.
 * ``stream_options.include_usage`` adds OpenAI's final usage chunk.

@@ -90,8 +90,10 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
     "guided_regex": _honoured("vLLM extension: a regular expression the output matches"),
     "guided_choice": _honoured("vLLM extension: the output is one of these strings"),
     "logit_bias": _no_op("not implemented", {}),
-    "min_p": _no_op("vLLM extension; not implemented", 0),
-    "stop_token_ids": _no_op("vLLM extension; not implemented", []),
+    "min_p": _honoured("vLLM extension: SamplingParams.min_p, in [0, 1] (0 disables it)"),
+    "stop_token_ids": _honoured(
+        "vLLM extension: SamplingParams.stop_token_ids, tokens that end a choice as EOS does"
+    ),
     "include_stop_str_in_output": _no_op("vLLM extension; stop strings are cut", False),
     "skip_special_tokens": _no_op("vLLM extension; special tokens are always skipped", True),
     "spaces_between_special_tokens": _no_op("vLLM extension", True),
@@ -329,8 +331,10 @@ def _generation_request(
             temperature=read_number(body, "temperature", 1.0),
             top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
             top_p=read_number(body, "top_p", 1.0),
+            min_p=read_number(body, "min_p", 0.0),
             num_tokens_to_generate=max_tokens,
             stop_strings=_stop_strings(body.get("stop"), limits),
+            stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), limits),
             return_log_probs=return_log_probs,
             seed=read_int(body, "seed", None),
             stream=stream,
@@ -362,7 +366,9 @@ _API_NAMES: Final = {
     "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
+    "min_p": "min_p",
     "seed": "seed",
+    "stop_token_ids": "stop_token_ids",
     "stop_string": "stop",
     "stop string": "stop",
     "min_tokens": "min_tokens",
@@ -405,6 +411,20 @@ def _stop_strings(stop: object, limits: RequestLimits) -> tuple[str, ...]:
             "a stop string", longest, "characters", "max_stop_string_chars", limits, "stop"
         )
     return tuple(stops)
+
+
+def _stop_token_ids(value: object, limits: RequestLimits) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(is_int(token) and token >= 0 for token in value):
+        raise InvalidRequest(
+            "stop_token_ids must be a list of token ids >= 0", param="stop_token_ids"
+        )
+    if len(value) > limits.max_stop_token_ids:
+        raise _over_limit(
+            "stop_token_ids", len(value), "ids", "max_stop_token_ids", limits, "stop_token_ids"
+        )
+    return tuple(value)
 
 
 def _completion_logprobs(value: object, limits: RequestLimits) -> int | None:

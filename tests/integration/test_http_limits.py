@@ -37,6 +37,7 @@ PROMPT_TOKENS = 3_000
 NEW_TOKENS = 400
 STOP_STRINGS = 3
 STOP_CHARS = 20
+STOP_TOKEN_IDS = 4
 JSON_DEPTH = 5  # a chat body with content parts nests exactly this deep
 MESSAGE_BYTES = 8_192  # the coordinator's: tighter than the front's own
 FLAGS = (
@@ -46,6 +47,7 @@ FLAGS = (
     f"--max-new-tokens={NEW_TOKENS}",
     f"--max-stop-strings={STOP_STRINGS}",
     f"--max-stop-string-chars={STOP_CHARS}",
+    f"--max-stop-token-ids={STOP_TOKEN_IDS}",
     f"--max-json-depth={JSON_DEPTH}",
 )
 STEP_DELAY = 0.01  # the other users' streams of NEW_TOKENS tokens take > 4 s
@@ -102,6 +104,10 @@ CASES: list[tuple[str, str, Any, Any, str, int]] = [
     ("stop chars", "/v1/completions", {"prompt": "s", "max_tokens": 2, "stop": "1" * STOP_CHARS},
      {"prompt": "s", "max_tokens": 2, "stop": "1" * (STOP_CHARS + 1)},
      "max_stop_string_chars", 400),
+    ("stop token ids", "/v1/completions",
+     {"prompt": "s", "max_tokens": 2, "stop_token_ids": list(range(STOP_TOKEN_IDS))},
+     {"prompt": "s", "max_tokens": 2, "stop_token_ids": list(range(STOP_TOKEN_IDS + 1))},
+     "max_stop_token_ids", 400),
     ("json depth", "/v1/chat/completions", chat([{"type": "text", "text": "deep"}]),
      chat([{"type": "text", "text": ["deeper"]}]), "max_json_depth", 400),
 ]  # fmt: skip

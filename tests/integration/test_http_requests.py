@@ -104,6 +104,17 @@ async def test_deeply_nested_json_is_a_400(
         (COMPLETIONS, {"prompt": "x", "min_tokens": "3"}, "min_tokens", None),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", None),
         (COMPLETIONS, {"prompt": "x", "user": 7}, "user", None),
+        (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p", None),
+        (COMPLETIONS, {"prompt": "x", "min_p": "low"}, "min_p", None),
+        (COMPLETIONS, {"prompt": "x", "stop_token_ids": 5}, "stop_token_ids", None),
+        (CHAT, chat("x", stop_token_ids=[1, -2]), "stop_token_ids", None),
+        (CHAT, chat("x", stop_token_ids=[2**40]), "stop_token_ids", None),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "stop_token_ids": list(range(65))},
+            "stop_token_ids",
+            "max_stop_token_ids",
+        ),
         (CHAT, {"messages": "hi"}, "messages", None),
         (CHAT, chat("x", top_logprobs=21, logprobs=True), "top_logprobs", "max_top_logprobs"),
         (CHAT, chat("x", top_logprobs=2), "top_logprobs", None),
@@ -196,11 +207,37 @@ async def test_a_benchmark_clients_body_is_honoured(
     assert chunks[-1]["choices"] == []  # include_usage's final chunk is still there
 
 
+async def test_stop_token_ids_end_a_choice_and_min_p_is_honoured(
+    cluster: Cluster, session: aiohttp.ClientSession
+) -> None:
+    """Through the front, coordinator and a (fake) engine: a stop token id ends the choice with
+    "stop" and counts as generated, not as text; min_p reaches the engine (the fake engine
+    does not sample: tests/unit/test_sampler.py checks what it does)."""
+    prompt = "stop me"
+    expected = expected_text(prompt, 12)
+    stop_at = 5
+    body = {"prompt": prompt, "max_tokens": 12, "stop_token_ids": [ord(expected[stop_at])]}
+    async with session.post(f"{cluster.base_url}{COMPLETIONS}", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        result = await reply.json()
+    first = expected.index(expected[stop_at])
+    assert result["choices"][0]["text"] == expected[:first]
+    assert result["choices"][0]["finish_reason"] == "stop"
+    assert result["usage"]["completion_tokens"] == first + 1
+    body = {"prompt": prompt, "max_tokens": 12, "min_p": 1.0, "temperature": 1.0}
+    async with session.post(f"{cluster.base_url}{COMPLETIONS}", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["choices"][0]["finish_reason"] == "length"
+
+
 def test_ignore_eos_and_min_tokens_reach_sampling_params() -> None:
     body = {"prompt": "p", "max_tokens": 8, "ignore_eos": True, "min_tokens": 5}
     params = parse_completion_request(body).params
     assert (params.ignore_eos, params.min_tokens, params.num_tokens_to_generate) == (True, 5, 8)
     assert not parse_completion_request({"prompt": "p"}).params.ignore_eos
+    body = {"prompt": "p", "min_p": 0.1, "stop_token_ids": [3, 4]}
+    params = parse_completion_request(body).params
+    assert (params.min_p, params.stop_token_ids) == (0.1, (3, 4))
 
 
 # -------------------------------------------------------------- item 10: logprob strings

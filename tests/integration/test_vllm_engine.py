@@ -110,8 +110,9 @@ def _own_engine(model: Path, requests: list[tuple[list[int], SamplingParams]]) -
 async def test_finishing_rules_give_dpserve_engine_text(
     vllm_client: InferenceClient, llama: Path
 ) -> None:
-    """Stop strings (cut where they begin), min_tokens, a termination id and EOS: vLLM samples,
-    dpserve's rules finish, so the tokens, text and finish reason are our engine's."""
+    """Stop strings (cut where they begin), min_tokens, a termination id, EOS and stop token
+    ids: vLLM samples, dpserve's rules finish, so the tokens, text and finish reason are our
+    engine's; min_p reaches vLLM's sampler (at 1 it samples greedily, as ours)."""
     greedy, _ = await asyncio.to_thread(greedy_reference, llama, PROMPTS[:1], 40)
     probe = greedy[0]
     from transformers import AutoTokenizer
@@ -125,6 +126,11 @@ async def test_finishing_rules_give_dpserve_engine_text(
         ),
         SamplingParams(temperature=0, num_tokens_to_generate=40, termination_id=probe[10]),
         SamplingParams(temperature=0, num_tokens_to_generate=40),  # the model's EOS, if sampled
+        SamplingParams(
+            temperature=0, num_tokens_to_generate=40, ignore_eos=True, stop_token_ids=(probe[12],)
+        ),
+        # min_p 1 leaves each step's most likely token only: both engines sample greedily.
+        SamplingParams(temperature=1.0, min_p=1.0, seed=7, num_tokens_to_generate=40),
     ]
     requests = [(PROMPTS[0], params) for params in cases]
     expected = await asyncio.to_thread(_own_engine, llama, requests)
@@ -136,6 +142,8 @@ async def test_finishing_rules_give_dpserve_engine_text(
         assert record.stop_token == stop_token
     assert records[0].finish_reason == "stop" and stop not in records[0].generated_text
     assert records[2].stop_token == probe[10]
+    assert records[4].stop_token == probe[12] and records[4].finish_reason == "stop"
+    assert records[5].generated_tokens == records[3].generated_tokens  # min_p 1: greedy
 
 
 async def test_seeds_repeat_and_differ(vllm_client: InferenceClient) -> None:

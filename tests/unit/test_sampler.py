@@ -115,6 +115,48 @@ def test_top_k_and_top_p_combine() -> None:
     assert set(frequencies(SamplingParams(temperature=1.0, top_k=3, top_p=0.8))) == {0, 1}
 
 
+@pytest.mark.parametrize(
+    ("min_p", "survivors"),
+    # Tokens at 0.5 x (0.6, 0.3, 0.1) of the most likely one; away from those ratios.
+    [
+        (1.0, {0}),
+        (0.7, {0}),
+        (0.5, {0, 1}),
+        (0.2, {0, 1, 2}),
+        (0.05, {0, 1, 2, 3}),
+        (0.0, {0, 1, 2, 3}),
+    ],
+)
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely(
+    min_p: float, survivors: set[int]
+) -> None:
+    seen = frequencies(SamplingParams(temperature=1.0, min_p=min_p, seed=3))
+    assert set(seen) == survivors
+    if survivors == {0, 1}:
+        assert seen[0] == pytest.approx(0.625, abs=0.03)  # renormalised: 0.5 / 0.8
+
+
+def test_min_p_applies_after_the_temperature_and_before_top_p() -> None:
+    # At T=2 the probabilities flatten (token 3 at ~0.32 of token 0), so min_p 0.28 keeps all
+    # four where at T=1 it keeps three (token 2 at 0.3 of token 0).
+    assert set(frequencies(SamplingParams(temperature=2.0, min_p=0.28))) == {0, 1, 2, 3}
+    assert set(frequencies(SamplingParams(temperature=1.0, min_p=0.28))) == {0, 1, 2}
+    # min_p 0.2 keeps 0.5 / 0.3 / 0.15, renormalised 0.526 / 0.316 / 0.158: top_p 0.83 then
+    # drops token 2 (0.842 before it). Top-p first would keep it (0.8 before it), as min_p would.
+    assert set(frequencies(SamplingParams(temperature=1.0, min_p=0.2, top_p=0.83))) == {0, 1}
+
+
+def test_min_p_is_per_row_and_leaves_greedy_rows_alone() -> None:
+    batch = torch.stack([LOGITS, LOGITS, LOGITS.flip(0)])
+    params = [
+        SamplingParams(temperature=1.0, min_p=1.0, seed=1),
+        SamplingParams(temperature=0.0, min_p=0.5),
+        SamplingParams(temperature=1.0, min_p=1.0, seed=2),
+    ]
+    for position in range(20):
+        assert sample(batch, params, [position] * 3).tokens.tolist() == [0, 0, 3]
+
+
 def test_top_k_ties_at_the_boundary_keep_the_lowest_ids() -> None:
     seen = frequencies(SamplingParams(temperature=1.0, top_k=3, seed=2), torch.zeros(10))
     assert set(seen) == {0, 1, 2}

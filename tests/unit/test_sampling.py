@@ -17,9 +17,12 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
         return_log_probs=True,
         seed=11,
         stream=True,
+        stop_token_ids=[7, 9],
+        min_p=0.05,
     )
     wire = params.serialize()
     assert wire["stop_strings"] == ["\n", "END"]
+    assert (wire["stop_token_ids"], wire["min_p"]) == ([7, 9], 0.05)
     assert SamplingParams.deserialize(wire) == params
     assert params.greedy
 
@@ -41,6 +44,14 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
         ({"stop_strings": "abc"}, "stop_strings"),
         ({"return_log_probs": 1}, "return_log_probs"),
         ({"seed": -1}, "seed"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "low"}, "min_p must be a number"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": [3, True]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(65))}, "at most 64 stop_token_ids"),
         ({"max_tokens": 5}, "unknown sampling parameter"),
     ],
 )

@@ -5,7 +5,8 @@ caller copies them to the host once (``SampleOutput.tolist``).
 
 * Greedy rows (``SamplingParams.greedy``: temperature below 1e-5, or top_k 1) take the argmax.
 * Sampling rows use the Gumbel-max trick: ``argmax(scores / T + g)`` with ``g`` Gumbel noise
-  draws from ``softmax(scores / T)`` restricted to the top-k / top-p set, without multinomial.
+  draws from ``softmax(scores / T)`` restricted to the min-p, top-k and top-p set (that order,
+  as vLLM's), without multinomial.
 * A seeded row's noise is a counter-based hash of (seed, position, vocabulary index), computed
   with integer tensor ops: the same seed at the same position picks the same token whatever
   else is in the batch, on any device, and a request resumed on another engine continues the
@@ -252,10 +253,21 @@ def _sample_rows(
     # params accept (>= 1e-5) cannot overflow to +inf; a row with no finite logit gives NaN
     # here, which becomes -inf and leaves the greedy fallback's token 0 as its argmax.
     scaled = torch.nan_to_num((scores - row_max) / temperature, nan=float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        scaled = _filter_min_p(scaled, [p.min_p for p in params])
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         scaled = _filter_top_k_top_p(scaled, settings[:, 1].long(), settings[:, 2].float())
     noise = _gumbel_noise(scaled.shape[1], keys, device)
     return (scaled + noise).argmax(dim=-1)
+
+
+def _filter_min_p(scaled: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Set to -inf the ``scaled`` scores (temperature applied, each row's maximum exactly 0)
+    of tokens less likely than ``min_p`` x their row's most likely token: ``p / p_max`` is
+    ``exp(score)``, so the threshold is ``log(min_p)`` (-inf for 0: nothing goes; the most
+    likely token always stays)."""
+    floor = torch.tensor(min_p, dtype=torch.float32).log().to(scaled.device).unsqueeze(1)
+    return scaled.masked_fill(scaled < floor, float("-inf"))
 
 
 def _filter_top_k_top_p(

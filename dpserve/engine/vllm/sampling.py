@@ -1,9 +1,10 @@
 """dpserve's ``SamplingParams`` as vLLM's.
 
-vLLM samples (temperature, top-k / top-p, seed, penalties, structured output) and computes the
-log-probs; dpserve's ``sequences.Sequence`` applies the finishing rules to what it sampled (EOS
-and ``termination_id``, ``min_tokens``, stop strings, the length), exactly as dpserve's own
-engine does, so the text and the finish reasons are the same on both engines. vLLM is
+vLLM samples (temperature, min-p, top-k / top-p, seed, penalties, structured output) and
+computes the log-probs; dpserve's ``sequences.Sequence`` applies the finishing rules to what it
+sampled (EOS, ``termination_id`` and ``stop_token_ids``, ``min_tokens``, stop strings, the
+length), exactly as dpserve's own engine does, so the text and the finish reasons are the same
+on both engines. vLLM is
 therefore told to stop only at ``max_tokens`` (``ignore_eos``, no stop tokens, no stop
 strings, no ``min_tokens``: vLLM's ``min_tokens`` masks the stop tokens, where dpserve's
 returns one sampled early as an ordinary token).
@@ -45,6 +46,7 @@ def vllm_sampling_kwargs(
         "temperature": 0.0 if params.greedy else params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,
+        "min_p": params.min_p,
         "seed": None if params.greedy else params.seed,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
