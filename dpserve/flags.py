@@ -20,6 +20,7 @@ from dpserve.limits import (
     DEFAULT_HTTP_LIMITS,
     DEFAULT_LORA_LIMITS,
     DEFAULT_REQUEST_LIMITS,
+    SAMPLING_CEILINGS,
     HttpLimits,
     RequestLimits,
 )
@@ -248,7 +249,7 @@ def _add(
     group.add_argument(
         flag,
         dest=prefix + name,
-        type=_positive(kind),
+        type=_positive(kind, sampling_ceiling(name) if prefix == "limit_" else None),
         default=default,
         metavar="N" if kind is int else "SECONDS",
         help=f"{helps[name]} (default: %(default)s)",
@@ -262,11 +263,24 @@ def _values(
     return {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)}
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+def sampling_ceiling(name: str) -> int | None:
+    """The most a request limit may be set to: what every engine accepts
+    (``limits.SamplingCeilings``), for the limits an engine checks again; None for the others."""
+    ceiling: int | None = getattr(SAMPLING_CEILINGS, name, None)
+    return ceiling
+
+
+def _positive(
+    kind: type[int] | type[float], ceiling: int | None = None
+) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         value = kind(text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if ceiling is not None and value > ceiling:
+            raise argparse.ArgumentTypeError(
+                f"must be at most {ceiling} (what an engine accepts), got {text}"
+            )
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages

@@ -131,7 +131,23 @@ class LoraLimits:
     max_registered_loras: int = 1024
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingCeilings:
+    """The most one request's ``SamplingParams`` may hold, which every process that builds them
+    checks (the front, the coordinator, each engine): an engine knows none of the front's
+    flags. The ``RequestLimits`` of the same names are what the edge allows, and may be set up
+    to these, not past them (the flags and the CR refuse more); before, a flag set above an
+    engine's own bound let requests past the edge that were then refused, naming no flag."""
+
+    max_stop_strings: int = 256
+    max_stop_string_chars: int = 10_000
+    max_stop_token_ids: int = 1_024
+    # vLLM's default max_logprobs too (the vLLM backend starts its engines with it).
+    max_top_logprobs: int = 20
+
+
 DEFAULT_REQUEST_LIMITS: Final = RequestLimits()
+SAMPLING_CEILINGS: Final = SamplingCeilings()
 DEFAULT_PREFIX_CACHE_LIMITS: Final = PrefixCacheLimits()
 DEFAULT_HTTP_LIMITS: Final = HttpLimits()
 DEFAULT_ADMISSION_LIMITS: Final = AdmissionLimits()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
-from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_PREFIX_CACHE_LIMITS, DEFAULT_REQUEST_LIMITS
+from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_PREFIX_CACHE_LIMITS, SAMPLING_CEILINGS
 
 # Temperatures below this sample greedily (as vLLM does below 1e-5).
 GREEDY_TEMPERATURE: Final = 1e-5
@@ -124,7 +124,7 @@ class SamplingParams:
             isinstance(s, str) and s for s in self.stop_strings
         ):
             raise InvalidSamplingParams("stop_strings must be a list of non-empty strings")
-        limits = DEFAULT_REQUEST_LIMITS
+        limits = SAMPLING_CEILINGS  # the edge holds requests to its own RequestLimits
         if len(self.stop_strings) > limits.max_stop_strings:
             raise InvalidSamplingParams(
                 f"at most {limits.max_stop_strings} stop_strings are allowed"
@@ -182,13 +182,13 @@ class SamplingParams:
             for token in self.stop_token_ids
         ):
             raise InvalidSamplingParams("stop_token_ids must be a list of token ids >= 0")
-        most = DEFAULT_REQUEST_LIMITS.max_stop_token_ids
+        most = SAMPLING_CEILINGS.max_stop_token_ids
         if len(self.stop_token_ids) > most:
             raise InvalidSamplingParams(f"at most {most} stop_token_ids are allowed")
 
     def _validate_logprobs(self) -> None:
         _require_int("top_logprobs", self.top_logprobs)
-        limit = DEFAULT_REQUEST_LIMITS.max_top_logprobs
+        limit = SAMPLING_CEILINGS.max_top_logprobs
         if not 0 <= self.top_logprobs <= limit:
             raise InvalidSamplingParams(
                 f"top_logprobs must be in [0, {limit}], got {self.top_logprobs}"

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
-from dpserve.flags import CONSTRAINT_LIMITS
+from dpserve.flags import CONSTRAINT_LIMITS, sampling_ceiling
 from dpserve.limits import DEFAULT_ADMISSION_LIMITS, DEFAULT_REQUEST_LIMITS
 
 # Fields whose flag `dpserve coordinator` does not have (yet): not offered in the spec.
@@ -61,6 +61,12 @@ def parse_limits(data: Any, path: str, problems: list[str]) -> tuple[tuple[str, 
             kind = "integer" if isinstance(default, int) else "number"
             problems.append(f"{path}.{key}: must be a positive {kind}, got {value!r}")
             continue
+        ceiling = sampling_ceiling(name)
+        if ceiling is not None and value > ceiling:
+            problems.append(
+                f"{path}.{key}: must be at most {ceiling} (what an engine accepts), got {value!r}"
+            )
+            continue
         result.append((name, value))
     return tuple(result)
 
@@ -79,9 +85,12 @@ def engine_limit_args(limits: tuple[tuple[str, int | float], ...]) -> list[str]:
 def crd_schema() -> dict[str, Any]:
     """The CRD's schema of ``spec.coordinator.limits``."""
     properties = {}
-    for key, (_, default) in LIMIT_FIELDS.items():
+    for key, (name, default) in LIMIT_FIELDS.items():
         if isinstance(default, int):
             properties[key] = {"type": "integer", "minimum": 1}
+            ceiling = sampling_ceiling(name)
+            if ceiling is not None:
+                properties[key]["maximum"] = ceiling
         else:
             properties[key] = {"type": "number", "exclusiveMinimum": True, "minimum": 0}
         properties[key]["description"] = f"default {default}"

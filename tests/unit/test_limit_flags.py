@@ -12,6 +12,8 @@ import pytest
 from dpserve import flags
 from dpserve.cli import build_parser
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.openai.errors import InvalidRequest
+from dpserve.openai.requests import parse_completion_request
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
@@ -39,6 +41,27 @@ def test_flags_set_the_limits() -> None:
     assert flags.request_limits(args).max_prompt_chars == 12
     assert flags.http_limits(args).header_timeout == 2.5
     assert flags.http_limits(args).request_timeout == 9.0
+
+
+def test_limits_an_engine_checks_too_may_be_raised_to_its_ceiling_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Raised to what every engine accepts (``SamplingCeilings``), a limit lets requests that
+    size through the edge and the sampling parameters' own checks; past it the flag is
+    refused at start, instead of requests being refused without naming the flag."""
+    args = build_parser().parse_args(
+        ["serve", "--max-stop-strings", "256", "--max-stop-token-ids", "100"]
+    )
+    limits = flags.request_limits(args)
+    body = {"prompt": "p", "stop": [f"s{i}" for i in range(200)], "stop_token_ids": [*range(90)]}
+    params = parse_completion_request(body, limits).params
+    assert (len(params.stop_strings), len(params.stop_token_ids)) == (200, 90)
+    with pytest.raises(InvalidRequest, match="max_stop_strings=16"):
+        parse_completion_request(body)  # the defaults: refused at the edge, naming the limit
+    for flag, ceiling in (("--max-stop-strings", 256), ("--max-top-logprobs", 20)):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, str(ceiling + 1)])
+        assert f"must be at most {ceiling} (what an engine accepts)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])

@@ -51,7 +51,7 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
         ({"stop_token_ids": [3, True]}, "stop_token_ids"),
         ({"stop_token_ids": [2**31]}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
-        ({"stop_token_ids": list(range(65))}, "at most 64 stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "at most 1024 stop_token_ids"),
         ({"max_tokens": 5}, "unknown sampling parameter"),
     ],
 )

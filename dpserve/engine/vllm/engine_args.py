@@ -15,7 +15,7 @@ from typing import Any, Final
 
 from dpserve.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES
 from dpserve.engine.vllm.resumed_penalties import QUALIFIED_NAME as RESUMED_PENALTIES_PROCESSOR
-from dpserve.limits import DEFAULT_REQUEST_LIMITS
+from dpserve.limits import SAMPLING_CEILINGS
 
 # vLLM's CPU attention takes blocks of a multiple of 32 tokens, so dpserve's default block size
 # (16) is not passed on: vLLM picks its platform's default instead.
@@ -94,7 +94,7 @@ def vllm_command_line(options: VllmOptions, *, on_cpu: bool) -> list[str]:
         line.append("--enforce-eager")
     line += ["--structured-outputs-config", json.dumps({"backend": STRUCTURED_OUTPUT_BACKEND})]
     # Requests may ask for as many alternatives as dpserve's limit allows.
-    line += ["--max-logprobs", str(DEFAULT_REQUEST_LIMITS.max_top_logprobs)]
+    line += ["--max-logprobs", str(SAMPLING_CEILINGS.max_top_logprobs)]
     return [*line, *options.extra]
 
 
