@@ -49,16 +49,17 @@ def test_limits_an_engine_checks_too_may_be_raised_to_its_ceiling_only(
     """Raised to what every engine accepts (``SamplingCeilings``), a limit lets requests that
     size through the edge and the sampling parameters' own checks; past it the flag is
     refused at start, instead of requests being refused without naming the flag."""
-    args = build_parser().parse_args(
-        ["serve", "--max-stop-strings", "256", "--max-stop-token-ids", "100"]
-    )
-    limits = flags.request_limits(args)
-    body = {"prompt": "p", "stop": [f"s{i}" for i in range(200)], "stop_token_ids": [*range(90)]}
-    params = parse_completion_request(body, limits).params
-    assert (len(params.stop_strings), len(params.stop_token_ids)) == (200, 90)
-    with pytest.raises(InvalidRequest, match="max_stop_strings=16"):
+    args = build_parser().parse_args(["serve", "--max-stop-token-ids", "1024"])
+    body = {"prompt": "p", "stop_token_ids": [*range(900)]}
+    params = parse_completion_request(body, flags.request_limits(args)).params
+    assert len(params.stop_token_ids) == 900
+    with pytest.raises(InvalidRequest, match="max_stop_token_ids=64"):
         parse_completion_request(body)  # the defaults: refused at the edge, naming the limit
-    for flag, ceiling in (("--max-stop-strings", 256), ("--max-top-logprobs", 20)):
+    for flag, ceiling in (
+        ("--max-stop-token-ids", 1024),
+        ("--max-stop-strings", 16),
+        ("--max-top-logprobs", 20),
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, str(ceiling + 1)])
         assert f"must be at most {ceiling} (what an engine accepts)" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def test_set_limits_become_flags_the_coordinator_parses() -> None:
         ({"maxPromptTokens": 1.5}, "maxPromptTokens: must be a positive integer"),
         ({"queueTimeout": True}, "queueTimeout: must be a positive number"),
         ({"maxFoo": 1}, "spec.coordinator.limits.maxFoo: unknown limit"),
-        ({"maxStopStrings": 257}, "maxStopStrings: must be at most 256 (what an engine accepts)"),
+        ({"maxStopStrings": 17}, "maxStopStrings: must be at most 16 (what an engine accepts)"),
     ],
 )
 def test_invalid_limits_are_named(limits: dict[str, object], problem: str) -> None:
