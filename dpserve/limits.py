@@ -139,9 +139,9 @@ class SamplingCeilings:
     to these, not past them (the flags and the CR refuse more); before, a flag set above an
     engine's own bound let requests past the edge that were then refused, naming no flag."""
 
-    # A stop string's matcher holds every prefix of every stop string (``sequences.StopText``):
-    # at 16 of 1,000 characters, 9 MB and 33 ms to build, ~1 ms a token to scan (AMD EPYC Zen
-    # 4); it grows with the square of the length, so these are the edge's defaults too.
+    # A request's stop strings are matched by an automaton built in the engine's step loop
+    # (``stop_matcher``): at 16 of 1,000 characters ~13 ms and ~4 MB (AMD EPYC Zen 4), growing
+    # with their total length, so these are the edge's defaults too.
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1_000
     max_stop_token_ids: int = 1_024  # a set lookup per token

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from dpserve.block_hash import extra_keys
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
+from dpserve.engine.stop_matcher import automaton
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer, push_each, released_texts
 
@@ -37,35 +38,26 @@ TopEntry = tuple[int, float]
 
 
 class StopText:
-    """The text of a request with stop strings, from the detokenizer whose deltas are sent."""
+    """The text of a request with stop strings, from the detokenizer whose deltas are sent, and
+    where it stands in its stop strings' automaton (``stop_matcher``)."""
 
     __slots__ = (
+        "_automaton",
         "_ends",
-        "_last_chars",
-        "_longest",
+        "_match_back",
         "_next_delta",
-        "_prefixes_ending_in",
-        "_sent_tail",
+        "_state",
         "_unsent",
         "detokenizer",
-        "stops",
     )
 
     def __init__(self, detokenizer: IncrementalDetokenizer, stops: Iterable[str]) -> None:
         self.detokenizer = detokenizer
-        self.stops = tuple(stops)
-        self._longest = max(map(len, self.stops))
-        # A stop string can only end where one of its last characters is.
-        self._last_chars = frozenset(stop[-1] for stop in self.stops)
-        # The proper beginnings of the stop strings by their last character, longest first:
-        # a held-back tail ends the text, so only those ending in its last character can be.
-        prefixes: dict[str, list[str]] = {}
-        for prefix in sorted(
-            {stop[:n] for stop in self.stops for n in range(1, len(stop))}, key=len, reverse=True
-        ):
-            prefixes.setdefault(prefix[-1], []).append(prefix)
-        self._prefixes_ending_in = {char: tuple(found) for char, found in prefixes.items()}
-        self._sent_tail = ""  # the end of the text returned so far: a stop string may start there
+        self._automaton = automaton(tuple(stops))
+        self._state = 0  # the automaton's, after all the text so far
+        # Where the earliest stop string that ends in the newest token's text starts, counted
+        # back from the end of ``_unsent`` (None: none ends there).
+        self._match_back: int | None = None
         self._unsent = ""  # the text of the tokens not returned yet
         self._ends: list[int] = []  # where each of those tokens' text ends in ``_unsent``
         self._next_delta: str | None = None  # decoded ahead by ``decode_new_tokens``
@@ -78,7 +70,8 @@ class StopText:
         returned already): a stop string may begin in theirs."""
         text = cls(IncrementalDetokenizer(tokenizer, resume_tokens), stops)
         if resume_tokens:
-            text._sent_tail = released_texts(tokenizer, [resume_tokens])[0][-text._longest :]
+            tail = released_texts(tokenizer, [resume_tokens])[0][-text._automaton.longest :]
+            text._state = text._automaton.advance(0, tail).state
         return text
 
     def add(self, token: int) -> str:
@@ -90,35 +83,16 @@ class StopText:
             self._next_delta = None
         self._unsent = unsent = self._unsent + delta
         self._ends.append(len(unsent))
+        advanced = self._automaton.advance(self._state, delta)
+        self._state = advanced.state
+        self._match_back = advanced.match_back
         return delta
 
     def scan(self) -> tuple[int, bool]:
         """How many of the tokens not returned yet may be returned, and whether a stop string
         (one that ends in the newest token's text) ends the request before them."""
-        ends = self._ends
-        return self.scan_newest(self._unsent[ends[-2] if len(ends) > 1 else 0 :])
-
-    def scan_newest(self, newest: str) -> tuple[int, bool]:
-        """``scan``, given the newest token's text (what ``add`` returned)."""
-        ends = self._ends
-        unsent = self._unsent
-        if not self._last_chars.isdisjoint(newest):  # a stop string may end in it
-            window = self._sent_tail + unsent
-            base = len(self._sent_tail)
-            newest_from = base + len(unsent) - len(newest)
-            match_at = min(
-                (
-                    i
-                    for i in (
-                        window.find(stop, max(0, newest_from - len(stop) + 1))
-                        for stop in self.stops
-                    )
-                    if i >= 0
-                ),
-                default=-1,
-            )
-            if match_at >= 0:
-                return bisect_right(ends, match_at - base), True
+        if self._match_back is not None:
+            return bisect_right(self._ends, len(self._unsent) - self._match_back), True
         return self.releasable(), False
 
     def releasable(self) -> int:
@@ -126,19 +100,8 @@ class StopText:
         beginning of a stop string (it may complete next step). Also before ``min_tokens``,
         when no stop string may end the request yet: one that begins before that point and
         ends after it still cuts the text where it begins."""
-        ends, unsent = self._ends, self._unsent
-        # The tail ends the text, so only the beginnings ending in the text's last character
-        # can be (usually none: then everything may go, decided without building the window).
-        end = unsent or self._sent_tail
-        candidates = self._prefixes_ending_in.get(end[-1], ()) if end else ()
-        for prefix in candidates:
-            if (
-                unsent.endswith(prefix)
-                if len(prefix) <= len(unsent)
-                else (self._sent_tail + unsent).endswith(prefix)
-            ):
-                return bisect_right(ends, len(unsent) - len(prefix))
-        return len(ends)
+        held = self._automaton.hold(self._state)
+        return bisect_right(self._ends, len(self._unsent) - held)
 
     def release(self, count: int, final: bool) -> str:
         """The text of the next ``count`` tokens, now returned; with ``final`` (the request
@@ -147,7 +110,6 @@ class StopText:
         text = self._unsent[:cut]
         self._unsent = self._unsent[cut:]
         self._ends = [end - cut for end in self._ends[count:]]
-        self._sent_tail = (self._sent_tail + text)[-self._longest :]
         if final:
             text += self._unsent + self.detokenizer.push([], final=True)
         return text
@@ -358,9 +320,9 @@ class Sequence:
             finish = None
         text = self.stop_text
         if text is not None:
-            delta = text.add(token)
+            text.add(token)
             if ready > params.min_tokens:
-                releasable, matched = text.scan_newest(delta)
+                releasable, matched = text.scan()
                 if matched:
                     ready = self.emitted + releasable
                     del tokens[ready:]
