@@ -34,6 +34,7 @@ REQUEST_LIMIT_HELP: Final = {
     "max_stop_strings": "stop strings per request",
     "max_stop_string_chars": "characters of one stop string",
     "max_stop_token_ids": "stop token ids per request (stop_token_ids)",
+    "max_logit_bias_tokens": "tokens a request's logit_bias may name",
     "max_json_depth": "nesting depth of an HTTP JSON body",
     "max_top_logprobs": "alternatives per token a request may ask for (logprobs / top_logprobs)",
     "max_choices": "n (and best_of): completions generated for one prompt",

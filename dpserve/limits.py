@@ -35,6 +35,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1_000
     max_stop_token_ids: int = 64  # stop_token_ids: each one is looked up per generated token
+    max_logit_bias_tokens: int = 300  # logit_bias entries (OpenAI's bound)
     max_json_depth: int = 64  # nesting of the HTTP JSON body
     max_top_logprobs: int = 20  # alternatives per token (logprobs / top_logprobs), as vLLM
     max_choices: int = 16  # n (and best_of): completions generated for one prompt
@@ -145,6 +146,8 @@ class SamplingCeilings:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1_000
     max_stop_token_ids: int = 1_024  # a set lookup per token
+    # logit_bias: added to the scores of each step the request is in, from tensors built once.
+    max_logit_bias_tokens: int = 1_024
     # vLLM's default max_logprobs too (the vLLM backend starts its engines with it).
     max_top_logprobs: int = 20
 

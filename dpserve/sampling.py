@@ -53,6 +53,10 @@ class SamplingParams:
     # vLLM's extension: tokens that end the request as EOS does (also with ignore_eos), in
     # addition to the EOS / termination_id; like EOS, not part of the text.
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # OpenAI's logit_bias as (token id, bias in [-100, 100]) pairs: each bias is added to its
+    # token's logit before anything else chooses from them (greedy decoding included); the
+    # reported log-probs stay the model's own.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     return_log_probs: bool = False
     seed: int | None = None  # same seed, prompt and model -> same tokens
     stream: bool = False
@@ -88,6 +92,9 @@ class SamplingParams:
         for name in ("stop_strings", "stop_token_ids", "guided_choice"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, list | tuple):  # pairs arrive as lists from the wire
+            pairs = tuple(tuple(p) if isinstance(p, list) else p for p in self.logit_bias)
+            object.__setattr__(self, "logit_bias", pairs)
         self.validate()
 
     @property
@@ -134,6 +141,7 @@ class SamplingParams:
                 f"a stop string may have at most {limits.max_stop_string_chars} characters"
             )
         self._validate_stop_token_ids()
+        self._validate_logit_bias()
         _require_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.num_tokens_to_generate:
             raise InvalidSamplingParams(
@@ -185,6 +193,34 @@ class SamplingParams:
         most = SAMPLING_CEILINGS.max_stop_token_ids
         if len(self.stop_token_ids) > most:
             raise InvalidSamplingParams(f"at most {most} stop_token_ids are allowed")
+
+    def _validate_logit_bias(self) -> None:
+        pairs = self.logit_bias
+        if not isinstance(pairs, tuple) or not all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and isinstance(pair[0], int)
+            and not isinstance(pair[0], bool)
+            and 0 <= pair[0] < 2**31
+            and isinstance(pair[1], int | float)
+            and not isinstance(pair[1], bool)
+            and -100.0 <= pair[1] <= 100.0
+            for pair in pairs
+        ):
+            raise InvalidSamplingParams(
+                "logit_bias must map token ids >= 0 to biases in [-100, 100]"
+            )
+        most = SAMPLING_CEILINGS.max_logit_bias_tokens
+        if len(pairs) > most:
+            raise InvalidSamplingParams(f"logit_bias may name at most {most} tokens")
+        if len({token for token, _ in pairs}) != len(pairs):
+            raise InvalidSamplingParams("logit_bias names a token more than once")
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the model's own logits: its token is their argmax (no penalties, no
+        logit bias)."""
+        return self.greedy and not self.has_penalties and not self.logit_bias
 
     def _validate_logprobs(self) -> None:
         _require_int("top_logprobs", self.top_logprobs)

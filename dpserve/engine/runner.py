@@ -38,8 +38,9 @@ class RunnerRequest:
 
 def check_tokens_fit(request: RunnerRequest, context_size: int, vocab_size: int) -> None:
     """``RequestRejected`` unless ``request``'s prompt is not empty, its prompt and resumed
-    tokens leave room for a new token in a context of ``context_size``, and every token id is
-    one of the model's ``vocab_size`` (a model runner's first check, whatever its engine)."""
+    tokens leave room for a new token in a context of ``context_size``, and every token id
+    (its ``logit_bias``'s too) is one of the model's ``vocab_size`` (a model runner's first
+    check, whatever its engine)."""
     prompt_length = len(request.prompt_tokens)
     if prompt_length == 0:
         raise RequestRejected(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
@@ -55,6 +56,12 @@ def check_tokens_fit(request: RunnerRequest, context_size: int, vocab_size: int)
     if min(all_tokens) < 0 or max(all_tokens) >= vocab_size:
         raise RequestRejected(
             ErrorCode.BAD_REQUEST, f"token ids must be in [0, {vocab_size}) for this model"
+        )
+    biased = request.params.logit_bias
+    if biased and max(token for token, _ in biased) >= vocab_size:
+        raise RequestRejected(
+            ErrorCode.BAD_REQUEST,
+            f"logit_bias: token ids must be in [0, {vocab_size}) for this model",
         )
 
 

@@ -248,14 +248,9 @@ class Sequence:
     @property
     def bare_argmax(self) -> bool:
         """Its next token is the logits' argmax and nothing else is read from them: no
-        temperature, penalties, grammar or log-probs."""
+        temperature, penalties, logit bias, grammar or log-probs."""
         params = self.params
-        return (
-            params.greedy
-            and not params.has_penalties
-            and not params.return_log_probs
-            and self.matcher is None
-        )
+        return params.plain_greedy and not params.return_log_probs and self.matcher is None
 
     @property
     def needs_host_state(self) -> bool:

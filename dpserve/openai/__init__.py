@@ -24,8 +24,8 @@ API choices, where OpenAI leaves room or where this server differs:
   (``adapters``); while no engine serves adapters it may name anything (the base model
   answers), once one does an unknown name is a 404 naming it, as vLLM answers.
 * Every field a client sends is honoured or refused: ``requests.COMPLETION_FIELDS`` and
-  ``requests.CHAT_FIELDS`` list each known field and what is done with it; ``logit_bias``,
-  tools and the like are accepted only at their no-op values, and an unknown field is a 400
+  ``requests.CHAT_FIELDS`` list each known field and what is done with it; tools and the
+  like are accepted only at their no-op values, and an unknown field is a 400
   naming it. A null value counts as absent.
 * ``max_tokens`` defaults to 16 for completions (OpenAI's default) and to
   ``DEFAULT_CHAT_MAX_TOKENS`` for chat (OpenAI's is "until the context is full"; a bound keeps

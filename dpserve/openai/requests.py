@@ -89,7 +89,9 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
     "guided_json": _honoured("vLLM extension: a JSON schema the output follows"),
     "guided_regex": _honoured("vLLM extension: a regular expression the output matches"),
     "guided_choice": _honoured("vLLM extension: the output is one of these strings"),
-    "logit_bias": _no_op("not implemented", {}),
+    "logit_bias": _honoured(
+        "token id (a string) -> bias in [-100, 100], added to its logit: SamplingParams.logit_bias"
+    ),
     "min_p": _honoured("vLLM extension: SamplingParams.min_p, in [0, 1] (0 disables it)"),
     "stop_token_ids": _honoured(
         "vLLM extension: SamplingParams.stop_token_ids, tokens that end a choice as EOS does"
@@ -335,6 +337,7 @@ def _generation_request(
             num_tokens_to_generate=max_tokens,
             stop_strings=_stop_strings(body.get("stop"), limits),
             stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), limits),
+            logit_bias=_logit_bias(body.get("logit_bias"), limits),
             return_log_probs=return_log_probs,
             seed=read_int(body, "seed", None),
             stream=stream,
@@ -369,6 +372,7 @@ _API_NAMES: Final = {
     "min_p": "min_p",
     "seed": "seed",
     "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
     "stop_string": "stop",
     "stop string": "stop",
     "min_tokens": "min_tokens",
@@ -425,6 +429,29 @@ def _stop_token_ids(value: object, limits: RequestLimits) -> tuple[int, ...]:
             "stop_token_ids", len(value), "ids", "max_stop_token_ids", limits, "stop_token_ids"
         )
     return tuple(value)
+
+
+def _logit_bias(value: object, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token ids (JSON keys are strings) to biases."""
+    if value is None:
+        return ()
+    problem = InvalidRequest(
+        "logit_bias must map token ids (as strings) to numbers in [-100, 100]", param="logit_bias"
+    )
+    if not isinstance(value, dict):
+        raise problem
+    if len(value) > limits.max_logit_bias_tokens:
+        raise _over_limit(
+            "logit_bias", len(value), "tokens", "max_logit_bias_tokens", limits, "logit_bias"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise problem
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise problem
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _completion_logprobs(value: object, limits: RequestLimits) -> int | None:

@@ -38,6 +38,7 @@ NEW_TOKENS = 400
 STOP_STRINGS = 3
 STOP_CHARS = 20
 STOP_TOKEN_IDS = 4
+LOGIT_BIAS_TOKENS = 3
 JSON_DEPTH = 5  # a chat body with content parts nests exactly this deep
 MESSAGE_BYTES = 8_192  # the coordinator's: tighter than the front's own
 FLAGS = (
@@ -48,6 +49,7 @@ FLAGS = (
     f"--max-stop-strings={STOP_STRINGS}",
     f"--max-stop-string-chars={STOP_CHARS}",
     f"--max-stop-token-ids={STOP_TOKEN_IDS}",
+    f"--max-logit-bias-tokens={LOGIT_BIAS_TOKENS}",
     f"--max-json-depth={JSON_DEPTH}",
 )
 STEP_DELAY = 0.01  # the other users' streams of NEW_TOKENS tokens take > 4 s
@@ -108,6 +110,11 @@ CASES: list[tuple[str, str, Any, Any, str, int]] = [
      {"prompt": "s", "max_tokens": 2, "stop_token_ids": list(range(STOP_TOKEN_IDS))},
      {"prompt": "s", "max_tokens": 2, "stop_token_ids": list(range(STOP_TOKEN_IDS + 1))},
      "max_stop_token_ids", 400),
+    ("logit bias", "/v1/completions",
+     {"prompt": "s", "max_tokens": 2, "logit_bias": {str(t): 1 for t in range(LOGIT_BIAS_TOKENS)}},
+     {"prompt": "s", "max_tokens": 2,
+      "logit_bias": {str(t): 1 for t in range(LOGIT_BIAS_TOKENS + 1)}},
+     "max_logit_bias_tokens", 400),
     ("json depth", "/v1/chat/completions", chat([{"type": "text", "text": "deep"}]),
      chat([{"type": "text", "text": ["deeper"]}]), "max_json_depth", 400),
 ]  # fmt: skip

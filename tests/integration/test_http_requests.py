@@ -115,6 +115,18 @@ async def test_deeply_nested_json_is_a_400(
             "stop_token_ids",
             "max_stop_token_ids",
         ),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias", None),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias", None),
+        (CHAT, chat("x", logit_bias={"5": 101}), "logit_bias", None),
+        (CHAT, chat("x", logit_bias={"5": "1"}), "logit_bias", None),
+        (CHAT, chat("x", logit_bias={"5": 1, "05": 2}), "logit_bias", None),
+        (CHAT, chat("x", logit_bias=[5]), "logit_bias", None),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "logit_bias": {str(t): 1 for t in range(301)}},
+            "logit_bias",
+            "max_logit_bias_tokens",
+        ),
         (CHAT, {"messages": "hi"}, "messages", None),
         (CHAT, chat("x", top_logprobs=21, logprobs=True), "top_logprobs", "max_top_logprobs"),
         (CHAT, chat("x", top_logprobs=2), "top_logprobs", None),
@@ -235,9 +247,10 @@ def test_ignore_eos_and_min_tokens_reach_sampling_params() -> None:
     params = parse_completion_request(body).params
     assert (params.ignore_eos, params.min_tokens, params.num_tokens_to_generate) == (True, 5, 8)
     assert not parse_completion_request({"prompt": "p"}).params.ignore_eos
-    body = {"prompt": "p", "min_p": 0.1, "stop_token_ids": [3, 4]}
+    body = {"prompt": "p", "min_p": 0.1, "stop_token_ids": [3, 4], "logit_bias": {"7": -100}}
     params = parse_completion_request(body).params
     assert (params.min_p, params.stop_token_ids) == (0.1, (3, 4))
+    assert params.logit_bias == ((7, -100.0),)
 
 
 # -------------------------------------------------------------- item 10: logprob strings

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dpserve.engine.model_runner import ModelRunner
-from dpserve.engine.runner import RunnerRequest, TokenUpdate
+from dpserve.engine.runner import RequestRejected, RunnerRequest, TokenUpdate
 from dpserve.sampling import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -253,3 +253,23 @@ def test_stop_token_ids_end_a_request_as_eos_does_with_min_tokens_deferring_them
     else:
         assert tokens_of(updates[3]) == tokens
         assert updates[3][-1].finish_reason == "length"
+
+
+def test_logit_bias_steers_the_tokens_and_a_token_outside_the_vocabulary_is_refused(
+    runner: ModelRunner,
+) -> None:
+    """A +100 bias makes its token every greedy choice (on the paged path and against a batch
+    mate without one); an id past the model's vocabulary is refused when the request arrives,
+    never indexed by a step."""
+    free = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+    tokens = tokens_of(run_all(runner, [RunnerRequest(1, PROMPT, free)])[1])
+    favourite = next(t for t in range(1, 300) if t not in tokens)
+    biased = dataclasses.replace(free, logit_bias=((favourite, 100.0),))
+    updates = run_all(runner, [RunnerRequest(2, PROMPT, biased), RunnerRequest(3, PROMPT, free)])
+    assert tokens_of(updates[2]) == [favourite] * 6
+    assert tokens_of(updates[3]) == tokens
+    vocab = runner.vocab_size
+    outside = dataclasses.replace(free, logit_bias=((vocab, 1.0),))
+    with pytest.raises(RequestRejected, match="logit_bias"):
+        runner.add(RunnerRequest(4, PROMPT, outside))
+    assert not runner.has_work()

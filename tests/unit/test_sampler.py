@@ -157,6 +157,27 @@ def test_min_p_is_per_row_and_leaves_greedy_rows_alone() -> None:
         assert sample(batch, params, [position] * 3).tokens.tolist() == [0, 0, 3]
 
 
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_the_reported_logprobs() -> None:
+    batch = torch.stack([LOGITS, LOGITS, LOGITS])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((2, 5.0),), return_log_probs=True),
+        SamplingParams(temperature=0.0, return_log_probs=True),  # a batch mate without one
+        SamplingParams(temperature=1.0, seed=4, logit_bias=((0, -100.0), (1, -100.0))),
+    ]
+    for position in range(30):
+        out = sample(batch, params, [position] * 3)
+        tokens = out.tokens.tolist()
+        assert tokens[:2] == [2, 0]
+        assert tokens[2] in (2, 3)
+        assert out.logprobs is not None
+        # The model's own log-probs: the bias chose token 2, it did not make it likelier.
+        assert out.logprobs[0].item() == pytest.approx(math.log(0.15), abs=1e-5)
+    # The bias is applied before the penalties and top-k: top_k 1 keeps the biased token.
+    assert sample(
+        LOGITS.unsqueeze(0), [SamplingParams(top_k=1, logit_bias=((3, 3.0),))], [0]
+    ).tokens.tolist() == [3]
+
+
 def test_top_k_ties_at_the_boundary_keep_the_lowest_ids() -> None:
     seen = frequencies(SamplingParams(temperature=1.0, top_k=3, seed=2), torch.zeros(10))
     assert set(seen) == {0, 1, 2}

@@ -19,10 +19,12 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
         stream=True,
         stop_token_ids=[7, 9],
         min_p=0.05,
+        logit_bias=[[5, 2.5], [9, -100]],
     )
     wire = params.serialize()
     assert wire["stop_strings"] == ["\n", "END"]
     assert (wire["stop_token_ids"], wire["min_p"]) == ([7, 9], 0.05)
+    assert params.logit_bias == ((5, 2.5), (9, -100))
     assert SamplingParams.deserialize(wire) == params
     assert params.greedy
 
@@ -52,6 +54,14 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
         ({"stop_token_ids": [2**31]}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
         ({"stop_token_ids": list(range(1025))}, "at most 1024 stop_token_ids"),
+        ({"logit_bias": [[5, 100.5]]}, "logit_bias must map"),
+        ({"logit_bias": [[-1, 1]]}, "logit_bias must map"),
+        ({"logit_bias": [[5, float("nan")]]}, "logit_bias must map"),
+        ({"logit_bias": [[5, True]]}, "logit_bias must map"),
+        ({"logit_bias": [[5, 1, 2]]}, "logit_bias must map"),
+        ({"logit_bias": {"5": 1}}, "logit_bias must map"),
+        ({"logit_bias": [[5, 1], [5, 2]]}, "more than once"),
+        ({"logit_bias": [[t, 1] for t in range(1025)]}, "at most 1024 tokens"),
         ({"max_tokens": 5}, "unknown sampling parameter"),
     ],
 )

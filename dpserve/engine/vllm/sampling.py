@@ -1,13 +1,12 @@
 """dpserve's ``SamplingParams`` as vLLM's.
 
-vLLM samples (temperature, min-p, top-k / top-p, seed, penalties, structured output) and
-computes the log-probs; dpserve's ``sequences.Sequence`` applies the finishing rules to what it
-sampled (EOS, ``termination_id`` and ``stop_token_ids``, ``min_tokens``, stop strings, the
+vLLM samples (logit bias, temperature, min-p, top-k / top-p, seed, penalties, structured output)
+and computes the log-probs; dpserve's ``sequences.Sequence`` applies the finishing rules to what
+it sampled (EOS, ``termination_id`` and ``stop_token_ids``, ``min_tokens``, stop strings, the
 length), exactly as dpserve's own engine does, so the text and the finish reasons are the same
-on both engines. vLLM is
-therefore told to stop only at ``max_tokens`` (``ignore_eos``, no stop tokens, no stop
-strings, no ``min_tokens``: vLLM's ``min_tokens`` masks the stop tokens, where dpserve's
-returns one sampled early as an ordinary token).
+on both engines. vLLM is therefore told to stop only at ``max_tokens`` (``ignore_eos``, no stop
+tokens, no stop strings, no ``min_tokens``: vLLM's ``min_tokens`` masks the stop tokens, where
+dpserve's returns one sampled early as an ordinary token).
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ def vllm_sampling_kwargs(
         "top_p": params.top_p,
         "top_k": params.top_k,
         "min_p": params.min_p,
+        "logit_bias": dict(params.logit_bias) or None,
         "seed": None if params.greedy else params.seed,
         "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty,
