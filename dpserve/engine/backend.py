@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dpserve.engine.sample import grammar, sampler
+from dpserve.engine.sample import grammar, penalties, sampler
 from dpserve.engine.sequences import Sequence
 
 
@@ -31,14 +31,24 @@ class Sampled:
     top: list[list[tuple[int, float]]] | None = None
 
 
-def token_histories(sequences: list[Sequence]) -> list[sampler.TokenHistory] | None:
-    """Each row's prompt and generated tokens, when a row has penalties (sampling counts them)."""
+def token_histories(sequences: list[Sequence]) -> list[penalties.RowTokens] | None:
+    """Each row's tokens as its penalties count them, when a row has penalties: what each
+    penalized sequence keeps between steps (``penalties.PenaltyTokens``)."""
     if not any(sequence.params.has_penalties for sequence in sequences):
         return None
-    return [
-        sampler.TokenHistory(sequence.request.prompt_tokens, sequence.tokens)
-        for sequence in sequences
-    ]
+    counted: list[penalties.RowTokens] = []
+    for sequence in sequences:
+        params = sequence.params
+        if not params.has_penalties:
+            counted.append(penalties.NO_TOKENS)
+            continue
+        kept = sequence.penalty_tokens
+        if kept is None:
+            kept = sequence.penalty_tokens = penalties.PenaltyTokens(
+                sequence.request.prompt_tokens, params.repetition_penalty != 1.0
+            )
+        counted.append(kept.counts(sequence.tokens))
+    return counted
 
 
 def grammar_matchers(sequences: list[Sequence]) -> list[grammar.Matcher | None] | None:

@@ -34,6 +34,8 @@ from dpserve.tokenizer import BatchTokenizer, IncrementalDetokenizer, push_each,
 if TYPE_CHECKING:
     from llguidance import LLMatcher as GrammarMatcher
 
+    from dpserve.engine.sample.penalties import PenaltyTokens
+
 TopEntry = tuple[int, float]
 
 
@@ -181,6 +183,9 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     # Structured output: the grammar matcher (``dpserve.engine.sample.grammar``), None without one.
     matcher: GrammarMatcher | None = None
+    # With penalties: its tokens as the sampler counts them, kept between steps
+    # (``backend.token_histories``).
+    penalty_tokens: PenaltyTokens | None = None
     stop_token: int | None = None  # the EOS / termination_id that ended it, reported once
     # Its log-prob and alternatives (with return_log_probs), reported with it.
     stop_logprob: tuple[float, list[TopEntry] | None] | None = None

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dpserve import protocol
-from dpserve.engine.sample.sampler import TokenHistory, log_probs_of, sample
+from dpserve.engine.sample.penalties import PenaltyTokens, TokenHistory, apply_penalties
+from dpserve.engine.sample.sampler import log_probs_of, sample
 from dpserve.protocol import ProtocolError
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 
@@ -56,6 +57,35 @@ def test_penalties_match_the_per_row_reference() -> None:
     assert out.logprobs is not None
     raw = torch.log_softmax(logits[0], dim=-1)[out.tokens[0]]
     assert out.logprobs[0].item() == pytest.approx(raw.item(), abs=1e-6)
+
+
+def test_kept_penalty_tokens_give_the_list_histories_scores_step_after_step() -> None:
+    """``PenaltyTokens`` (a sequence's distinct tokens and counts kept between steps, grown by
+    the tokens appended since, counted afresh if some were taken back) penalizes exactly as the
+    plain lists do, with and without a repetition penalty; rows without penalties are left
+    alone."""
+    generator = torch.Generator().manual_seed(1)
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, presence_penalty=-0.4, frequency_penalty=0.2),
+        SamplingParams(temperature=0.0),
+    ]
+    prompts = [[1, 2, 2, 3, 30], [40, 41], [7]]
+    repeats = [q.repetition_penalty != 1.0 for q in params]
+    kept = [PenaltyTokens(p, r) for p, r in zip(prompts, repeats, strict=True)]
+    generated: list[list[int]] = [[], [5], [6]]
+    for step in range(120):
+        if step == 80:
+            del generated[0][-3:]  # taken back
+        logits = torch.randn(3, VOCAB, generator=generator) * 3
+        plain = [TokenHistory(p, g) for p, g in zip(prompts, generated, strict=True)]
+        cached = [k.counts(g) for k, g in zip(kept, generated, strict=True)]
+        expected = apply_penalties(logits, [0, 1], params, plain)
+        torch.testing.assert_close(apply_penalties(logits, [0, 1], params, cached), expected)
+        torch.testing.assert_close(expected[2], logits[2])
+        tokens = sample(logits, params, [0, 0, 0], cached).tokens.tolist()
+        for history, token in zip(generated, tokens, strict=True):
+            history.append(token % 35 if step % 3 else 30)  # repeats, and the prompt's 30
 
 
 def test_penalties_need_histories() -> None:

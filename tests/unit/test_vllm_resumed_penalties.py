@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpserve.engine.sample.sampler import TokenHistory, _apply_penalties
+from dpserve.engine.sample.penalties import TokenHistory, apply_penalties
 from dpserve.engine.vllm.resumed_penalties import PenalizedRow, penalized, penalized_row
 from dpserve.engine.vllm.sampling import vllm_sampling_kwargs
 from dpserve.sampling import SamplingParams
@@ -43,7 +43,7 @@ def test_processor_and_vllm_give_the_uninterrupted_scores(repetition: float) -> 
     assert row == PenalizedRow(prompt + resumed, len(resumed), output, 0.7, 0.3, repetition)
     done = [t for t in output if t >= 0]  # -1: vLLM's placeholder for a token still in flight
     ours = _vllm_output_penalties(penalized(scores.clone(), row), done, 0.7, 0.3)
-    expected = _apply_penalties(
+    expected = apply_penalties(
         scores[None].clone(), [0], [params], [TokenHistory(prompt, resumed + done)]
     )[0]
     torch.testing.assert_close(ours, expected)

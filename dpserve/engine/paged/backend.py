@@ -68,7 +68,7 @@ from dpserve.engine.paged.cuda_graphs import DecodeGraphs
 from dpserve.engine.paged.device_queue import DeviceQueue, Launched
 from dpserve.engine.paged.piecewise_graphs import PiecewiseGraphs
 from dpserve.engine.paged.scheduler import Scheduler
-from dpserve.engine.sample import grammar, sampler
+from dpserve.engine.sample import grammar, penalties, sampler
 from dpserve.engine.sequences import Sequence
 from dpserve.sampling import SamplingParams
 
@@ -456,7 +456,7 @@ class PagedBackend:
         rows: int,
         params: list[SamplingParams] | None,
         positions: list[int] | None,
-        histories: list[sampler.TokenHistory] | None = None,
+        histories: list[penalties.RowTokens] | None = None,
         matchers: list[grammar.Matcher | None] | None = None,
         prompt_targets: list[int] | None = None,
         prompt_k: int = 0,

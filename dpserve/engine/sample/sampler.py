@@ -17,8 +17,8 @@ caller copies them to the host once (``SampleOutput.tolist``).
   falls back to token 0 through the greedy path. Nothing non-finite reaches an argmax as NaN.
 * A row's ``logit_bias`` is added to its tokens' scores first (greedy rows too), then
   penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``) are applied to
-  the rows that ask for them from per-row token counts built with one ``scatter_add`` over the
-  batch; a structured-output row's disallowed tokens (``allowed``) are -inf. Both change the
+  the rows that ask for them, at the tokens each has seen only (``penalties``); a
+  structured-output row's disallowed tokens (``allowed``) are -inf. Both change the
   scores tokens are chosen from, not the reported log-probs, which stay the model's own
   distribution (vLLM's default, "raw" log-probs).
 * Top log-probs: one ``topk`` over the whole batch's log-softmax with the largest k any row
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from dpserve.engine.kernels import triton_greedy
+from dpserve.engine.sample.penalties import RowTokens, apply_penalties
 from dpserve.sampling import SamplingParams
 
 _MASK_32 = 0xFFFFFFFF
@@ -49,14 +50,6 @@ _LOWEST_LOGPROB = torch.finfo(torch.float32).min
 
 # A token and its log-probability: one of a position's most likely alternatives.
 TopEntry = tuple[int, float]
-
-
-@dataclass(frozen=True, slots=True)
-class TokenHistory:
-    """What a row's penalties count: its prompt and the tokens generated so far."""
-
-    prompt: Sequence[int]
-    generated: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +106,7 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
-    histories: Sequence[TokenHistory] | None = None,
+    histories: Sequence[RowTokens] | None = None,
     allowed: torch.Tensor | None = None,
 ) -> SampleOutput:
     """One token per row of ``logits`` (``[batch, vocab]``, any float dtype). ``positions[i]``
@@ -136,7 +129,7 @@ def _sample(
     params: Sequence[SamplingParams],
     keys: Sequence[int | None],
     want_logprobs: bool,
-    histories: Sequence[TokenHistory] | None = None,
+    histories: Sequence[RowTokens] | None = None,
     allowed: torch.Tensor | None = None,
 ) -> SampleOutput:
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(keys) != len(params):
@@ -158,7 +151,7 @@ def _sample(
     if penalized:
         if histories is None or len(histories) != len(params):
             raise ValueError("penalties need one token history per row")
-        scores = _apply_penalties(scores, penalized, params, histories)
+        scores = apply_penalties(scores, penalized, params, histories)
     if allowed is not None:
         if allowed.shape != scores.shape:
             raise ValueError(f"allowed {tuple(allowed.shape)} does not match the logits")
@@ -207,55 +200,6 @@ def _bias_tensors(pairs: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, t
     """A ``logit_bias``'s token ids and biases as host tensors (shared: never written)."""
     ids = torch.tensor([token for token, _ in pairs], dtype=torch.long)
     return ids, torch.tensor([bias for _, bias in pairs], dtype=torch.float32)
-
-
-def _apply_penalties(
-    scores: torch.Tensor,
-    rows: list[int],
-    params: Sequence[SamplingParams],
-    histories: Sequence[TokenHistory],
-) -> torch.Tensor:
-    """vLLM's penalties for ``rows``: ``repetition_penalty`` divides a positive score (multiplies
-    a negative one) of every token in the prompt or the output; ``frequency_penalty`` x the
-    token's count in the output and ``presence_penalty`` (once) are subtracted."""
-    device = scores.device
-    vocab = scores.shape[1]
-    index = torch.tensor(rows, device=device)
-    settings = torch.tensor(
-        [
-            [params[r].presence_penalty, params[r].frequency_penalty, params[r].repetition_penalty]
-            for r in rows
-        ],
-        dtype=torch.float32,
-    ).to(device)
-    generated = _token_counts([histories[r].generated for r in rows], vocab, device)
-    seen = generated > 0
-    if any(params[r].repetition_penalty != 1.0 for r in rows):
-        seen |= _token_counts([histories[r].prompt for r in rows], vocab, device) > 0
-    part = scores.index_select(0, index)
-    repetition = settings[:, 2:3]
-    repeated = torch.where(part > 0, part / repetition, part * repetition)
-    part = torch.where(seen, repeated, part)
-    part = part - settings[:, 1:2] * generated - settings[:, 0:1] * (generated > 0).float()
-    return scores.index_copy(0, index, part)
-
-
-def _token_counts(
-    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """``[rows, vocab]`` fp32: how often each token occurs in each row's list (one scatter_add
-    over a padded tensor; the padding lands in a spare column that is dropped)."""
-    width = max((len(tokens) for tokens in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    if width == 0:
-        return counts[:, :vocab]
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
-    for row, tokens in enumerate(token_lists):  # filling a host buffer, not per-row tensor ops
-        if tokens:
-            padded[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.int64)
-    padded = padded.to(device)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
 
 
 def _sample_rows(
