@@ -53,6 +53,9 @@ class SamplingParams:
     # vLLM's extension: tokens that end the request as EOS does (also with ignore_eos), in
     # addition to the EOS / termination_id; like EOS, not part of the text.
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's extension: a stop string that ends the request stays in its text (the tokens are
+    # kept through the one it ends in); by default the text is cut where it begins.
+    include_stop_str_in_output: bool = False
     # OpenAI's logit_bias as (token id, bias in [-100, 100]) pairs: each bias is added to its
     # token's logit before anything else chooses from them (greedy decoding included); the
     # reported log-probs stay the model's own.
@@ -159,7 +162,7 @@ class SamplingParams:
         self._validate_logprobs()
         self._validate_penalties()
         self._validate_guided()
-        for flag in ("return_log_probs", "stream", "ignore_eos"):
+        for flag in ("return_log_probs", "stream", "ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSamplingParams(f"{flag} must be true or false")
         if self.seed is not None:

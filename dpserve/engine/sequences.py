@@ -4,7 +4,8 @@ Finishing: ``num_tokens_to_generate`` (resume tokens included) or the context si
 EOS / ``termination_id`` / a ``stop_token_ids`` token -> "stop", and like OpenAI the stop token
 is **not** returned; a stop string -> "stop", with the returned tokens cut before the token in
 which the stop string starts (the coordinator detokenizes tokens, so text can only be cut at
-token boundaries). While the decoded tail could still become a stop string, those tokens are
+token boundaries; with ``include_stop_str_in_output`` they are kept through the token it ends
+in). While the decoded tail could still become a stop string, those tokens are
 held back rather than streamed, so nothing ever has to be taken back. ``ignore_eos`` turns EOS
 and ``termination_id`` into ordinary tokens (not ``stop_token_ids``, as in vLLM); before
 ``min_tokens`` tokens neither stop tokens nor stop strings end a request (a stop token is then
@@ -323,6 +324,8 @@ class Sequence:
             text.add(token)
             if ready > params.min_tokens:
                 releasable, matched = text.scan()
+                if matched and params.include_stop_str_in_output:
+                    return self.emit(ready, "stop")  # every token, the last one's text ends it
                 if matched:
                     ready = self.emitted + releasable
                     del tokens[ready:]

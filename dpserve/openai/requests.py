@@ -96,7 +96,9 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
     "stop_token_ids": _honoured(
         "vLLM extension: SamplingParams.stop_token_ids, tokens that end a choice as EOS does"
     ),
-    "include_stop_str_in_output": _no_op("vLLM extension; stop strings are cut", False),
+    "include_stop_str_in_output": _honoured(
+        "vLLM extension: the stop string that ended a choice stays in its text"
+    ),
     "skip_special_tokens": _no_op("vLLM extension; special tokens are always skipped", True),
     "spaces_between_special_tokens": _no_op("vLLM extension", True),
     "priority": _no_op("vLLM extension; no priorities", 0),
@@ -342,6 +344,7 @@ def _generation_request(
             seed=read_int(body, "seed", None),
             stream=stream,
             ignore_eos=read_bool(body, "ignore_eos", default=False),
+            include_stop_str_in_output=read_bool(body, "include_stop_str_in_output", default=False),
             min_tokens=read_int(body, "min_tokens", 0),
             cache_salt=_cache_salt(body.get("cache_salt")),
             top_logprobs=top_logprobs,
@@ -377,6 +380,7 @@ _API_NAMES: Final = {
     "stop string": "stop",
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
+    "include_stop_str_in_output": "include_stop_str_in_output",
     "cache_salt": "cache_salt",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",

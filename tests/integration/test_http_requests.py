@@ -219,12 +219,13 @@ async def test_a_benchmark_clients_body_is_honoured(
     assert chunks[-1]["choices"] == []  # include_usage's final chunk is still there
 
 
-async def test_stop_token_ids_end_a_choice_and_min_p_is_honoured(
+async def test_stop_token_ids_min_p_and_included_stop_strings_are_honoured(
     cluster: Cluster, session: aiohttp.ClientSession
 ) -> None:
     """Through the front, coordinator and a (fake) engine: a stop token id ends the choice with
     "stop" and counts as generated, not as text; min_p reaches the engine (the fake engine
-    does not sample: tests/unit/test_sampler.py checks what it does)."""
+    does not sample: tests/unit/test_sampler.py checks what it does); a stop string asked to
+    stay in the text does."""
     prompt = "stop me"
     expected = expected_text(prompt, 12)
     stop_at = 5
@@ -240,6 +241,20 @@ async def test_stop_token_ids_end_a_choice_and_min_p_is_honoured(
     async with session.post(f"{cluster.base_url}{COMPLETIONS}", json=body) as reply:
         assert reply.status == 200, await reply.text()
         assert (await reply.json())["choices"][0]["finish_reason"] == "length"
+    # include_stop_str_in_output: the stop string stays, streamed or not.
+    stop = expected[4:6]
+    end = expected.index(stop) + len(stop)
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 12, "stop": stop, "stream": stream}
+        body["include_stop_str_in_output"] = True
+        async with session.post(f"{cluster.base_url}{COMPLETIONS}", json=body) as reply:
+            assert reply.status == 200, await reply.text()
+            if stream:
+                chunks = [json.loads(p) for p in (await sse_payloads(reply))[:-1]]
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            else:
+                text = (await reply.json())["choices"][0]["text"]
+        assert text == expected[:end]
 
 
 def test_ignore_eos_and_min_tokens_reach_sampling_params() -> None:

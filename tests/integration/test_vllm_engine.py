@@ -131,6 +131,12 @@ async def test_finishing_rules_give_dpserve_engine_text(
         ),
         # min_p 1 leaves each step's most likely token only: both engines sample greedily.
         SamplingParams(temperature=1.0, min_p=1.0, seed=7, num_tokens_to_generate=40),
+        SamplingParams(
+            temperature=0,
+            num_tokens_to_generate=40,
+            stop_strings=(stop,),
+            include_stop_str_in_output=True,
+        ),
         # A bias that outweighs the model's preference, then takes it back: greedy follows it.
         SamplingParams(
             temperature=0,
@@ -151,7 +157,8 @@ async def test_finishing_rules_give_dpserve_engine_text(
     assert records[2].stop_token == probe[10]
     assert records[4].stop_token == probe[12] and records[4].finish_reason == "stop"
     assert records[5].generated_tokens == records[3].generated_tokens  # min_p 1: greedy
-    assert records[6].generated_tokens == [probe[5]] * 12 or probe[5] == probe[0]
+    assert records[6].finish_reason == "stop" and stop in records[6].generated_text
+    assert records[7].generated_tokens == [probe[5]] * 12 or probe[5] == probe[0]
 
 
 async def test_seeds_repeat_and_differ(vllm_client: InferenceClient) -> None:

@@ -290,6 +290,36 @@ def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
     assert all(update.text is not None for update in outcome.updates)
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(runner: ModelRunner) -> None:
+    """The same stop string with ``include_stop_str_in_output``: the tokens run through the one
+    it ends in, so the text holds it and ends with it or within that token."""
+    runner.eos_token_ids = frozenset()
+    tokenizer = runner.tokenizer
+    prompt = random_prompts(1, seed=10)[0]
+    full = run(runner, {0: [request(1, prompt, num_tokens_to_generate=60)]})[1].tokens
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    _, stop = _first_ascii_stop(text, start=len(text) // 3)
+    outcome = run(
+        runner,
+        {
+            0: [
+                request(
+                    2,
+                    prompt,
+                    num_tokens_to_generate=60,
+                    stop_strings=[stop],
+                    include_stop_str_in_output=True,
+                )
+            ]
+        },
+    )[2]
+    assert outcome.finish == "stop"
+    assert outcome.tokens == full[: len(outcome.tokens)]
+    kept = tokenizer.decode(outcome.tokens, skip_special_tokens=True)
+    assert stop in kept and stop not in tokenizer.decode(outcome.tokens[:-1])
+    assert "".join(update.text or "" for update in outcome.updates) == kept
+
+
 def test_held_back_tokens_are_released_when_no_stop_string_follows(
     runner: ModelRunner,
 ) -> None:
