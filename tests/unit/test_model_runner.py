@@ -258,24 +258,22 @@ def _first_ascii_stop(text: str, start: int) -> tuple[int, str]:
     raise AssertionError("no usable stop string in the reference text")
 
 
-def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
+def _run_with_a_stop_string(runner: ModelRunner, **params: Any) -> tuple[list[int], str, Any]:
+    """A greedy 60-token run without a stop string, then the same prompt stopped by two ASCII
+    characters a third of the way into its text: the full tokens, the stop string and the
+    stopped run's outcome (``params``: more of the stopped request's sampling parameters)."""
     runner.eos_token_ids = frozenset()
-    tokenizer = runner.tokenizer
     prompt = random_prompts(1, seed=10)[0]
     full = run(runner, {0: [request(1, prompt, num_tokens_to_generate=60)]})[1].tokens
-    text = tokenizer.decode(full, skip_special_tokens=True)
+    text = runner.tokenizer.decode(full, skip_special_tokens=True)
     _, stop = _first_ascii_stop(text, start=len(text) // 3)
+    stopped = request(2, prompt, num_tokens_to_generate=60, stop_strings=[stop], **params)
+    return full, stop, run(runner, {0: [stopped]})[2]
 
-    outcome = run(
-        runner,
-        {
-            0: [
-                request(
-                    2, prompt, num_tokens_to_generate=60, stop_strings=[stop], return_log_probs=True
-                )
-            ]
-        },
-    )[2]
+
+def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
+    tokenizer = runner.tokenizer
+    full, stop, outcome = _run_with_a_stop_string(runner, return_log_probs=True)
     assert outcome.finish == "stop"
     assert outcome.tokens == full[: len(outcome.tokens)]
     assert len(outcome.tokens) < len(full)
@@ -293,26 +291,8 @@ def test_stop_string_truncates_before_it(runner: ModelRunner) -> None:
 def test_include_stop_str_in_output_keeps_the_stop_string(runner: ModelRunner) -> None:
     """The same stop string with ``include_stop_str_in_output``: the tokens run through the one
     it ends in, so the text holds it and ends with it or within that token."""
-    runner.eos_token_ids = frozenset()
     tokenizer = runner.tokenizer
-    prompt = random_prompts(1, seed=10)[0]
-    full = run(runner, {0: [request(1, prompt, num_tokens_to_generate=60)]})[1].tokens
-    text = tokenizer.decode(full, skip_special_tokens=True)
-    _, stop = _first_ascii_stop(text, start=len(text) // 3)
-    outcome = run(
-        runner,
-        {
-            0: [
-                request(
-                    2,
-                    prompt,
-                    num_tokens_to_generate=60,
-                    stop_strings=[stop],
-                    include_stop_str_in_output=True,
-                )
-            ]
-        },
-    )[2]
+    full, stop, outcome = _run_with_a_stop_string(runner, include_stop_str_in_output=True)
     assert outcome.finish == "stop"
     assert outcome.tokens == full[: len(outcome.tokens)]
     kept = tokenizer.decode(outcome.tokens, skip_special_tokens=True)
