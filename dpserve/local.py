@@ -107,6 +107,7 @@ class LocalDeployment:
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
+    tool_call_parser: str | None = None  # the HTTP front's --tool-call-parser
     step_delay: float = 0.0  # seconds per fake engine step (``fake`` only)
     # The engines' compute: "dpserve" or "vllm" (dpserve.engine.vllm), with vLLM's tensor
     # parallelism and its own engine flags passed through; ``engine_python`` runs them (vLLM
@@ -498,6 +499,7 @@ async def _start_http(
         api_keys=deployment.api_keys,
         limits=deployment.limits,
         http_limits=deployment.http_limits,
+        tool_call_parser=deployment.tool_call_parser,
         bound_socket=bound,
     )
     listening = asyncio.Event()

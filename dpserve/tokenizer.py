@@ -9,9 +9,10 @@ string prompts work with fake engines and in tests.
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,7 +32,11 @@ class BatchTokenizer(Protocol):
 
     def decode_batch(self, token_lists: list[list[int]]) -> list[str]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str: ...
 
 
 class ByteTokenizer:
@@ -49,8 +54,18 @@ class ByteTokenizer:
             for tokens in token_lists
         ]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        lines = [f"tools: {json.dumps(list(tools))}"] if tools else []
+        for message in messages:
+            line = f"{message.get('role', 'user')}: {message.get('content', '')}"
+            calls = message.get("tool_calls")
+            if calls:
+                line += f" {json.dumps(calls)}"
+            lines.append(line)
         return "\n".join([*lines, "assistant:"])
 
     def token_texts(self) -> Sequence[str | None]:
@@ -151,14 +166,22 @@ class HuggingFaceTokenizer:
         texts: list[str] = self.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
         return texts
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         if getattr(self.tokenizer, "chat_template", None):
-            # tokenize=False makes it return the rendered prompt as one string.
+            # tokenize=False makes it return the rendered prompt as one string. The template
+            # decides how (and whether) the tools are shown to the model.
             prompt: str = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                list(messages),
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             return prompt
-        return ByteTokenizer().apply_chat_template(messages)
+        return ByteTokenizer().apply_chat_template(messages, tools)
 
 
 @cache

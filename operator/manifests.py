@@ -127,6 +127,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         "--routing", spec.coordinator.routing,
         *limit_args(spec.coordinator.limits),
         *(["--ready-without-engines"] if from_zero else []),
+        *(["--tool-call-parser", parser] if (parser := spec.coordinator.tool_call_parser) else []),
     ]  # fmt: skip
 
 

@@ -154,6 +154,8 @@ class CoordinatorSpec:
     http_port: int
     routing: str
     resources: Resources
+    # spec.coordinator.toolCallParser (--tool-call-parser); None: tool_choice auto refused.
+    tool_call_parser: str | None = None
     # (dpserve.limits field name, value) of each limit set in spec.coordinator.limits.
     limits: tuple[tuple[str, int | float], ...] = ()
 
@@ -746,6 +748,7 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
         http_port=http_port,
         routing=coordinator.choice("routing"),
         resources=coordinator.resources("resources"),
+        tool_call_parser=coordinator.optional_choice("toolCallParser"),
         limits=parse_limits(
             coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
         ),

@@ -90,6 +90,20 @@ def add_api_key_file(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tool_call_parser(parser: argparse.ArgumentParser) -> None:
+    from dpserve.tool_call_formats import TOOL_CALL_PARSERS
+
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's format of a tool call, read out of replies to tool_choice 'auto' "
+        "(OpenAI's default when a chat request sends tools); without it such requests are "
+        "refused, and tool_choice 'required', 'none' or a named function still work. hermes: "
+        "<tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3)",
+    )
+
+
 def add_ready_without_engines(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ready-without-engines",

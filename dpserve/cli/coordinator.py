@@ -13,6 +13,7 @@ from dpserve.cli.common import (
     add_api_key_file,
     add_credentials,
     add_ready_without_engines,
+    add_tool_call_parser,
     api_keys,
     tokenizer_spec,
 )
@@ -61,6 +62,7 @@ def add_parser(subparsers: Subcommands) -> None:
     flags.add_http_limits(coordinator)
     add_api_key_file(coordinator)
     add_ready_without_engines(coordinator)
+    add_tool_call_parser(coordinator)
     coordinator.set_defaults(func=run)
 
 
@@ -108,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
+        tool_call_parser=args.tool_call_parser,
     )
     return run_http_with_coordinator(args.port, args.deterministic, options, front)
 

@@ -12,6 +12,7 @@ from dpserve.cli.common import (
     add_api_key_file,
     add_credentials,
     add_ready_without_engines,
+    add_tool_call_parser,
     api_keys,
     client_keys,
     log,
@@ -33,6 +34,7 @@ def add_parser(subparsers: Subcommands) -> None:
     add_credentials(http, roles=True)
     add_api_key_file(http)
     add_ready_without_engines(http)
+    add_tool_call_parser(http)
     flags.add_request_limits(http)
     flags.add_http_limits(http)
     http.set_defaults(func=run)
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
+        tool_call_parser=args.tool_call_parser,
     )
     asyncio.run(run_http_front(front))
     return 0

@@ -13,6 +13,7 @@ from dpserve.cli.common import (
     Subcommands,
     add_api_key_file,
     add_kv_cache_flags,
+    add_tool_call_parser,
     api_keys,
 )
 from dpserve.coordinator.routing import RoutingPolicy
@@ -86,6 +87,7 @@ def add_parser(subparsers: Subcommands) -> None:
         "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
     )
     add_api_key_file(serve)
+    add_tool_call_parser(serve)
     flags.add_request_limits(serve)
     flags.add_http_limits(serve)
     flags.add_lora_flags(serve)
@@ -161,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=http_api_keys,
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 

@@ -71,8 +71,10 @@ class HttpFront:
         limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
         http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
         hold_without_engines: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.client = client
+        self.tool_call_parser = tool_call_parser
         self.hold_without_engines = hold_without_engines
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -123,7 +125,7 @@ class HttpFront:
             await self._follow_coordinator_limits()
             body = await self._read_json(request)
             job = await self._with_adapter(
-                parse_chat_request(body, self.tokenizer, self.limits), body
+                parse_chat_request(body, self.tokenizer, self.limits, self.tool_call_parser), body
             )
             check_message_size(job, self.max_message_bytes)
             await check_constraint(job.params, job.schema_param, self.limits)
@@ -336,14 +338,23 @@ def create_app(
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
     guard: ConnectionGuard | None = None,
     hold_without_engines: bool = False,
+    tool_call_parser: str | None = None,
 ) -> web.Application:
     """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
     ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``,
     and the admin endpoints 403 unless it is an admin token (``_bearer_auth``);
     ``guard`` is told when each request's handler starts and ends (``serve_http``);
     ``hold_without_engines``: /ready is 200 while the coordinator holds requests for want of
-    an engine (``health.readiness``)."""
-    front = HttpFront(client, tokenizer, model_name, limits, http_limits, hold_without_engines)
+    an engine (``health.readiness``); ``tool_call_parser``: ``--tool-call-parser``."""
+    front = HttpFront(
+        client,
+        tokenizer,
+        model_name,
+        limits,
+        http_limits,
+        hold_without_engines,
+        tool_call_parser,
+    )
     middlewares = [
         *([guard.middleware] if guard is not None else []),
         _json_errors,

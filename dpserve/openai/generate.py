@@ -42,6 +42,8 @@ from dpserve.openai.responses import (
     sse_response,
     usage,
 )
+from dpserve.openai.tool_calls import CallStream, parse_reply, reply_finish_reason
+from dpserve.openai.tools import ToolCalling
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -158,8 +160,18 @@ class Generator:
                 record.generated_tokens, generated_text, record.log_probs, record.top_logprobs
             )
             entries += self._stop_entry(record)
-        return Choice(
+        choice = Choice(
             index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
+        )
+        calling = job.tool_calling
+        if calling is None or not calling.parses_calls:
+            return choice
+        reply = parse_reply(calling, generated_text)
+        return dataclasses.replace(
+            choice,
+            text=reply.content or "",
+            tool_calls=reply.calls,
+            finish_reason=reply_finish_reason(calling, reply, finish_reason),
         )
 
     def _prompt_text(self, record: RequestRecord) -> str:
@@ -243,7 +255,7 @@ class Generator:
                 handle.cancel()
             return unavailable_error(exc).response()
         prompt_tokens = self._prompt_token_count(job) if job.continuous_usage else None
-        sse = _SseStream(request, fmt, ids, prompt_tokens, len(handles))
+        sse = _SseStream(request, fmt, ids, prompt_tokens, len(handles), job.tool_calling)
         show_logprobs = job.params.return_log_probs and not job.hide_logprobs
         events: asyncio.Queue[tuple[int, StreamChunk | RequestRecord | BaseException]] = (
             asyncio.Queue()
@@ -357,6 +369,7 @@ class _SseStream:
         ids: ResponseIds,
         prompt_tokens: int | None,
         choices: int,
+        tool_calling: ToolCalling | None = None,
     ) -> None:
         self.request = request
         self.fmt = fmt
@@ -367,6 +380,11 @@ class _SseStream:
         self.response: web.StreamResponse | None = None
         self.first_token_at: float | None = None
         self.echoed = [False] * choices
+        # Each choice's text split into content and tool calls as it comes (tool_choice
+        # other than none): content is sent at once, calls when the choice ends.
+        self.calls: list[CallStream] | None = None
+        if tool_calling is not None and tool_calling.parses_calls:
+            self.calls = [CallStream(tool_calling) for _ in range(choices)]
 
     @property
     def opened(self) -> web.StreamResponse:
@@ -390,10 +408,9 @@ class _SseStream:
         if chunk.tokens and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.completion_tokens += len(chunk.tokens)
-        if chunk.text or entries:
-            await self._write(
-                self.fmt.chunk(self.ids, Choice(index, chunk.text, None, entries, top))
-            )
+        text = chunk.text if self.calls is None else self.calls[index].feed(chunk.text)
+        if text or entries:
+            await self._write(self.fmt.chunk(self.ids, Choice(index, text, None, entries, top)))
 
     async def finish(
         self,
@@ -402,8 +419,20 @@ class _SseStream:
         entries: list[TokenLogprob] | None = None,
         top_asked: bool = False,
     ) -> None:
-        """The choice's last chunk: its finish reason, with the stop token's log-prob entry."""
-        choice = Choice(index, "", record.finish_reason, entries or None, top_asked)
+        """The choice's last chunk: its finish reason, with the stop token's log-prob entry
+        (after the content held back and the tool calls, if it called any)."""
+        reason = record.finish_reason
+        if self.calls is not None:
+            calls = self.calls[index]
+            reply = calls.finish()
+            if reply.content or reply.calls:
+                await self._write(
+                    self.fmt.chunk(
+                        self.ids, Choice(index, reply.content or "", None, tool_calls=reply.calls)
+                    )
+                )
+            reason = reply_finish_reason(calls.calling, reply, reason)
+        choice = Choice(index, "", reason, entries or None, top_asked)
         await self._write(self.fmt.chunk(self.ids, choice))
 
     async def done(self, final_usage: dict[str, int] | None) -> None:

@@ -68,16 +68,17 @@ def parse_guided(
             "json_schema, guided_json, guided_regex, guided_choice) per request",
             param="response_format",
         )
-    _check_size(found, limits)
+    check_size(found, limits)
     return found
 
 
-def _check_size(found: Mapping[str, Any], limits: RequestLimits) -> None:
-    """The engine counts the same bytes (``grammar.constraint_size``)."""
+def check_size(found: Mapping[str, Any], limits: RequestLimits, param: str | None = None) -> None:
+    """Guided fields within ``max_constraint_bytes``; the engine counts the same bytes
+    (``grammar.constraint_size``). ``param``: the field the constraint came from."""
     texts = [found.get("guided_json") or "", found.get("guided_regex") or ""]
     size = sum(len(text.encode()) for text in [*texts, *found.get("guided_choice", ())])
     if size > limits.max_constraint_bytes:
-        param = "response_format" if "guided_json" in found else next(iter(found))
+        param = param or ("response_format" if "guided_json" in found else next(iter(found)))
         raise InvalidRequest(
             f"the structured-output constraint has {size} bytes (a schema as compact JSON), "
             f"more than max_constraint_bytes={limits.max_constraint_bytes} "

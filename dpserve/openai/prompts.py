@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
 from dpserve.openai.errors import InvalidRequest
 from dpserve.openai.values import is_token_id, json_type
 
-# Message fields other than role and content, accepted only at these values (or null): they
-# ask for tool calling, which this server does not do. Anything else in a message is refused.
+# Message fields other than role, content and those of tool calling, accepted only at these
+# values (or null). Anything else in a message is refused.
 _MESSAGE_NO_OPS: Final[dict[str, tuple[object, ...]]] = {
-    "tool_calls": ([],),
     "refusal": ("",),
     "annotations": ([],),
 }
@@ -60,8 +60,10 @@ def parse_prompt(prompt: object) -> str | list[int]:
     )
 
 
-def parse_messages(messages: object) -> list[dict[str, str]]:
-    """Chat messages as ``{role, content}`` with text content (text parts joined by newlines)."""
+def parse_messages(messages: object) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: ``{role, content}`` with text content
+    (text parts joined by newlines), an assistant turn's ``tool_calls`` (their arguments as
+    objects, as templates render them), a tool turn's ``tool_call_id``, a ``name``."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest(
             "messages must be a non-empty list of {role, content} objects", param="messages"
@@ -75,26 +77,99 @@ def parse_messages(messages: object) -> list[dict[str, str]]:
         if not isinstance(role, str) or not role:
             raise InvalidRequest(f"{where}.role must be a non-empty string", param=f"{where}.role")
         _refuse_other_fields(message, where)
-        parsed.append({"role": role, "content": _message_text(message.get("content"), where)})
+        turn: dict[str, Any] = {
+            "role": role,
+            "content": _message_text(message.get("content"), where),
+        }
+        for key in ("name", "tool_call_id"):
+            value = message.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+                turn[key] = value
+        calls = message.get("tool_calls")
+        if calls:
+            if role != "assistant":
+                raise InvalidRequest(
+                    f"{where}.tool_calls: only an assistant message calls tools",
+                    param=f"{where}.tool_calls",
+                )
+            turn["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        parsed.append(turn)
+    return parsed
+
+
+def message_chars(messages: list[dict[str, Any]]) -> int:
+    """The text a conversation's messages carry (what ``max_prompt_chars`` counts before the
+    template renders them)."""
+    total = 0
+    for message in messages:
+        total += len(message["content"])
+        for call in message.get("tool_calls", ()):
+            function = call["function"]
+            total += len(function["name"]) + len(json.dumps(function["arguments"]))
+    return total
+
+
+def _tool_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where} must be a list", param=where)
+    parsed = []
+    for index, call in enumerate(calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise InvalidRequest(
+                f"{at} must be {{id, type: 'function', function: {{name, arguments}}}} with "
+                "arguments a JSON string",
+                param=at,
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            raise InvalidRequest(
+                f"{at}.function.arguments is not JSON", param=f"{at}.function.arguments"
+            ) from None
+        call_id = call.get("id")
+        parsed.append(
+            {
+                "id": call_id if isinstance(call_id, str) else "",
+                "type": "function",
+                "function": {
+                    "name": function["name"],
+                    "arguments": arguments,
+                },
+            }
+        )
     return parsed
 
 
 def _refuse_other_fields(message: dict[str, Any], where: str) -> None:
     for key, value in message.items():
-        if key in ("role", "content") or value is None:
+        if key in _MESSAGE_FIELDS or value is None:
             continue
         if key not in _MESSAGE_NO_OPS:
             raise InvalidRequest(
-                f"{where}.{key} is not supported (a message has role and content)",
+                f"{where}.{key} is not supported (a message has role, content, name, "
+                "tool_calls, tool_call_id)",
                 param=f"{where}.{key}",
                 code="unsupported_field",
             )
         if value not in _MESSAGE_NO_OPS[key]:
             raise InvalidRequest(
-                f"{where}.{key} is not supported by this server (no tool calling)",
+                f"{where}.{key} is not supported by this server",
                 param=f"{where}.{key}",
                 code="unsupported_field",
             )
+
+
+_MESSAGE_FIELDS: Final = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
 def _message_text(content: object, where: str) -> str:

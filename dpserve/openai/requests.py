@@ -18,8 +18,9 @@ from typing import Any, Final
 from dpserve import protocol
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.openai.errors import InvalidRequest
-from dpserve.openai.guided import parse_guided, schema_param
-from dpserve.openai.prompts import parse_messages, parse_prompts
+from dpserve.openai.guided import check_size, parse_guided, schema_param
+from dpserve.openai.prompts import message_chars, parse_messages, parse_prompts
+from dpserve.openai.tools import ToolCalling, parse_tool_calling
 from dpserve.openai.values import (
     is_int,
     read_bool,
@@ -117,11 +118,14 @@ CHAT_FIELDS: Final[dict[str, Field]] = {
     "messages": _honoured("role + text content, rendered with the model's chat template"),
     "max_completion_tokens": _honoured("OpenAI's newer name of max_tokens; wins over it"),
     "top_logprobs": _honoured("alternatives per token, with logprobs: true (at most 20)"),
-    "tools": _no_op("no tool calling", []),
-    "functions": _no_op("no tool calling", []),
-    "tool_choice": _no_op("no tool calling", "none"),
-    "function_call": _no_op("no tool calling", "none"),
-    "parallel_tool_calls": _no_op("no tool calling, so nothing to parallelize", True, False),
+    "tools": _honoured("functions the chat template shows the model (openai.tools)"),
+    "tool_choice": _honoured(
+        "none, auto (needs --tool-call-parser), required or a named function: the reply's "
+        "calls come back as message.tool_calls (openai.tools, openai.tool_calls)"
+    ),
+    "parallel_tool_calls": _honoured("false: at most one call (tool_choice required)"),
+    "functions": _no_op("deprecated by OpenAI: send tools", []),
+    "function_call": _no_op("deprecated by OpenAI: send tool_choice", "none"),
     "modalities": _no_op("text only", ["text"]),
     "add_generation_prompt": _no_op("vLLM extension; always added", True),
     "continue_final_message": _no_op("vLLM extension; not implemented", False),
@@ -149,6 +153,8 @@ class GenerationRequest:
     # The parameter its JSON schema came in, if any: the schema's own check
     # (``guided.check_constraint``) runs off the event loop after parsing, and names it.
     schema_param: str | None = None
+    # Chat: the tools and tool_choice; each choice's reply is parsed for calls.
+    tool_calling: ToolCalling | None = None
 
     @property
     def all_prompts(self) -> tuple[str | list[int], ...]:
@@ -222,11 +228,14 @@ def parse_chat_request(
     body: Mapping[str, Any],
     tokenizer: BatchTokenizer,
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+    tool_parser: str | None = None,
 ) -> GenerationRequest:
-    """Validate a ``/v1/chat/completions`` body and render its messages with the chat template."""
+    """Validate a ``/v1/chat/completions`` body and render its messages (and tools) with the
+    chat template. ``tool_parser``: the server's ``--tool-call-parser``, if any."""
     _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
-    chars = sum(len(message["content"]) for message in messages)
+    tool_calling = parse_tool_calling(body, tool_parser)
+    chars = message_chars(messages)
     if chars > limits.max_prompt_chars:
         raise _over_limit("the messages' text", chars, "characters", "max_prompt_chars", limits)
     return_log_probs = read_bool(body, "logprobs", default=False)
@@ -240,8 +249,12 @@ def parse_chat_request(
     request = _generation_request(
         body, "", key, DEFAULT_CHAT_MAX_TOKENS, return_log_probs, limits, top_logprobs
     )
+    if tool_calling is not None:
+        request = _with_tool_calling(request, tool_calling, limits)
     try:
-        prompt = tokenizer.apply_chat_template(messages)
+        prompt = tokenizer.apply_chat_template(
+            messages, tool_calling.template_tools if tool_calling is not None else None
+        )
     except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
         raise InvalidRequest(
             f"the chat template rejected the messages: {exc}", param="messages"
@@ -260,6 +273,21 @@ def parse_chat_request(
             param="messages",
         )
     return dataclasses.replace(request, prompt=prompt)
+
+
+def _with_tool_calling(
+    request: GenerationRequest, calling: ToolCalling, limits: RequestLimits
+) -> GenerationRequest:
+    """A named or required tool choice constrains the reply to the calls' schema."""
+    schema = calling.constraint()
+    if schema is None:
+        return dataclasses.replace(request, tool_calling=calling)
+    check_size({"guided_json": schema}, limits, param="tools")
+    try:
+        params = dataclasses.replace(request.params, guided_json=schema)
+    except InvalidSamplingParams as exc:
+        raise InvalidRequest(str(exc), param="tools") from None
+    return dataclasses.replace(request, params=params, tool_calling=calling, schema_param="tools")
 
 
 def _check_fields(body: Mapping[str, Any], known: Mapping[str, Field]) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 
 from dpserve.client import RequestRecord
+from dpserve.openai.tool_calls import ToolCall
 
 COMPLETIONS_ENDPOINT: Final = "/v1/completions"
 CHAT_ENDPOINT: Final = "/v1/chat/completions"
@@ -102,6 +103,7 @@ class Choice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     top_asked: bool = False  # alternatives were asked for (completions: a dict per token)
+    tool_calls: tuple[ToolCall, ...] = ()  # chat: the calls read out of the reply
 
 
 class ResponseFormat(Protocol):
@@ -159,6 +161,18 @@ def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
     }
 
 
+def _message(choice: Choice) -> dict[str, Any]:
+    """A chat choice's message: its text, and its tool calls (then a reply of calls alone has
+    null content, as OpenAI's)."""
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": choice.text}
+    return {
+        "role": "assistant",
+        "content": choice.text or None,
+        "tool_calls": [call.as_openai() for call in choice.tool_calls],
+    }
+
+
 class CompletionFormat:
     endpoint = COMPLETIONS_ENDPOINT
     id_prefix = "cmpl-"
@@ -212,7 +226,7 @@ class ChatFormat:
             "choices": [
                 {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": choice.text},
+                    "message": _message(choice),
                     "finish_reason": choice.finish_reason,
                     "logprobs": _chat_logprobs(choice),
                 }
@@ -228,7 +242,11 @@ class ChatFormat:
         ]
 
     def chunk(self, ids: ResponseIds, choice: Choice) -> dict[str, Any]:
-        delta = {"content": choice.text} if choice.text or choice.finish_reason is None else {}
+        delta: dict[str, Any] = {}
+        if choice.text or (choice.finish_reason is None and not choice.tool_calls):
+            delta["content"] = choice.text
+        if choice.tool_calls:
+            delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(choice.tool_calls)]
         return self._chunk(ids, choice.index, delta, choice.finish_reason, _chat_logprobs(choice))
 
     def usage_chunk(self, ids: ResponseIds, usage: dict[str, int]) -> dict[str, Any]:
@@ -238,7 +256,7 @@ class ChatFormat:
         self,
         ids: ResponseIds,
         index: int,
-        delta: dict[str, str],
+        delta: dict[str, Any],
         finish_reason: str | None,
         logprobs: dict[str, Any] | None,
     ) -> dict[str, Any]:

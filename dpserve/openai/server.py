@@ -38,6 +38,8 @@ class FrontConfig:
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     # /ready is 200 while requests are held for want of an engine (autoscaled from zero).
     hold_without_engines: bool = False
+    # The model's format of a tool call (--tool-call-parser); None: tool_choice auto refused.
+    tool_call_parser: str | None = None
     # A socket already bound to host:port (``dpserve serve`` binds it before starting its
     # engines), which the front listens on; None: the front binds host:port itself.
     bound_socket: socket.socket | None = dataclasses.field(default=None, repr=False)
@@ -65,6 +67,7 @@ async def serve_http(
         http_limits=limits,
         guard=guard,
         hold_without_engines=config.hold_without_engines,
+        tool_call_parser=config.tool_call_parser,
     )
     await app[FRONT_KEY].coordinator_status()  # learn the coordinator's limits before serving
     runner = web.AppRunner(

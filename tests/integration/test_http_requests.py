@@ -162,10 +162,23 @@ async def test_deeply_nested_json_is_a_400(
         ),
         (
             CHAT,
-            {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
-            "messages[0].name",
+            {"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]},
+            "messages[0].audio",
             "unsupported_field",
         ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x", "name": 7}]},
+            "messages[0].name",
+            None,
+        ),
+        (
+            CHAT,
+            chat("x", tools=[{"type": "function", "function": {"name": "f"}}]),
+            "tool_choice",
+            "unsupported_field",  # auto, OpenAI's default, needs --tool-call-parser
+        ),
+        (CHAT, chat("x", tools=[{"type": "function"}]), "tools[0].function", None),
     ],
 )
 async def test_wrong_types_and_unknown_fields_are_400_naming_the_field(

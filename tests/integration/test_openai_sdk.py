@@ -4,6 +4,7 @@ structured output parsed into a pydantic model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,22 @@ def test_an_invalid_schema_is_a_400_naming_the_problem(client: openai.OpenAI) ->
             },
         )
     assert "minProperties" in str(refused.value)
+
+
+def test_tools_without_a_parser_work_except_auto_which_names_the_flag(
+    client: openai.OpenAI,
+) -> None:
+    tools: Any = [{"type": "function", "function": {"name": "now"}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=MESSAGES, tools=tools)  # type: ignore[arg-type]
+    assert "--tool-call-parser" in str(refused.value)
+    forced = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        max_tokens=40,
+    )
+    [call] = forced.choices[0].message.tool_calls or []
+    assert call.function.name == "now"  # type: ignore[union-attr]
+    assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]

@@ -25,6 +25,7 @@ from tests.integration.test_openai_sdk import (  # the suite, collected here aga
     test_n_choices_each_with_its_index_and_greedy_choice_0_equals_one_request,
     test_parse_returns_a_pydantic_object,
     test_streamed_logprobs,
+    test_tools_without_a_parser_work_except_auto_which_names_the_flag,
     test_top_logprobs_in_chat_and_greedy_top_1_is_the_token,
 )
 from tests.integration.vllm_support import VLLM_ENGINE_FLAGS, build_vllm_llama
@@ -42,6 +43,7 @@ __all__ = [
     "test_n_choices_each_with_its_index_and_greedy_choice_0_equals_one_request",
     "test_parse_returns_a_pydantic_object",
     "test_streamed_logprobs",
+    "test_tools_without_a_parser_work_except_auto_which_names_the_flag",
     "test_top_logprobs_in_chat_and_greedy_top_1_is_the_token",
 ]
 

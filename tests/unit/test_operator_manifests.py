@@ -169,6 +169,16 @@ def test_coordinator_deployment() -> None:
     assert "imagePullPolicy" not in coordinator
 
 
+def test_the_tool_call_parser_reaches_the_coordinators_front() -> None:
+    spec = {**MINIMAL_SPEC, "coordinator": {"toolCallParser": "hermes"}}
+    command = container(children(spec)[("Deployment", "demo-coordinator")])["command"]
+    assert command[command.index("--tool-call-parser") + 1] == "hermes"
+    assert (
+        "--tool-call-parser"
+        not in container(children(MINIMAL_SPEC)[("Deployment", "demo-coordinator")])["command"]
+    )
+
+
 def test_coordinator_service_reaches_not_ready_coordinators() -> None:
     objects = children(MINIMAL_SPEC)
     service = objects[("Service", "demo-coordinator")]
@@ -599,6 +609,8 @@ INVALID_SPECS = [
     case("port-clash", with_(coordinator={"zmqPort": 8000}),
          "spec.coordinator.httpPort: must differ from zmqPort (both are 8000)"),
     case("bad-routing", with_(coordinator={"routing": "random"}), "spec.coordinator.routing"),
+    case("bad-tool-call-parser", with_(coordinator={"toolCallParser": "json"}),
+         "spec.coordinator.toolCallParser: must be one of hermes"),
     case("bad-pull-policy", with_(imagePullPolicy="always"), "spec.imagePullPolicy"),
     case("bad-quantity", with_(engine={"resources": {"limits": {"cpu": "2 cores"}}}),
          "spec.engine.resources.limits.cpu: must be a quantity"),

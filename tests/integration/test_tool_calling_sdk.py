@@ -1,0 +1,199 @@
+"""Tool calling through ``dpserve serve --tool-call-parser hermes`` on the tiny model, called
+with the real OpenAI SDK: a named function and ``required`` give calls whose arguments follow
+the tool's schema (the reply is constrained to it), whole and streamed; ``auto`` on a model
+that calls nothing gives the same text as ``none``; a conversation carrying a call and its
+result is served."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema_rs
+import openai
+import pytest
+
+from tests.integration.conftest import serving
+
+pytestmark = pytest.mark.timeout(300)
+
+FORECAST_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "forecast",
+            "description": "The weather for the next days",
+            "parameters": FORECAST_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "now", "description": "The time"}},
+]
+FORECAST_CHOICE: Any = {"type": "function", "function": {"name": "forecast"}}
+MESSAGES: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serving(tiny_model_path, log, "--tool-call-parser", "hermes") as url:
+        yield openai.OpenAI(api_key="unused", base_url=url, max_retries=0, timeout=120)
+
+
+def forecast_arguments_are_valid(arguments: str) -> bool:
+    return bool(jsonschema_rs.validator_for(FORECAST_PARAMETERS).is_valid(json.loads(arguments)))
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=FORECAST_CHOICE,
+        n=4,
+        temperature=1.0,
+        seed=5,
+        max_tokens=100,
+    )
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"  # OpenAI's for a forced function
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "forecast"
+        assert forecast_arguments_are_valid(call.function.arguments)
+
+
+def streamed(client: openai.OpenAI, **request: Any) -> tuple[str, dict[int, dict[str, str]], str]:
+    """The content, the calls (by index, their deltas joined as a client does) and the
+    finish reason of a one-choice stream."""
+    content, finish = "", ""
+    calls: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(model="m", stream=True, **request):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_a_streamed_named_call_equals_the_whole_one(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": FORECAST_CHOICE,
+        "temperature": 0.0,
+        "max_tokens": 100,
+    }
+    whole = client.chat.completions.create(model="m", **request)
+    content, calls, finish = streamed(client, **request)
+    [call] = whole.choices[0].message.tool_calls or []
+    assert content == "" and finish == "stop"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("forecast", call.function.arguments)
+    ]
+    assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_gives_one_call_of_a_tool_when_calls_are_not_parallel(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": 11,
+        "max_tokens": 120,
+    }
+    if stream:
+        content, by_index, finish = streamed(client, **request)
+        calls = [(c["name"], c["arguments"]) for c in by_index.values()]
+    else:
+        response = client.chat.completions.create(model="m", **request)
+        message, finish = response.choices[0].message, response.choices[0].finish_reason
+        content = message.content or ""
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert finish == "tool_calls" and content == ""
+    [(name, arguments)] = calls
+    assert name in ("forecast", "now")
+    if name == "forecast":
+        assert forecast_arguments_are_valid(arguments)
+    else:
+        assert json.loads(arguments) == {}
+
+
+def test_auto_on_a_model_that_calls_nothing_gives_the_text_of_none(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": 24,
+    }
+    plain = client.chat.completions.create(model="m", tool_choice="none", **request)
+    auto = client.chat.completions.create(model="m", **request)  # auto: OpenAI's default
+    text = plain.choices[0].message.content
+    assert text and "<tool_call>" not in text
+    assert auto.choices[0].message.content == text and auto.choices[0].message.tool_calls is None
+    assert auto.choices[0].finish_reason == plain.choices[0].finish_reason
+    content, calls, _ = streamed(client, **request)
+    assert content == text and calls == {}
+
+
+def test_a_conversation_with_a_call_and_its_result(client: openai.OpenAI) -> None:
+    conversation: list[Any] = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "forecast", "arguments": '{"unit": "c", "days": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, then rain"},
+    ]
+    response = client.chat.completions.create(
+        model="m", messages=conversation, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
+    assert response.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="m",
+            messages=[
+                *MESSAGES,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "forecast", "arguments": "{not json"},
+                        }
+                    ],
+                },
+            ],
+            max_tokens=8,
+        )
+    assert "arguments is not JSON" in str(refused.value)
