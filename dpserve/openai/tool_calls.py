@@ -136,39 +136,49 @@ def _compact(value: object) -> str:
 
 class CallStream:
     """One streamed choice's text, split as it comes: ``feed`` returns the content that can
-    be sent now; ``finish`` the rest of the content and the calls."""
+    be sent now; ``finish`` the rest of the content and the calls. Each chunk is looked at
+    once with the few characters held back before it (a long reply costs its length, not
+    its length squared); the whole text is put together once, at the end."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
-        self._text: list[str] = []
-        self._sent = 0  # characters of the text already sent as content
-        self._held = calling.constrained  # a constrained reply is a call from its start
+        self._sent: list[str] = []  # content sent so far
+        self._sent_chars = 0
+        # Received, not sent: a tail that may begin a call, or everything from a call's start
+        # (a constrained reply is a call from its first character).
+        self._held: list[str] = []
+        self._in_call = calling.constrained
 
     def feed(self, text: str) -> str:
-        self._text.append(text)
-        if self._held:
+        if self._in_call:
+            self._held.append(text)
             return ""
-        whole = "".join(self._text)
-        start = whole.find(_HERMES_OPEN, max(0, self._sent - len(_HERMES_OPEN)))
+        tail = "".join(self._held) + text  # the held part is shorter than ``<tool_call>``
+        start = tail.find(_HERMES_OPEN)
         if start >= 0:
-            self._held = True
-            out, self._sent = whole[self._sent : start], start
-            return out
-        # Hold back a tail that may be the start of ``<tool_call>``.
-        end = len(whole)
-        for keep in range(min(len(_HERMES_OPEN) - 1, len(whole)), 0, -1):
-            if _HERMES_OPEN.startswith(whole[-keep:]):
-                end = len(whole) - keep
-                break
-        out, self._sent = whole[self._sent : end], max(self._sent, end)
+            self._in_call = True
+            out, self._held = tail[:start], [tail[start:]]
+        else:
+            keep = _opening_kept(tail)
+            out, self._held = tail[: len(tail) - keep], [tail[len(tail) - keep :]]
+        self._sent.append(out)
+        self._sent_chars += len(out)
         return out
 
     def finish(self) -> Reply:
         """The content not yet sent and the calls."""
-        whole = "".join(self._text)
-        reply = parse_reply(self.calling, whole)
+        rest = "".join(self._held)
+        reply = parse_reply(self.calling, "".join(self._sent) + rest)
         if not reply.calls:
-            return Reply(whole[self._sent :])
-        if reply.content is None or len(reply.content) <= self._sent:
+            return Reply(rest)
+        if reply.content is None or len(reply.content) <= self._sent_chars:
             return Reply(None, reply.calls)
-        return Reply(reply.content[self._sent :], reply.calls)
+        return Reply(reply.content[self._sent_chars :], reply.calls)
+
+
+def _opening_kept(text: str) -> int:
+    """How many of the last characters may be the start of ``<tool_call>`` (held back)."""
+    for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+        if _HERMES_OPEN.startswith(text[-keep:]):
+            return keep
+    return 0
