@@ -8,4 +8,6 @@ from typing import Final
 
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>: Hermes 2/3, Qwen2.5, Qwen3.
 HERMES: Final = "hermes"
-TOOL_CALL_PARSERS: Final = (HERMES,)
+# {"name": ..., "parameters": {...}}; ...: Llama 3.1-3.3 with JSON tool calling.
+LLAMA3_JSON: Final = "llama3_json"
+TOOL_CALL_PARSERS: Final = (HERMES, LLAMA3_JSON)

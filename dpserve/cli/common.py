@@ -100,7 +100,8 @@ def add_tool_call_parser(parser: argparse.ArgumentParser) -> None:
         help="the model's format of a tool call, read out of replies to tool_choice 'auto' "
         "(OpenAI's default when a chat request sends tools); without it such requests are "
         "refused, and tool_choice 'required', 'none' or a named function still work. hermes: "
-        "<tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3)",
+        "<tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3); llama3_json: "
+        '{"name": ..., "parameters": {...}} (Llama 3.1-3.3)',
     )
 
 

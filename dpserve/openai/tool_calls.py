@@ -3,11 +3,17 @@
 
 * A named function's reply is its arguments (the constraint made them the schema's JSON).
 * ``required``'s reply is ``[{"name", "parameters"}, ...]``.
-* ``auto``'s reply is in the model's own format, which ``--tool-call-parser`` names. ``hermes``
-  (Hermes 2/3, Qwen2.5 and Qwen3 and most chat templates that render tools in ChatML):
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, text around
-  them being the content. As vLLM's parser of that name, a reply whose calls are not all JSON of
-  that shape is returned whole as content, with no calls.
+* ``auto``'s reply is in the model's own format, which ``--tool-call-parser`` names
+  (``tool_call_formats``), read as vLLM's parser of the same name reads it:
+
+  - ``hermes`` (Hermes 2/3, Qwen2.5, Qwen3 and most ChatML templates with tools):
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, the text
+    before the first being the content;
+  - ``llama3_json`` (Llama 3.1-3.3 with JSON tool calling): the reply is the calls alone,
+    ``{"name": ..., "parameters": {...}}``, several separated by ``;``; a reply that does not
+    begin with ``{`` is text.
+
+  A reply whose calls are not all JSON of that shape comes back whole as content, with no calls.
 
 A reply cut short (``length``) may hold no complete call: then it is content, as it came.
 A streamed choice (``CallStream``) sends its content as it comes, holding back only what may be
@@ -17,16 +23,14 @@ the start of a call, and each call whole when the choice ends.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import uuid
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from dpserve.openai.tools import ToolCalling, ToolChoice
-from dpserve.tool_call_formats import HERMES, TOOL_CALL_PARSERS
-
-_HERMES_OPEN: Final = "<tool_call>"
-_HERMES_CALL: Final = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+from dpserve.tool_call_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,8 +68,7 @@ def parse_reply(calling: ToolCalling, text: str) -> Reply:
     if calling.choice == ToolChoice.REQUIRED:
         return _required(text)
     if calling.choice == ToolChoice.AUTO:
-        assert calling.parser is not None  # tools.parse_tool_calling refuses auto without one
-        return _READERS[calling.parser](text)
+        return _format_of(calling).read(text)
     return Reply(text)
 
 
@@ -88,27 +91,107 @@ def _required(text: str) -> Reply:
     return Reply(None, tuple(call for call in parsed if call is not None))
 
 
-def _hermes(text: str) -> Reply:
-    start = text.find(_HERMES_OPEN)
-    if start < 0:
-        return Reply(text)
-    calls = []
-    for match in _HERMES_CALL.finditer(text, start):
-        body = match.group(1) if match.group(1) is not None else match.group(2)
-        try:
-            call = _call(json.loads(body), "arguments")
-        except ValueError:
-            return Reply(text)
-        if call is None:
-            return Reply(text)
-        calls.append(call)
-    content = text[:start]
-    return Reply(content if content.strip() else None, tuple(calls))
+# ---------------------------------------------------------------------- auto's formats
 
 
-# Each --tool-call-parser's reader of a whole reply.
-_READERS: Final = {HERMES: _hermes}
-assert tuple(_READERS) == TOOL_CALL_PARSERS
+class Scan(enum.Enum):
+    """What a streamed reply's text so far says (``CallFormat.scan``)."""
+
+    UNDECIDED = "undecided"  # text; a call may still begin
+    CALL = "call"  # a call begins at the cut: everything from there is held
+    TEXT = "text"  # no call can come any more: everything is content
+
+
+class CallFormat(Protocol):
+    def read(self, text: str) -> Reply:
+        """A whole reply as content and calls."""
+        ...
+
+    def scan(self, tail: str, at_start: bool) -> tuple[int, Scan]:
+        """How much of ``tail`` (the text not sent yet; ``at_start``: nothing was sent) can be
+        sent as content now, and what follows the cut."""
+        ...
+
+
+class _Hermes:
+    OPEN: Final = "<tool_call>"
+    CALL: Final = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+    def read(self, text: str) -> Reply:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return Reply(text)
+        calls = []
+        for match in self.CALL.finditer(text, start):
+            body = match.group(1) if match.group(1) is not None else match.group(2)
+            call = _call_of_json(body, "arguments")
+            if call is None:
+                return Reply(text)
+            calls.append(call)
+        content = text[:start]
+        return Reply(content if content.strip() else None, tuple(calls))
+
+    def scan(self, tail: str, at_start: bool) -> tuple[int, Scan]:
+        start = tail.find(self.OPEN)
+        if start >= 0:
+            return start, Scan.CALL
+        # Hold back the last characters that may be the start of ``<tool_call>``.
+        for keep in range(min(len(self.OPEN) - 1, len(tail)), 0, -1):
+            if self.OPEN.startswith(tail[-keep:]):
+                return len(tail) - keep, Scan.UNDECIDED
+        return len(tail), Scan.UNDECIDED
+
+
+class _Llama3Json:
+    # Llama 3's ``<|python_tag|>`` is a special token: decoded text does not carry it.
+    SEPARATOR: Final = re.compile(r"\s*;?\s*")
+
+    def read(self, text: str) -> Reply:
+        body = text.strip()
+        if not body.startswith("{"):
+            return Reply(text)
+        decoder = json.JSONDecoder()
+        calls = []
+        position = 0
+        while position < len(body):
+            try:
+                value, position = decoder.raw_decode(body, position)
+            except ValueError:
+                return Reply(text)
+            if not isinstance(value, dict) or not ("parameters" in value or "arguments" in value):
+                return Reply(text)
+            call = _call(value, "arguments" if "arguments" in value else "parameters")
+            if call is None:
+                return Reply(text)
+            calls.append(call)
+            separator = self.SEPARATOR.match(body, position)
+            position = separator.end() if separator else position
+        return Reply(None, tuple(calls))
+
+    def scan(self, tail: str, at_start: bool) -> tuple[int, Scan]:
+        if not at_start:  # decided at the reply's start
+            return len(tail), Scan.TEXT
+        begun = tail.lstrip()
+        if not begun:
+            return 0, Scan.UNDECIDED  # only whitespace yet: hold it
+        return (0, Scan.CALL) if begun.startswith("{") else (len(tail), Scan.TEXT)
+
+
+# Each --tool-call-parser's format.
+_FORMATS: Final[dict[str, CallFormat]] = {HERMES: _Hermes(), LLAMA3_JSON: _Llama3Json()}
+assert tuple(_FORMATS) == TOOL_CALL_PARSERS
+
+
+def _format_of(calling: ToolCalling) -> CallFormat:
+    assert calling.parser is not None  # tools.parse_tool_calling refuses auto without one
+    return _FORMATS[calling.parser]
+
+
+def _call_of_json(text: str, key: str) -> ToolCall | None:
+    try:
+        return _call(json.loads(text), key)
+    except ValueError:
+        return None
 
 
 def _call(value: object, key: str) -> ToolCall | None:
@@ -142,25 +225,24 @@ class CallStream:
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
+        self._format = _format_of(calling) if calling.choice == ToolChoice.AUTO else None
         self._sent: list[str] = []  # content sent so far
         self._sent_chars = 0
         # Received, not sent: a tail that may begin a call, or everything from a call's start
         # (a constrained reply is a call from its first character).
         self._held: list[str] = []
-        self._in_call = calling.constrained
+        self._state = Scan.CALL if calling.constrained else Scan.UNDECIDED
 
     def feed(self, text: str) -> str:
-        if self._in_call:
+        if self._state is Scan.CALL:
             self._held.append(text)
             return ""
-        tail = "".join(self._held) + text  # the held part is shorter than ``<tool_call>``
-        start = tail.find(_HERMES_OPEN)
-        if start >= 0:
-            self._in_call = True
-            out, self._held = tail[:start], [tail[start:]]
+        if self._state is Scan.TEXT or self._format is None:
+            out = text
         else:
-            keep = _opening_kept(tail)
-            out, self._held = tail[: len(tail) - keep], [tail[len(tail) - keep :]]
+            tail = "".join(self._held) + text  # what is held is a few characters
+            cut, self._state = self._format.scan(tail, at_start=not self._sent_chars)
+            out, self._held = tail[:cut], [tail[cut:]]
         self._sent.append(out)
         self._sent_chars += len(out)
         return out
@@ -174,11 +256,3 @@ class CallStream:
         if reply.content is None or len(reply.content) <= self._sent_chars:
             return Reply(None, reply.calls)
         return Reply(reply.content[self._sent_chars :], reply.calls)
-
-
-def _opening_kept(text: str) -> int:
-    """How many of the last characters may be the start of ``<tool_call>`` (held back)."""
-    for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-        if _HERMES_OPEN.startswith(text[-keep:]):
-            return keep
-    return 0

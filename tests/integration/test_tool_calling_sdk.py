@@ -1,8 +1,10 @@
-"""Tool calling through ``dpserve serve --tool-call-parser hermes`` on the tiny model, called
-with the real OpenAI SDK: a named function and ``required`` give calls whose arguments follow
-the tool's schema (the reply is constrained to it), whole and streamed; ``auto`` on a model
-that calls nothing gives the same text as ``none``; a conversation carrying a call and its
-result is served."""
+"""Tool calling through ``dpserve serve --tool-call-parser hermes`` (and ``llama3_json``) on
+the tiny model, called with the real OpenAI SDK: a named function and ``required`` give calls
+whose arguments follow the tool's schema (the reply is constrained to it), whole and streamed;
+``auto`` on a model that calls nothing gives the same text as ``none``; ``auto`` reads the
+calls out of a reply in each format (the random model is steered into the format by a
+structured-output constraint, which ``auto`` leaves the client free to send); a conversation
+carrying a call and its result is served."""
 
 from __future__ import annotations
 
@@ -155,6 +157,65 @@ def test_auto_on_a_model_that_calls_nothing_gives_the_text_of_none(client: opena
     assert auto.choices[0].finish_reason == plain.choices[0].finish_reason
     content, calls, _ = streamed(client, **request)
     assert content == text and calls == {}
+
+
+def test_auto_reads_hermes_calls_and_the_text_before_them(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 100,
+        "extra_body": {
+            "guided_regex": r'Checking\.<tool_call>\{"name": "now", "arguments": \{\}\}</tool_call>'
+        },
+    }
+    response = client.chat.completions.create(model="m", **request)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        ("now", "{}")
+    ]
+    content, calls, finish = streamed(client, **request)
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("now", "{}")]
+
+
+LLAMA3_CALL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"enum": ["forecast"]}, "parameters": FORECAST_PARAMETERS},
+    "required": ["name", "parameters"],
+    "additionalProperties": False,
+}
+
+
+def test_auto_reads_llama3_json_calls(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    log = tmp_path_factory.mktemp("serve-llama3") / "serve.log"
+    with serving(tiny_model_path, log, "--tool-call-parser", "llama3_json") as url:
+        llama = openai.OpenAI(api_key="unused", base_url=url, max_retries=0, timeout=120)
+        request: dict[str, Any] = {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "max_tokens": 100,
+            "temperature": 1.0,
+            "seed": 3,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "call", "schema": LLAMA3_CALL_SCHEMA},
+            },
+        }
+        response = llama.chat.completions.create(model="m", **request)
+        message = response.choices[0].message
+        assert response.choices[0].finish_reason == "tool_calls" and message.content is None
+        [call] = message.tool_calls or []
+        assert call.function.name == "forecast"
+        assert forecast_arguments_are_valid(call.function.arguments)
+        content, calls, finish = streamed(llama, **request)
+        assert (content, finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            ("forecast", call.function.arguments)
+        ]
 
 
 def test_a_conversation_with_a_call_and_its_result(client: openai.OpenAI) -> None:

@@ -610,7 +610,7 @@ INVALID_SPECS = [
          "spec.coordinator.httpPort: must differ from zmqPort (both are 8000)"),
     case("bad-routing", with_(coordinator={"routing": "random"}), "spec.coordinator.routing"),
     case("bad-tool-call-parser", with_(coordinator={"toolCallParser": "json"}),
-         "spec.coordinator.toolCallParser: must be one of hermes"),
+         "spec.coordinator.toolCallParser: must be one of hermes, llama3_json"),
     case("bad-pull-policy", with_(imagePullPolicy="always"), "spec.imagePullPolicy"),
     case("bad-quantity", with_(engine={"resources": {"limits": {"cpu": "2 cores"}}}),
          "spec.engine.resources.limits.cpu: must be a quantity"),

@@ -21,13 +21,14 @@ from dpserve.openai.requests import parse_chat_request
 from dpserve.openai.responses import ChatFormat, Choice, ResponseIds
 from dpserve.openai.tool_calls import (
     CallStream,
+    Reply,
     ToolCall,
     parse_reply,
     reply_finish_reason,
 )
 from dpserve.openai.tools import ToolChoice, parse_tool_calling
 from dpserve.tokenizer import ByteTokenizer, HuggingFaceTokenizer
-from dpserve.tool_call_formats import HERMES, TOOL_CALL_PARSERS
+from dpserve.tool_call_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 
 WEATHER = {
     "type": "function",
@@ -298,23 +299,37 @@ def split_at(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-@settings(max_examples=200, deadline=None)
+LLAMA3_REPLY = (
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}'
+)
+STREAMED_REPLIES = {
+    HERMES: [
+        HERMES_REPLY,
+        "No call: a < b and <tool is not a tag.",
+        "<tool_call>broken</tool_call> after",
+        '<tool_call>{"name": "now"}</tool_call>',
+        "ends with <tool_ca",
+    ],
+    LLAMA3_JSON: [
+        LLAMA3_REPLY,
+        '  \n {"name": "now", "arguments": {}}',
+        "Sure: {not a call}",
+        '{"name": "now", "parameters": {}} and then text',
+        "   ",
+    ],
+}
+
+
+@settings(max_examples=300, deadline=None)
 @given(
-    text=st.sampled_from(
-        [
-            HERMES_REPLY,
-            "No call: a < b and <tool is not a tag.",
-            "<tool_call>broken</tool_call> after",
-            '<tool_call>{"name": "now"}</tool_call>',
-            "ends with <tool_ca",
-        ]
-    ),
+    case=st.sampled_from([(f, text) for f, texts in STREAMED_REPLIES.items() for text in texts]),
     cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12),
 )
 def test_a_streamed_reply_splits_as_the_whole_one_wherever_its_chunks_end(
-    text: str, cuts: list[int]
+    case: tuple[str, str], cuts: list[int]
 ) -> None:
-    auto = calling({})
+    parser, text = case
+    auto = calling({}, parser)
     stream = CallStream(auto)
     sent = "".join(stream.feed(chunk) for chunk in split_at(text, cuts))
     last = stream.finish()
@@ -324,7 +339,29 @@ def test_a_streamed_reply_splits_as_the_whole_one_wherever_its_chunks_end(
         (c.name, c.arguments) for c in whole.calls
     ]
     if whole.calls:  # nothing of a call was sent as content
-        assert "<tool_call>" not in sent
+        assert "<tool_call>" not in sent and "{" not in sent
+
+
+def test_llama3_json_calls_are_the_whole_reply() -> None:
+    llama = calling({}, LLAMA3_JSON)
+    reply = parse_reply(llama, LLAMA3_REPLY)
+    assert reply.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+    ]
+    assert reply_finish_reason(llama, reply, "stop") == "tool_calls"
+    # vLLM's parser also takes "arguments"; leading whitespace is allowed.
+    spaced = parse_reply(llama, ' \n{"name": "now", "arguments": {"tz": "UTC"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in spaced.calls] == [("now", {"tz": "UTC"})]
+    for text in (
+        "The weather is fine.",
+        '{"name": "now"}',  # neither parameters nor arguments
+        '{"name": "now", "parameters": {}} trailing words',
+        '{"name": "now", "parameters": {',  # cut short
+        '{"name": "now", "parameters": []}',
+    ):
+        assert parse_reply(llama, text) == Reply(text), text
 
 
 def test_a_forced_streamed_reply_sends_no_content_before_its_call() -> None:
