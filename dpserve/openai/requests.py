@@ -235,9 +235,13 @@ def parse_chat_request(
     _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
     tool_calling = parse_tool_calling(body, tool_parser)
-    chars = message_chars(messages)
+    # Bounded before the template renders them (on the front's event loop): the messages'
+    # text and the tools' JSON, which the template writes into the prompt.
+    chars = message_chars(messages) + (tool_calling.chars if tool_calling is not None else 0)
     if chars > limits.max_prompt_chars:
-        raise _over_limit("the messages' text", chars, "characters", "max_prompt_chars", limits)
+        raise _over_limit(
+            "the messages' text and tools", chars, "characters", "max_prompt_chars", limits
+        )
     return_log_probs = read_bool(body, "logprobs", default=False)
     top_logprobs = read_int(body, "top_logprobs", 0)
     if top_logprobs and not return_log_probs:

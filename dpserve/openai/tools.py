@@ -65,6 +65,11 @@ class ToolCalling:
     parser: str | None = None  # ``auto``'s output format (``--tool-call-parser``)
 
     @property
+    def chars(self) -> int:
+        """The tools' size as compact JSON: what a template writes of them, about."""
+        return len(_compact(self.template_tools))
+
+    @property
     def constrained(self) -> bool:
         """The reply is JSON of a schema this module builds (``constraint``)."""
         return self.choice in (ToolChoice.NAMED, ToolChoice.REQUIRED)
@@ -229,5 +234,5 @@ def _other_constraint(body: Mapping[str, Any]) -> bool:
     )
 
 
-def _compact(schema: Mapping[str, Any]) -> str:
+def _compact(schema: object) -> str:
     return json.dumps(schema, separators=(",", ":"))

@@ -168,6 +168,21 @@ def test_a_forced_choices_schema_counts_against_max_constraint_bytes() -> None:
     assert caught.value.param == "tools"
 
 
+def test_tools_count_against_max_prompt_chars_before_the_template_renders_them() -> None:
+    import dataclasses
+
+    limits = dataclasses.replace(DEFAULT_REQUEST_LIMITS, max_prompt_chars=1000)
+    many = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "x" * 50}}
+        for i in range(20)
+    ]
+    body = {"messages": MESSAGES, "tools": many, "tool_choice": "none"}
+    with pytest.raises(InvalidRequest, match="messages' text and tools") as caught:
+        parse_chat_request(body, ByteTokenizer(), limits)
+    assert caught.value.code == "max_prompt_chars"
+    assert parse_chat_request({**body, "tools": many[:5]}, ByteTokenizer(), limits).prompt
+
+
 def test_messages_carry_calls_and_results_to_the_template() -> None:
     tokenizer = tiny_tokenizer_with(TOOL_TEMPLATE)
     arguments = '{"city": "Paris"}'
