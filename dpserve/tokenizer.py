@@ -36,7 +36,14 @@ class BatchTokenizer(Protocol):
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> str: ...
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The conversation as the model reads it: the assistant's turn opened after it
+        (``add_generation_prompt``), or its final message left open for the model to go on
+        with (``continue_final_message``)."""
+        ...
 
 
 class ByteTokenizer:
@@ -58,6 +65,9 @@ class ByteTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         lines = [f"tools: {json.dumps(list(tools))}"] if tools else []
         for message in messages:
@@ -66,7 +76,8 @@ class ByteTokenizer:
             if calls:
                 line += f" {json.dumps(calls)}"
             lines.append(line)
-        return "\n".join([*lines, "assistant:"])
+        opened = ["assistant:"] if add_generation_prompt and not continue_final_message else []
+        return "\n".join([*lines, *opened])
 
     def token_texts(self) -> Sequence[str | None]:
         """``token_texts`` of the protocol: ASCII bytes are characters of their own, the
@@ -170,6 +181,9 @@ class HuggingFaceTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             # tokenize=False makes it return the rendered prompt as one string. The template
@@ -178,10 +192,16 @@ class HuggingFaceTokenizer:
                 list(messages),
                 tools=list(tools) if tools else None,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
             return prompt
-        return ByteTokenizer().apply_chat_template(messages, tools)
+        return ByteTokenizer().apply_chat_template(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
 
 
 @cache

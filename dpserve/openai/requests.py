@@ -127,8 +127,13 @@ CHAT_FIELDS: Final[dict[str, Field]] = {
     "functions": _no_op("deprecated by OpenAI: send tools", []),
     "function_call": _no_op("deprecated by OpenAI: send tool_choice", "none"),
     "modalities": _no_op("text only", ["text"]),
-    "add_generation_prompt": _no_op("vLLM extension; always added", True),
-    "continue_final_message": _no_op("vLLM extension; not implemented", False),
+    "add_generation_prompt": _honoured(
+        "vLLM extension: false renders no opening of the assistant's turn after the messages"
+    ),
+    "continue_final_message": _honoured(
+        "vLLM extension: the final message is left open and the reply continues it (with "
+        "add_generation_prompt false)"
+    ),
     "echo": _no_op("vLLM extension; the prompt is not repeated", False),
 }
 STREAM_OPTIONS: Final = frozenset({"include_usage", "continuous_usage_stats"})
@@ -255,9 +260,20 @@ def parse_chat_request(
     )
     if tool_calling is not None:
         request = _with_tool_calling(request, tool_calling, limits)
+    add_generation_prompt = read_bool(body, "add_generation_prompt", default=True)
+    continue_final_message = read_bool(body, "continue_final_message", default=False)
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequest(
+            "continue_final_message continues the final message: send it with "
+            "add_generation_prompt false",
+            param="continue_final_message",
+        )
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, tool_calling.template_tools if tool_calling is not None else None
+            messages,
+            tool_calling.template_tools if tool_calling is not None else None,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
     except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
         raise InvalidRequest(

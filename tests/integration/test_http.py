@@ -638,6 +638,19 @@ def test_chat_request_renders_the_template_and_prefers_max_completion_tokens() -
     assert request.stream and request.params.stream and request.include_usage
 
 
+def test_chat_request_without_a_generation_prompt_or_continuing_the_final_message() -> None:
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    closed = parse_chat_request(
+        {"messages": turns, "add_generation_prompt": False}, ByteTokenizer()
+    )
+    assert closed.prompt == "user: hi\nassistant: Hel"
+    body = {"messages": turns, "add_generation_prompt": False, "continue_final_message": True}
+    assert parse_chat_request(body, ByteTokenizer()).prompt == "user: hi\nassistant: Hel"
+    with pytest.raises(InvalidRequest) as caught:
+        parse_chat_request({"messages": turns, "continue_final_message": True}, ByteTokenizer())
+    assert caught.value.param == "continue_final_message"
+
+
 def test_token_logprob_pairs_align_to_the_end() -> None:
     assert token_logprob_pairs(["a", "b", "c"], [-1.0, -2.0]) == [
         ("a", None),

@@ -237,3 +237,32 @@ def test_tools_without_a_parser_work_except_auto_which_names_the_flag(
     [call] = forced.choices[0].message.tool_calls or []
     assert call.function.name == "now"  # type: ignore[union-attr]
     assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
+
+
+def test_continue_final_message_continues_the_assistants_text(
+    client: openai.OpenAI, tiny_model_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    conversation: Any = [*MESSAGES, {"role": "assistant", "content": "The capital is"}]
+    continued = client.chat.completions.create(
+        model="m",
+        messages=conversation,
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    # The same prompt as text: the final message left open, nothing after it.
+    prompt = AutoTokenizer.from_pretrained(tiny_model_path).apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prompt.endswith("The capital is")
+    plain = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=0.0)
+    assert continued.choices[0].message.content == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="m",
+            messages=conversation,
+            extra_body={"continue_final_message": True},  # add_generation_prompt defaults true
+        )
+    assert "add_generation_prompt false" in str(refused.value)
