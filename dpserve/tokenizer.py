@@ -39,10 +39,12 @@ class BatchTokenizer(Protocol):
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The conversation as the model reads it: the assistant's turn opened after it
         (``add_generation_prompt``), or its final message left open for the model to go on
-        with (``continue_final_message``)."""
+        with (``continue_final_message``); ``template_kwargs``: more variables for the
+        template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
         ...
 
 
@@ -68,6 +70,7 @@ class ByteTokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         lines = [f"tools: {json.dumps(list(tools))}"] if tools else []
         for message in messages:
@@ -184,6 +187,7 @@ class HuggingFaceTokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             # tokenize=False makes it return the rendered prompt as one string. The template
@@ -194,6 +198,7 @@ class HuggingFaceTokenizer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
             )
             return prompt
         return ByteTokenizer().apply_chat_template(

@@ -99,6 +99,39 @@ def parse_messages(messages: object) -> list[dict[str, Any]]:
     return parsed
 
 
+# What a chat template's variables may not be named: the parameters of transformers'
+# ``apply_chat_template`` (a kwarg of that name would change how it renders, not what) and
+# the variables this server sets. tests/unit/test_tool_calling.py checks the list against the
+# installed transformers.
+RESERVED_TEMPLATE_NAMES: Final = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template",
+        "add_generation_prompt", "continue_final_message", "tokenize",
+        "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def chat_template_kwargs(value: object) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template, by name."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"chat_template_kwargs must be an object, got {json_type(value)}",
+            param="chat_template_kwargs",
+        )
+    for key in value:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequest(
+                f"chat_template_kwargs.{key} cannot be a template variable (a name the "
+                "template reads, not one of the renderer's own parameters or the messages)",
+                param=f"chat_template_kwargs.{key}",
+            )
+    return dict(value)
+
+
 def message_chars(messages: list[dict[str, Any]]) -> int:
     """The text a conversation's messages carry (what ``max_prompt_chars`` counts before the
     template renders them)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -19,7 +20,12 @@ from dpserve import protocol
 from dpserve.limits import DEFAULT_REQUEST_LIMITS, RequestLimits
 from dpserve.openai.errors import InvalidRequest
 from dpserve.openai.guided import check_size, parse_guided, schema_param
-from dpserve.openai.prompts import message_chars, parse_messages, parse_prompts
+from dpserve.openai.prompts import (
+    chat_template_kwargs,
+    message_chars,
+    parse_messages,
+    parse_prompts,
+)
 from dpserve.openai.tools import ToolCalling, parse_tool_calling
 from dpserve.openai.values import (
     is_int,
@@ -129,6 +135,10 @@ CHAT_FIELDS: Final[dict[str, Field]] = {
     "modalities": _no_op("text only", ["text"]),
     "add_generation_prompt": _honoured(
         "vLLM extension: false renders no opening of the assistant's turn after the messages"
+    ),
+    "chat_template_kwargs": _honoured(
+        "vLLM extension: more variables for the chat template (e.g. Qwen3's enable_thinking); "
+        "a template that does not use one renders as without it"
     ),
     "continue_final_message": _honoured(
         "vLLM extension: the final message is left open and the reply continues it (with "
@@ -242,7 +252,9 @@ def parse_chat_request(
     tool_calling = parse_tool_calling(body, tool_parser)
     # Bounded before the template renders them (on the front's event loop): the messages'
     # text and the tools' JSON, which the template writes into the prompt.
+    template_kwargs = chat_template_kwargs(body.get("chat_template_kwargs"))
     chars = message_chars(messages) + (tool_calling.chars if tool_calling is not None else 0)
+    chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
     if chars > limits.max_prompt_chars:
         raise _over_limit(
             "the messages' text and tools", chars, "characters", "max_prompt_chars", limits
@@ -274,6 +286,7 @@ def parse_chat_request(
             tool_calling.template_tools if tool_calling is not None else None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
     except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
         raise InvalidRequest(
