@@ -33,6 +33,7 @@ from dpserve.client import ClientError, InferenceClient
 from dpserve.engine.cpus import numa_core_sets, usable_cores
 from dpserve.flags import CONSTRAINT_LIMITS, request_limit_flag
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
+from dpserve.reply_formats import ReplyParsers
 from dpserve.restarts import Deaths, RestartPolicy, describe_exit
 from dpserve.security import api_tokens, key_files, throwaway
 
@@ -107,7 +108,8 @@ class LocalDeployment:
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
-    tool_call_parser: str | None = None  # the HTTP front's --tool-call-parser
+    # The HTTP front's readers of chat replies (--tool-call-parser, --reasoning-parser).
+    reply_parsers: ReplyParsers = field(default_factory=ReplyParsers)
     step_delay: float = 0.0  # seconds per fake engine step (``fake`` only)
     # The engines' compute: "dpserve" or "vllm" (dpserve.engine.vllm), with vLLM's tensor
     # parallelism and its own engine flags passed through; ``engine_python`` runs them (vLLM
@@ -499,7 +501,7 @@ async def _start_http(
         api_keys=deployment.api_keys,
         limits=deployment.limits,
         http_limits=deployment.http_limits,
-        tool_call_parser=deployment.tool_call_parser,
+        reply_parsers=deployment.reply_parsers,
         bound_socket=bound,
     )
     listening = asyncio.Event()

@@ -128,6 +128,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         *limit_args(spec.coordinator.limits),
         *(["--ready-without-engines"] if from_zero else []),
         *(["--tool-call-parser", parser] if (parser := spec.coordinator.tool_call_parser) else []),
+        *(["--reasoning-parser", parser] if (parser := spec.coordinator.reasoning_parser) else []),
     ]  # fmt: skip
 
 

@@ -156,6 +156,8 @@ class CoordinatorSpec:
     resources: Resources
     # spec.coordinator.toolCallParser (--tool-call-parser); None: tool_choice auto refused.
     tool_call_parser: str | None = None
+    # spec.coordinator.reasoningParser (--reasoning-parser); None: the thought stays in content.
+    reasoning_parser: str | None = None
     # (dpserve.limits field name, value) of each limit set in spec.coordinator.limits.
     limits: tuple[tuple[str, int | float], ...] = ()
 
@@ -749,6 +751,7 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
         routing=coordinator.choice("routing"),
         resources=coordinator.resources("resources"),
         tool_call_parser=coordinator.optional_choice("toolCallParser"),
+        reasoning_parser=coordinator.optional_choice("reasoningParser"),
         limits=parse_limits(
             coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
         ),

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import TypeAlias
 
+from dpserve.reply_formats import REASONING_PARSERS, TOOL_CALL_PARSERS, ReplyParsers
 from dpserve.security import api_tokens, bind, key_files, throwaway
 
 log = logging.getLogger("dpserve")
@@ -90,9 +91,8 @@ def add_api_key_file(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_tool_call_parser(parser: argparse.ArgumentParser) -> None:
-    from dpserve.tool_call_formats import TOOL_CALL_PARSERS
-
+def add_reply_parser_flags(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front's readers of chat replies (``reply_formats``)."""
     parser.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -103,6 +103,19 @@ def add_tool_call_parser(parser: argparse.ArgumentParser) -> None:
         "<tool_call>{...}</tool_call> (Hermes, Qwen2.5, Qwen3); llama3_json: "
         '{"name": ..., "parameters": {...}} (Llama 3.1-3.3)',
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="the model's thought (<think>...</think>) comes back apart from its answer, as "
+        "message.reasoning (and reasoning_content); without it the thought stays in the "
+        "content. deepseek_r1: DeepSeek-R1 and its distills, QwQ; qwen3: Qwen3 (also with "
+        "chat_template_kwargs.enable_thinking false)",
+    )
+
+
+def reply_parsers(args: argparse.Namespace) -> ReplyParsers:
+    return ReplyParsers(args.tool_call_parser, args.reasoning_parser)
 
 
 def add_ready_without_engines(parser: argparse.ArgumentParser) -> None:

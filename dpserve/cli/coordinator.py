@@ -13,8 +13,9 @@ from dpserve.cli.common import (
     add_api_key_file,
     add_credentials,
     add_ready_without_engines,
-    add_tool_call_parser,
+    add_reply_parser_flags,
     api_keys,
+    reply_parsers,
     tokenizer_spec,
 )
 from dpserve.coordinator.config import CoordinatorConfig, flag_fields
@@ -62,7 +63,7 @@ def add_parser(subparsers: Subcommands) -> None:
     flags.add_http_limits(coordinator)
     add_api_key_file(coordinator)
     add_ready_without_engines(coordinator)
-    add_tool_call_parser(coordinator)
+    add_reply_parser_flags(coordinator)
     coordinator.set_defaults(func=run)
 
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
-        tool_call_parser=args.tool_call_parser,
+        reply_parsers=reply_parsers(args),
     )
     return run_http_with_coordinator(args.port, args.deterministic, options, front)
 

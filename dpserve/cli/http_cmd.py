@@ -12,10 +12,11 @@ from dpserve.cli.common import (
     add_api_key_file,
     add_credentials,
     add_ready_without_engines,
-    add_tool_call_parser,
+    add_reply_parser_flags,
     api_keys,
     client_keys,
     log,
+    reply_parsers,
     tokenizer_spec,
     zmq_address,
 )
@@ -34,7 +35,7 @@ def add_parser(subparsers: Subcommands) -> None:
     add_credentials(http, roles=True)
     add_api_key_file(http)
     add_ready_without_engines(http)
-    add_tool_call_parser(http)
+    add_reply_parser_flags(http)
     flags.add_request_limits(http)
     flags.add_http_limits(http)
     http.set_defaults(func=run)
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
-        tool_call_parser=args.tool_call_parser,
+        reply_parsers=reply_parsers(args),
     )
     asyncio.run(run_http_front(front))
     return 0

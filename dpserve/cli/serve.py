@@ -13,8 +13,9 @@ from dpserve.cli.common import (
     Subcommands,
     add_api_key_file,
     add_kv_cache_flags,
-    add_tool_call_parser,
+    add_reply_parser_flags,
     api_keys,
+    reply_parsers,
 )
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.engine.layers import weight_format
@@ -87,7 +88,7 @@ def add_parser(subparsers: Subcommands) -> None:
         "--insecure", action="store_true", help="plain ZMQ on loopback: no keys at all"
     )
     add_api_key_file(serve)
-    add_tool_call_parser(serve)
+    add_reply_parser_flags(serve)
     flags.add_request_limits(serve)
     flags.add_http_limits(serve)
     flags.add_lora_flags(serve)
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=http_api_keys,
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
-        tool_call_parser=args.tool_call_parser,
+        reply_parsers=reply_parsers(args),
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 

@@ -52,6 +52,7 @@ from dpserve.openai.responses import (
     ChatFormat,
     CompletionFormat,
 )
+from dpserve.reply_formats import NO_REPLY_PARSERS, ReplyParsers
 from dpserve.security import api_tokens
 from dpserve.tokenizer import BatchTokenizer
 
@@ -71,10 +72,10 @@ class HttpFront:
         limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
         http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
         hold_without_engines: bool = False,
-        tool_call_parser: str | None = None,
+        reply_parsers: ReplyParsers = NO_REPLY_PARSERS,
     ) -> None:
         self.client = client
-        self.tool_call_parser = tool_call_parser
+        self.reply_parsers = reply_parsers
         self.hold_without_engines = hold_without_engines
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -125,7 +126,7 @@ class HttpFront:
             await self._follow_coordinator_limits()
             body = await self._read_json(request)
             job = await self._with_adapter(
-                parse_chat_request(body, self.tokenizer, self.limits, self.tool_call_parser), body
+                parse_chat_request(body, self.tokenizer, self.limits, self.reply_parsers), body
             )
             check_message_size(job, self.max_message_bytes)
             await check_constraint(job.params, job.schema_param, self.limits)
@@ -338,14 +339,14 @@ def create_app(
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS,
     guard: ConnectionGuard | None = None,
     hold_without_engines: bool = False,
-    tool_call_parser: str | None = None,
+    reply_parsers: ReplyParsers = NO_REPLY_PARSERS,
 ) -> web.Application:
     """The HTTP front as an aiohttp application; ``app[FRONT_KEY]`` holds its state. With
     ``api_keys``, ``/v1/*`` answer 401 unless given ``Authorization: Bearer <one of them>``,
     and the admin endpoints 403 unless it is an admin token (``_bearer_auth``);
     ``guard`` is told when each request's handler starts and ends (``serve_http``);
     ``hold_without_engines``: /ready is 200 while the coordinator holds requests for want of
-    an engine (``health.readiness``); ``tool_call_parser``: ``--tool-call-parser``."""
+    an engine (``health.readiness``); ``reply_parsers``: what is read out of chat replies."""
     front = HttpFront(
         client,
         tokenizer,
@@ -353,7 +354,7 @@ def create_app(
         limits,
         http_limits,
         hold_without_engines,
-        tool_call_parser,
+        reply_parsers,
     )
     middlewares = [
         *([guard.middleware] if guard is not None else []),

@@ -30,6 +30,7 @@ from dpserve.openai.errors import (
 )
 from dpserve.openai.logprobs import token_pieces
 from dpserve.openai.metrics import FrontMetrics
+from dpserve.openai.reasoning import ReasoningStream, split_reply
 from dpserve.openai.requests import GenerationRequest
 from dpserve.openai.responses import (
     SSE_DONE,
@@ -42,8 +43,7 @@ from dpserve.openai.responses import (
     sse_response,
     usage,
 )
-from dpserve.openai.tool_calls import CallStream, parse_reply, reply_finish_reason
-from dpserve.openai.tools import ToolCalling
+from dpserve.openai.tool_calls import CallStream, ToolCall, parse_reply, reply_finish_reason
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -163,6 +163,10 @@ class Generator:
         choice = Choice(
             index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
         )
+        if job.reasoning is not None:  # the thought apart; the answer is read for calls
+            split = split_reply(job.reasoning, generated_text)
+            generated_text = split.content
+            choice = dataclasses.replace(choice, text=split.content, reasoning=split.reasoning)
         calling = job.tool_calling
         if calling is None or not calling.parses_calls:
             return choice
@@ -255,7 +259,7 @@ class Generator:
                 handle.cancel()
             return unavailable_error(exc).response()
         prompt_tokens = self._prompt_token_count(job) if job.continuous_usage else None
-        sse = _SseStream(request, fmt, ids, prompt_tokens, len(handles), job.tool_calling)
+        sse = _SseStream(request, fmt, ids, prompt_tokens, len(handles), job)
         show_logprobs = job.params.return_log_probs and not job.hide_logprobs
         events: asyncio.Queue[tuple[int, StreamChunk | RequestRecord | BaseException]] = (
             asyncio.Queue()
@@ -369,7 +373,7 @@ class _SseStream:
         ids: ResponseIds,
         prompt_tokens: int | None,
         choices: int,
-        tool_calling: ToolCalling | None = None,
+        job: GenerationRequest | None = None,
     ) -> None:
         self.request = request
         self.fmt = fmt
@@ -380,9 +384,14 @@ class _SseStream:
         self.response: web.StreamResponse | None = None
         self.first_token_at: float | None = None
         self.echoed = [False] * choices
-        # Each choice's text split into content and tool calls as it comes (tool_choice
-        # other than none): content is sent at once, calls when the choice ends.
+        # Each choice's text split as it comes into its thought (--reasoning-parser) and its
+        # answer, the answer into content and tool calls (tool_choice other than none):
+        # thought and content are sent at once, calls when the choice ends.
+        self.thoughts: list[ReasoningStream] | None = None
+        if job is not None and job.reasoning is not None:
+            self.thoughts = [ReasoningStream(job.reasoning) for _ in range(choices)]
         self.calls: list[CallStream] | None = None
+        tool_calling = job.tool_calling if job is not None else None
         if tool_calling is not None and tool_calling.parses_calls:
             self.calls = [CallStream(tool_calling) for _ in range(choices)]
 
@@ -408,9 +417,21 @@ class _SseStream:
         if chunk.tokens and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.completion_tokens += len(chunk.tokens)
-        text = chunk.text if self.calls is None else self.calls[index].feed(chunk.text)
-        if text or entries:
-            await self._write(self.fmt.chunk(self.ids, Choice(index, text, None, entries, top)))
+        thought, text = self._split(index, chunk.text)
+        if text or thought or entries:
+            choice = Choice(index, text, None, entries, top, reasoning=thought or None)
+            await self._write(self.fmt.chunk(self.ids, choice))
+
+    def _split(self, index: int, text: str, final: bool = False) -> tuple[str, str]:
+        """A chunk's (or, ``final``, the held-back) thought and content to send now."""
+        thought = ""
+        if self.thoughts is not None:
+            thought, text = (
+                self.thoughts[index].finish() if final else self.thoughts[index].feed(text)
+            )
+        if self.calls is not None:
+            text = self.calls[index].feed(text)
+        return thought, text
 
     async def finish(
         self,
@@ -422,16 +443,16 @@ class _SseStream:
         """The choice's last chunk: its finish reason, with the stop token's log-prob entry
         (after the content held back and the tool calls, if it called any)."""
         reason = record.finish_reason
+        thought, text = self._split(index, "", final=True)  # what was held back
+        calls: tuple[ToolCall, ...] = ()
         if self.calls is not None:
-            calls = self.calls[index]
-            reply = calls.finish()
-            if reply.content or reply.calls:
-                await self._write(
-                    self.fmt.chunk(
-                        self.ids, Choice(index, reply.content or "", None, tool_calls=reply.calls)
-                    )
-                )
-            reason = reply_finish_reason(calls.calling, reply, reason)
+            reply = self.calls[index].finish()
+            text += reply.content or ""
+            calls = reply.calls
+            reason = reply_finish_reason(self.calls[index].calling, reply, reason)
+        if thought or text or calls:
+            last = Choice(index, text, None, tool_calls=calls, reasoning=thought or None)
+            await self._write(self.fmt.chunk(self.ids, last))
         choice = Choice(index, "", reason, entries or None, top_asked)
         await self._write(self.fmt.chunk(self.ids, choice))
 

@@ -26,6 +26,7 @@ from dpserve.openai.prompts import (
     parse_messages,
     parse_prompts,
 )
+from dpserve.openai.reasoning import Reasoning
 from dpserve.openai.tools import ToolCalling, parse_tool_calling
 from dpserve.openai.values import (
     is_int,
@@ -36,6 +37,7 @@ from dpserve.openai.values import (
     same_json,
 )
 from dpserve.protocol import SubmitRequest
+from dpserve.reply_formats import NO_REPLY_PARSERS, ReplyParsers
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -170,6 +172,8 @@ class GenerationRequest:
     schema_param: str | None = None
     # Chat: the tools and tool_choice; each choice's reply is parsed for calls.
     tool_calling: ToolCalling | None = None
+    # Chat: how each choice's thought is told from its answer (--reasoning-parser).
+    reasoning: Reasoning | None = None
 
     @property
     def all_prompts(self) -> tuple[str | list[int], ...]:
@@ -243,13 +247,13 @@ def parse_chat_request(
     body: Mapping[str, Any],
     tokenizer: BatchTokenizer,
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
-    tool_parser: str | None = None,
+    parsers: ReplyParsers = NO_REPLY_PARSERS,
 ) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body and render its messages (and tools) with the
-    chat template. ``tool_parser``: the server's ``--tool-call-parser``, if any."""
+    chat template. ``parsers``: what the server reads out of replies."""
     _check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body.get("messages"))
-    tool_calling = parse_tool_calling(body, tool_parser)
+    tool_calling = parse_tool_calling(body, parsers.tool_calls)
     # Bounded before the template renders them (on the front's event loop): the messages'
     # text and the tools' JSON, which the template writes into the prompt.
     template_kwargs = chat_template_kwargs(body.get("chat_template_kwargs"))
@@ -274,6 +278,10 @@ def parse_chat_request(
         request = _with_tool_calling(request, tool_calling, limits)
     add_generation_prompt = read_bool(body, "add_generation_prompt", default=True)
     continue_final_message = read_bool(body, "continue_final_message", default=False)
+    reasoning = None
+    if parsers.reasoning is not None:
+        thinking = (template_kwargs or {}).get("enable_thinking", True) is not False
+        reasoning = Reasoning(parsers.reasoning, thinking)
     if add_generation_prompt and continue_final_message:
         raise InvalidRequest(
             "continue_final_message continues the final message: send it with "
@@ -305,7 +313,7 @@ def parse_chat_request(
             limits,
             param="messages",
         )
-    return dataclasses.replace(request, prompt=prompt)
+    return dataclasses.replace(request, prompt=prompt, reasoning=reasoning)
 
 
 def _with_tool_calling(

@@ -104,6 +104,7 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     top_asked: bool = False  # alternatives were asked for (completions: a dict per token)
     tool_calls: tuple[ToolCall, ...] = ()  # chat: the calls read out of the reply
+    reasoning: str | None = None  # chat: the thought (--reasoning-parser)
 
 
 class ResponseFormat(Protocol):
@@ -164,13 +165,19 @@ def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
 def _message(choice: Choice) -> dict[str, Any]:
     """A chat choice's message: its text, and its tool calls (then a reply of calls alone has
     null content, as OpenAI's)."""
-    if not choice.tool_calls:
-        return {"role": "assistant", "content": choice.text}
-    return {
-        "role": "assistant",
-        "content": choice.text or None,
-        "tool_calls": [call.as_openai() for call in choice.tool_calls],
-    }
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if choice.tool_calls:
+        message["content"] = choice.text or None
+        message["tool_calls"] = [call.as_openai() for call in choice.tool_calls]
+    return {**message, **_thought(choice)}
+
+
+def _thought(choice: Choice) -> dict[str, str]:
+    """vLLM's ``reasoning`` and its earlier name ``reasoning_content`` (DeepSeek's API's,
+    which LangChain and Open WebUI read), when the choice has a thought."""
+    if choice.reasoning is None:
+        return {}
+    return {"reasoning": choice.reasoning, "reasoning_content": choice.reasoning}
 
 
 class CompletionFormat:
@@ -242,8 +249,10 @@ class ChatFormat:
         ]
 
     def chunk(self, ids: ResponseIds, choice: Choice) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if choice.text or (choice.finish_reason is None and not choice.tool_calls):
+        delta: dict[str, Any] = _thought(choice)
+        if choice.text or (
+            choice.finish_reason is None and not choice.tool_calls and choice.reasoning is None
+        ):
             delta["content"] = choice.text
         if choice.tool_calls:
             delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(choice.tool_calls)]

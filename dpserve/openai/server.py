@@ -17,6 +17,7 @@ from dpserve.client import InferenceClient
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.openai.app import FRONT_KEY, create_app
 from dpserve.openai.connections import ConnectionGuard
+from dpserve.reply_formats import ReplyParsers
 from dpserve.security import api_tokens, key_files
 from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
 
@@ -38,8 +39,8 @@ class FrontConfig:
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     # /ready is 200 while requests are held for want of an engine (autoscaled from zero).
     hold_without_engines: bool = False
-    # The model's format of a tool call (--tool-call-parser); None: tool_choice auto refused.
-    tool_call_parser: str | None = None
+    # What is read out of chat replies (--tool-call-parser, --reasoning-parser).
+    reply_parsers: ReplyParsers = dataclasses.field(default_factory=ReplyParsers)
     # A socket already bound to host:port (``dpserve serve`` binds it before starting its
     # engines), which the front listens on; None: the front binds host:port itself.
     bound_socket: socket.socket | None = dataclasses.field(default=None, repr=False)
@@ -67,7 +68,7 @@ async def serve_http(
         http_limits=limits,
         guard=guard,
         hold_without_engines=config.hold_without_engines,
-        tool_call_parser=config.tool_call_parser,
+        reply_parsers=config.reply_parsers,
     )
     await app[FRONT_KEY].coordinator_status()  # learn the coordinator's limits before serving
     runner = web.AppRunner(

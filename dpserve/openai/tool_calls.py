@@ -4,7 +4,7 @@
 * A named function's reply is its arguments (the constraint made them the schema's JSON).
 * ``required``'s reply is ``[{"name", "parameters"}, ...]``.
 * ``auto``'s reply is in the model's own format, which ``--tool-call-parser`` names
-  (``tool_call_formats``), read as vLLM's parser of the same name reads it:
+  (``reply_formats``), read as vLLM's parser of the same name reads it:
 
   - ``hermes`` (Hermes 2/3, Qwen2.5, Qwen3 and most ChatML templates with tools):
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them, the text
@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Final, Protocol
 
 from dpserve.openai.tools import ToolCalling, ToolChoice
-from dpserve.tool_call_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
+from dpserve.reply_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

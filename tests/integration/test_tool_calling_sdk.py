@@ -1,10 +1,13 @@
-"""Tool calling through ``dpserve serve --tool-call-parser hermes`` (and ``llama3_json``) on
-the tiny model, called with the real OpenAI SDK: a named function and ``required`` give calls
-whose arguments follow the tool's schema (the reply is constrained to it), whole and streamed;
-``auto`` on a model that calls nothing gives the same text as ``none``; ``auto`` reads the
-calls out of a reply in each format (the random model is steered into the format by a
-structured-output constraint, which ``auto`` leaves the client free to send); a conversation
-carrying a call and its result is served."""
+"""Tool calling through ``dpserve serve --tool-call-parser hermes`` (and ``llama3_json`` with
+``--reasoning-parser qwen3``) on the tiny model, called with the real OpenAI SDK:
+
+* a named function and ``required`` give calls whose arguments follow the tool's schema (the
+  reply is constrained to it), whole and streamed;
+* ``auto`` on a model that calls nothing gives the same text as ``none``;
+* ``auto`` reads the calls out of a reply in each format (the random model is steered into the
+  format by a structured-output constraint, which ``auto`` leaves the client free to send);
+* a conversation carrying a call and its result is served;
+* a thought comes back apart, and the answer after it is what is read for calls."""
 
 from __future__ import annotations
 
@@ -188,34 +191,75 @@ LLAMA3_CALL_SCHEMA: dict[str, Any] = {
 }
 
 
-def test_auto_reads_llama3_json_calls(
-    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+@pytest.fixture(scope="module")
+def llama(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A server reading Llama 3's calls and Qwen3's thoughts."""
     log = tmp_path_factory.mktemp("serve-llama3") / "serve.log"
-    with serving(tiny_model_path, log, "--tool-call-parser", "llama3_json") as url:
-        llama = openai.OpenAI(api_key="unused", base_url=url, max_retries=0, timeout=120)
-        request: dict[str, Any] = {
-            "messages": MESSAGES,
-            "tools": TOOLS,
-            "max_tokens": 100,
-            "temperature": 1.0,
-            "seed": 3,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "call", "schema": LLAMA3_CALL_SCHEMA},
-            },
-        }
-        response = llama.chat.completions.create(model="m", **request)
-        message = response.choices[0].message
-        assert response.choices[0].finish_reason == "tool_calls" and message.content is None
-        [call] = message.tool_calls or []
-        assert call.function.name == "forecast"
-        assert forecast_arguments_are_valid(call.function.arguments)
-        content, calls, finish = streamed(llama, **request)
-        assert (content, finish) == ("", "tool_calls")
-        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-            ("forecast", call.function.arguments)
-        ]
+    flags = ("--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3")
+    with serving(tiny_model_path, log, *flags) as url:
+        yield openai.OpenAI(api_key="unused", base_url=url, max_retries=0, timeout=120)
+
+
+def test_auto_reads_llama3_json_calls(llama: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 100,
+        "temperature": 1.0,
+        "seed": 3,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "call", "schema": LLAMA3_CALL_SCHEMA},
+        },
+        # Qwen3's switch: no thought, so the whole reply is the answer.
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    response = llama.chat.completions.create(model="m", **request)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert getattr(message, "reasoning", None) is None
+    [call] = message.tool_calls or []
+    assert call.function.name == "forecast"
+    assert forecast_arguments_are_valid(call.function.arguments)
+    content, calls, finish = streamed(llama, **request)
+    assert (content, finish) == ("", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("forecast", call.function.arguments)
+    ]
+
+
+def test_a_thought_comes_apart_and_the_answer_after_it_is_read_for_calls(
+    llama: openai.OpenAI,
+) -> None:
+    request: dict[str, Any] = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 100,
+        "extra_body": {
+            "guided_regex": r"<think>Check the time: a<b\.</think>"
+            r'\{"name": "now", "parameters": \{\}\}'
+        },
+    }
+    response = llama.chat.completions.create(model="m", **request)
+    message = response.choices[0].message
+    assert getattr(message, "reasoning", None) == "Check the time: a<b."
+    assert getattr(message, "reasoning_content", None) == "Check the time: a<b."
+    assert message.content is None and response.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] == [
+        ("now", "{}")
+    ]
+    thought, content, calls = "", "", []
+    for chunk in llama.chat.completions.create(model="m", stream=True, **request):
+        for choice in chunk.choices:
+            thought += getattr(choice.delta, "reasoning", None) or ""
+            content += choice.delta.content or ""
+            calls += [d.function.name for d in choice.delta.tool_calls or [] if d.function]
+    assert (thought, content, calls) == ("Check the time: a<b.", "", ["now"])
+    # Cut short while thinking: all of it is the thought.
+    cut = llama.chat.completions.create(model="m", **{**request, "max_tokens": 4})
+    assert cut.choices[0].finish_reason == "length"
+    assert getattr(cut.choices[0].message, "reasoning", "")
+    assert cut.choices[0].message.content == "" and not cut.choices[0].message.tool_calls
 
 
 def test_a_conversation_with_a_call_and_its_result(client: openai.OpenAI) -> None:

@@ -169,10 +169,11 @@ def test_coordinator_deployment() -> None:
     assert "imagePullPolicy" not in coordinator
 
 
-def test_the_tool_call_parser_reaches_the_coordinators_front() -> None:
-    spec = {**MINIMAL_SPEC, "coordinator": {"toolCallParser": "hermes"}}
+def test_the_reply_parsers_reach_the_coordinators_front() -> None:
+    spec = {**MINIMAL_SPEC, "coordinator": {"toolCallParser": "hermes", "reasoningParser": "qwen3"}}
     command = container(children(spec)[("Deployment", "demo-coordinator")])["command"]
     assert command[command.index("--tool-call-parser") + 1] == "hermes"
+    assert command[command.index("--reasoning-parser") + 1] == "qwen3"
     assert (
         "--tool-call-parser"
         not in container(children(MINIMAL_SPEC)[("Deployment", "demo-coordinator")])["command"]

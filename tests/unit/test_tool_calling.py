@@ -27,8 +27,8 @@ from dpserve.openai.tool_calls import (
     reply_finish_reason,
 )
 from dpserve.openai.tools import ToolChoice, parse_tool_calling
+from dpserve.reply_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 from dpserve.tokenizer import ByteTokenizer, HuggingFaceTokenizer
-from dpserve.tool_call_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 
 WEATHER = {
     "type": "function",
