@@ -30,7 +30,7 @@ from dpserve.openai.errors import (
 )
 from dpserve.openai.logprobs import token_pieces
 from dpserve.openai.metrics import FrontMetrics
-from dpserve.openai.reasoning import ReasoningStream, split_reply
+from dpserve.openai.replies import StreamedReply, read_reply
 from dpserve.openai.requests import GenerationRequest
 from dpserve.openai.responses import (
     SSE_DONE,
@@ -43,7 +43,6 @@ from dpserve.openai.responses import (
     sse_response,
     usage,
 )
-from dpserve.openai.tool_calls import CallStream, ToolCall, parse_reply, reply_finish_reason
 from dpserve.sampling import SamplingParams
 from dpserve.tokenizer import BatchTokenizer
 
@@ -163,19 +162,15 @@ class Generator:
         choice = Choice(
             index, prompt_text + generated_text, finish_reason, entries, job.params.top_logprobs > 0
         )
-        if job.reasoning is not None:  # the thought apart; the answer is read for calls
-            split = split_reply(job.reasoning, generated_text)
-            generated_text = split.content
-            choice = dataclasses.replace(choice, text=split.content, reasoning=split.reasoning)
-        calling = job.tool_calling
-        if calling is None or not calling.parses_calls:
+        if job.reasoning is None and job.tool_calling is None:
             return choice
-        reply = parse_reply(calling, generated_text)
+        read = read_reply(job.reasoning, job.tool_calling, generated_text, finish_reason)
         return dataclasses.replace(
             choice,
-            text=reply.content or "",
-            tool_calls=reply.calls,
-            finish_reason=reply_finish_reason(calling, reply, finish_reason),
+            text=read.content,
+            reasoning=read.reasoning,
+            tool_calls=read.calls,
+            finish_reason=read.finish_reason,
         )
 
     def _prompt_text(self, record: RequestRecord) -> str:
@@ -384,16 +379,11 @@ class _SseStream:
         self.response: web.StreamResponse | None = None
         self.first_token_at: float | None = None
         self.echoed = [False] * choices
-        # Each choice's text split as it comes into its thought (--reasoning-parser) and its
-        # answer, the answer into content and tool calls (tool_choice other than none):
-        # thought and content are sent at once, calls when the choice ends.
-        self.thoughts: list[ReasoningStream] | None = None
-        if job is not None and job.reasoning is not None:
-            self.thoughts = [ReasoningStream(job.reasoning) for _ in range(choices)]
-        self.calls: list[CallStream] | None = None
-        tool_calling = job.tool_calling if job is not None else None
-        if tool_calling is not None and tool_calling.parses_calls:
-            self.calls = [CallStream(tool_calling) for _ in range(choices)]
+        # Chat choices read as they come (a thought apart, tool calls): thought and content
+        # are sent at once, calls when the choice ends.
+        self.replies: list[StreamedReply] | None = None
+        if job is not None and (job.reasoning is not None or job.tool_calling is not None):
+            self.replies = [StreamedReply(job.reasoning, job.tool_calling) for _ in range(choices)]
 
     @property
     def opened(self) -> web.StreamResponse:
@@ -417,21 +407,12 @@ class _SseStream:
         if chunk.tokens and self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.completion_tokens += len(chunk.tokens)
-        thought, text = self._split(index, chunk.text)
+        thought, text = "", chunk.text
+        if self.replies is not None:
+            thought, text = self.replies[index].feed(text)
         if text or thought or entries:
             choice = Choice(index, text, None, entries, top, reasoning=thought or None)
             await self._write(self.fmt.chunk(self.ids, choice))
-
-    def _split(self, index: int, text: str, final: bool = False) -> tuple[str, str]:
-        """A chunk's (or, ``final``, the held-back) thought and content to send now."""
-        thought = ""
-        if self.thoughts is not None:
-            thought, text = (
-                self.thoughts[index].finish() if final else self.thoughts[index].feed(text)
-            )
-        if self.calls is not None:
-            text = self.calls[index].feed(text)
-        return thought, text
 
     async def finish(
         self,
@@ -443,16 +424,14 @@ class _SseStream:
         """The choice's last chunk: its finish reason, with the stop token's log-prob entry
         (after the content held back and the tool calls, if it called any)."""
         reason = record.finish_reason
-        thought, text = self._split(index, "", final=True)  # what was held back
-        calls: tuple[ToolCall, ...] = ()
-        if self.calls is not None:
-            reply = self.calls[index].finish()
-            text += reply.content or ""
-            calls = reply.calls
-            reason = reply_finish_reason(self.calls[index].calling, reply, reason)
-        if thought or text or calls:
-            last = Choice(index, text, None, tool_calls=calls, reasoning=thought or None)
-            await self._write(self.fmt.chunk(self.ids, last))
+        if self.replies is not None:
+            held = self.replies[index].close(reason)
+            reason = held.finish_reason
+            if held.reasoning or held.content or held.calls:
+                last = Choice(
+                    index, held.content, None, tool_calls=held.calls, reasoning=held.reasoning
+                )
+                await self._write(self.fmt.chunk(self.ids, last))
         choice = Choice(index, "", reason, entries or None, top_asked)
         await self._write(self.fmt.chunk(self.ids, choice))
 

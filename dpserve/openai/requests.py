@@ -279,7 +279,9 @@ def parse_chat_request(
     add_generation_prompt = read_bool(body, "add_generation_prompt", default=True)
     continue_final_message = read_bool(body, "continue_final_message", default=False)
     reasoning = None
-    if parsers.reasoning is not None:
+    # A constrained reply (structured output, a forced tool call) has no thought: the
+    # constraint holds from its first token (vLLM lets the model think first).
+    if parsers.reasoning is not None and not request.params.guided:
         thinking = (template_kwargs or {}).get("enable_thinking", True) is not False
         reasoning = Reasoning(parsers.reasoning, thinking)
     if add_generation_prompt and continue_final_message:

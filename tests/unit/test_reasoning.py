@@ -1,19 +1,23 @@
 """A reasoning model's thought told from its answer (``openai.reasoning``): whole replies as
 vLLM's ``deepseek_r1`` and ``qwen3`` parsers split them, streamed replies split the same
-wherever their chunks end, and the shapes a client reads."""
+wherever their chunks end, the shapes a client reads; and with tool calls read out of the
+answer (``openai.replies``), streamed choices read as whole ones."""
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpserve.openai.reasoning import Reasoning, ReasoningStream, Split, split_reply
+from dpserve.openai.replies import StreamedReply, read_reply
 from dpserve.openai.requests import parse_chat_request
 from dpserve.openai.responses import ChatFormat, Choice, ResponseIds
-from dpserve.reply_formats import DEEPSEEK_R1, QWEN3, ReplyParsers
+from dpserve.openai.tools import ToolCalling, parse_tool_calling
+from dpserve.reply_formats import DEEPSEEK_R1, HERMES, LLAMA3_JSON, QWEN3, ReplyParsers
 from dpserve.tokenizer import ByteTokenizer
 
 R1 = Reasoning(DEEPSEEK_R1)
@@ -98,3 +102,67 @@ def test_chat_shapes_of_a_thought() -> None:
     }
     delta = ChatFormat().chunk(ids, Choice(0, "", None, reasoning="Pl"))["choices"][0]["delta"]
     assert delta == {"reasoning": "Pl", "reasoning_content": "Pl"}
+
+
+# ------------------------------------------------- thought and calls together (openai.replies)
+
+
+def calling_of(parser: str | None) -> ToolCalling | None:
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    return None if parser is None else parse_tool_calling({"tools": tools}, parser)
+
+
+REPLIES = [
+    '<think>I could call <tool_call>{"name": "x"}</tool_call>.</think>Sure.'
+    '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    "<think>Plan.</think>" + '{"name": "now", "parameters": {}}',
+    "Plan.</think>Just text.",
+    "<think>cut short",
+    '<tool_call>{"name": "now"}</tool_call>',
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    reasoning=st.sampled_from([R1, QWEN, QWEN_NOT_THINKING, None]),
+    parser=st.sampled_from([HERMES, LLAMA3_JSON, None]),
+    text=st.sampled_from(REPLIES),
+    cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=10),
+)
+def test_a_streamed_choice_reads_as_the_whole_one(
+    reasoning: Reasoning | None, parser: str | None, text: str, cuts: list[int]
+) -> None:
+    calling = calling_of(parser)
+    stream = StreamedReply(reasoning, calling)
+    thought, content = "", ""
+    for chunk in split_at(text, cuts):
+        piece, rest = stream.feed(chunk)
+        thought, content = thought + piece, content + rest
+    last = stream.close("stop")
+    whole = read_reply(reasoning, calling, text, "stop")
+    assert thought + (last.reasoning or "") == (whole.reasoning or "")
+    assert content + last.content == whole.content
+    assert [(c.name, c.arguments) for c in last.calls] == [
+        (c.name, c.arguments) for c in whole.calls
+    ]
+    assert last.finish_reason == whole.finish_reason
+
+
+def test_a_thought_that_mentions_a_call_is_not_one() -> None:
+    whole = read_reply(R1, calling_of(HERMES), REPLIES[0], "stop")
+    assert whole.reasoning == 'I could call <tool_call>{"name": "x"}</tool_call>.'
+    assert whole.content == "Sure."
+    assert [c.name for c in whole.calls] == ["now"] and whole.finish_reason == "tool_calls"
+
+
+def test_a_constrained_reply_has_no_thought() -> None:
+    parsers = ReplyParsers(reasoning=DEEPSEEK_R1)
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat_request(body, ByteTokenizer(), parsers=parsers).reasoning == R1
+    for constraint in (
+        {"response_format": {"type": "json_object"}},
+        {"guided_regex": "a+"},
+        {"tools": [{"type": "function", "function": {"name": "now"}}], "tool_choice": "required"},
+    ):
+        request = parse_chat_request({**body, **constraint}, ByteTokenizer(), parsers=parsers)
+        assert request.reasoning is None, constraint
