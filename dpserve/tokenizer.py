@@ -9,18 +9,33 @@ string prompts work with fake engines and in tests.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import os
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 # Tokens before the first undecided one that are decoded with it: detokenizers need a little
 # left context (a leading space, the start of a multi-byte character).
 DETOKENIZE_CONTEXT_TOKENS = 4
 _REPLACEMENT = "\ufffd"
 _MAX_UTF8_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatRendering:
+    """How a conversation becomes a prompt, besides its messages."""
+
+    tools: Sequence[Mapping[str, Any]] | None = None  # the template shows them to the model
+    add_generation_prompt: bool = True  # the assistant's turn opened after the messages
+    continue_final_message: bool = False  # the final message left open, to be continued
+    # More variables for the template (vLLM's chat_template_kwargs, e.g. enable_thinking).
+    template_kwargs: Mapping[str, Any] | None = None
+
+
+PLAIN_CHAT: Final = ChatRendering()
 
 
 @runtime_checkable
@@ -33,18 +48,10 @@ class BatchTokenizer(Protocol):
     def decode_batch(self, token_lists: list[list[int]]) -> list[str]: ...
 
     def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: Sequence[Mapping[str, Any]], rendering: ChatRendering = PLAIN_CHAT
     ) -> str:
-        """The conversation as the model reads it: the assistant's turn opened after it
-        (``add_generation_prompt``), or its final message left open for the model to go on
-        with (``continue_final_message``); ``template_kwargs``: more variables for the
-        template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
+        """The conversation as the model reads it (``ChatRendering``: how, besides the
+        messages)."""
         ...
 
 
@@ -64,14 +71,9 @@ class ByteTokenizer:
         ]
 
     def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: Sequence[Mapping[str, Any]], rendering: ChatRendering = PLAIN_CHAT
     ) -> str:
+        tools = rendering.tools
         lines = [f"tools: {json.dumps(list(tools))}"] if tools else []
         for message in messages:
             line = f"{message.get('role', 'user')}: {message.get('content', '')}"
@@ -79,7 +81,8 @@ class ByteTokenizer:
             if calls:
                 line += f" {json.dumps(calls)}"
             lines.append(line)
-        opened = ["assistant:"] if add_generation_prompt and not continue_final_message else []
+        opens = rendering.add_generation_prompt and not rendering.continue_final_message
+        opened = ["assistant:"] if opens else []
         return "\n".join([*lines, *opened])
 
     def token_texts(self) -> Sequence[str | None]:
@@ -181,32 +184,21 @@ class HuggingFaceTokenizer:
         return texts
 
     def apply_chat_template(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
+        self, messages: Sequence[Mapping[str, Any]], rendering: ChatRendering = PLAIN_CHAT
     ) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             # tokenize=False makes it return the rendered prompt as one string. The template
             # decides how (and whether) the tools are shown to the model.
             prompt: str = self.tokenizer.apply_chat_template(
                 list(messages),
-                tools=list(tools) if tools else None,
+                tools=list(rendering.tools) if rendering.tools else None,
                 tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
+                add_generation_prompt=rendering.add_generation_prompt,
+                continue_final_message=rendering.continue_final_message,
+                **(rendering.template_kwargs or {}),
             )
             return prompt
-        return ByteTokenizer().apply_chat_template(
-            messages,
-            tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-        )
+        return ByteTokenizer().apply_chat_template(messages, rendering)
 
 
 @cache

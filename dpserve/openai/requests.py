@@ -39,7 +39,7 @@ from dpserve.openai.values import (
 from dpserve.protocol import SubmitRequest
 from dpserve.reply_formats import NO_REPLY_PARSERS, ReplyParsers
 from dpserve.sampling import InvalidSamplingParams, SamplingParams
-from dpserve.tokenizer import BatchTokenizer
+from dpserve.tokenizer import BatchTokenizer, ChatRendering
 
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
 DEFAULT_CHAT_MAX_TOKENS: Final = 512
@@ -293,10 +293,12 @@ def parse_chat_request(
     try:
         prompt = tokenizer.apply_chat_template(
             messages,
-            tool_calling.template_tools if tool_calling is not None else None,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
+            ChatRendering(
+                tool_calling.template_tools if tool_calling is not None else None,
+                add_generation_prompt,
+                continue_final_message,
+                template_kwargs,
+            ),
         )
     except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
         raise InvalidRequest(
