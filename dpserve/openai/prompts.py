@@ -101,7 +101,7 @@ def parse_messages(messages: object) -> list[dict[str, Any]]:
 
 # What a chat template's variables may not be named: the parameters of transformers'
 # ``apply_chat_template`` (a kwarg of that name would change how it renders, not what) and
-# the variables this server sets. tests/unit/test_tool_calling.py checks the list against the
+# the variables this server sets. tests/unit/test_chat_rendering.py checks the list against the
 # installed transformers.
 RESERVED_TEMPLATE_NAMES: Final = frozenset(
     {
