@@ -69,7 +69,11 @@ async def test_streams_move_between_a_dpserve_and_a_vllm_engine(
         # dpserve's engine dies: its streams go on on vLLM's.
         assert (
             await streams_killed_mid_way(
-                client, prompts, _sigkill(dpserve_engine), victim=DPSERVE_RANK
+                client,
+                prompts,
+                _sigkill(dpserve_engine),
+                victim=DPSERVE_RANK,
+                frozen=dpserve_engine,
             )
             == whole
         )
@@ -82,7 +86,9 @@ async def test_streams_move_between_a_dpserve_and_a_vllm_engine(
         spawn_dpserve_engine(processes, port, DPSERVE_RANK, model)
         await wait_for_engines(client, 2, within=60)
         assert (
-            await streams_killed_mid_way(client, prompts, _sigkill(vllm_engine), victim=VLLM_RANK)
+            await streams_killed_mid_way(
+                client, prompts, _sigkill(vllm_engine), victim=VLLM_RANK, frozen=vllm_engine
+            )
             == whole
         )
         status = await client.get_status()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -159,11 +160,16 @@ async def streams_killed_mid_way(
     kill: Callable[[], Awaitable[None]],
     victim: int | None = None,
     penalties: Mapping[str, float] | None = None,
+    frozen: subprocess.Popen[bytes] | None = None,
 ) -> list[tuple[list[int], str]]:
     """Every prompt streamed at once, and ``kill`` (an engine) once each stream has a few
     chunks (or ended). With ``victim`` (the rank ``kill`` ends), once that engine holds streams
     and as many streams are under way (a few chunks, not ended): two backends differ in speed,
-    and the faster one's streams can end before the slower one's have a few chunks."""
+    and the faster one's streams can end before the slower one's have a few chunks. With
+    ``frozen`` (the victim's process), the victim is stopped (SIGSTOP) at that moment and
+    killed only if it still holds streams once what it had sent has arrived: a fast engine
+    can otherwise finish its streams between the status read and the kill (a CI run, 4573c68:
+    nothing was left to move)."""
     deadline = time.monotonic() + 60
     for _ in range(_KILL_ROUNDS):
         chunks = [0] * len(prompts)
@@ -171,16 +177,36 @@ async def streams_killed_mid_way(
             asyncio.create_task(stream_greedy(client, p, chunks, i, penalties))
             for i, p in enumerate(prompts)
         ]
-        while not await _time_to_kill(client, chunks, streams, victim):
+        while True:
+            if await _time_to_kill(client, chunks, streams, victim) and await _holds_frozen(
+                client, victim, frozen
+            ):
+                await kill()
+                return await asyncio.gather(*streams)
             assert time.monotonic() < deadline, (chunks, [task.done() for task in streams])
             if all(task.done() for task in streams):
                 break  # every stream ended before the moment came: stream them all again
             await asyncio.sleep(0.002)
-        else:
-            await kill()
-            return await asyncio.gather(*streams)
         await asyncio.gather(*streams)
     raise AssertionError(f"in {_KILL_ROUNDS} rounds the streams always ended before the kill")
+
+
+async def _holds_frozen(
+    client: InferenceClient, victim: int | None, frozen: subprocess.Popen[bytes] | None
+) -> bool:
+    """Without ``frozen``: True. With it: the victim stopped, and whether it still holds
+    streams once its last messages have arrived (then it stays stopped until killed; else it
+    goes on)."""
+    if frozen is None:
+        return True
+    os.kill(frozen.pid, signal.SIGSTOP)
+    await asyncio.sleep(0.25)  # what it sent before it stopped reaches the coordinator
+    status = await asyncio.wait_for(client.get_status(), 10)
+    held = [e["outstanding"] for e in status["engine_list"] if e["rank"] == victim]
+    if held and held[0] > 0:
+        return True
+    os.kill(frozen.pid, signal.SIGCONT)
+    return False
 
 
 async def _time_to_kill(
