@@ -108,6 +108,8 @@ class LocalDeployment:
     throwaway_keys: bool = False  # credentials were generated for this run (banner)
     limits: RequestLimits = DEFAULT_REQUEST_LIMITS  # the coordinator's and the HTTP edge's
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
+    # --chat-template's text, for the coordinator and the HTTP front; None: the model's own.
+    chat_template: str | None = None
     # The HTTP front's readers of chat replies (--tool-call-parser, --reasoning-parser).
     reply_parsers: ReplyParsers = field(default_factory=ReplyParsers)
     step_delay: float = 0.0  # seconds per fake engine step (``fake`` only)
@@ -193,6 +195,7 @@ class LocalDeployment:
             str(LOCAL_HEARTBEAT_TIMEOUT_S),
             *_coordinator_limit_flags(self.limits),
             *(["--routing", self.routing] if self.routing else []),
+            *(["--chat-template", self.chat_template] if self.chat_template else []),
         )
         for rank, cores in enumerate(self.engine_cores()):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
@@ -502,6 +505,7 @@ async def _start_http(
         limits=deployment.limits,
         http_limits=deployment.http_limits,
         reply_parsers=deployment.reply_parsers,
+        chat_template=deployment.chat_template,
         bound_socket=bound,
     )
     listening = asyncio.Event()

@@ -248,6 +248,37 @@ def as_batch_tokenizer(tokenizer: Any) -> BatchTokenizer:
     raise TypeError(f"cannot use {type(tokenizer).__name__} as a tokenizer")
 
 
+class ChatTemplateError(ValueError):
+    """A ``--chat-template`` that cannot be used: says why."""
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value as template text: a file's contents, or the template
+    itself (vLLM's "the file path to the chat template, or the template in single-line form")."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as template_file:
+            return template_file.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ChatTemplateError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def with_chat_template(tokenizer: BatchTokenizer, template: str | None) -> BatchTokenizer:
+    """``tokenizer`` rendering chats with ``template`` (text) instead of the model's own;
+    refused where it cannot: the byte tokenizer has no templates, and a template that does
+    not render a one-message conversation is refused now rather than at every request."""
+    if template is None:
+        return tokenizer
+    if not isinstance(tokenizer, HuggingFaceTokenizer):
+        raise ChatTemplateError("--chat-template needs a model's tokenizer (--tokenizer/--model)")
+    tokenizer.tokenizer.chat_template = template  # this process's own copy
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+    except Exception as exc:  # a template may raise anything (jinja's raise_exception included)
+        raise ChatTemplateError(f"--chat-template does not render a conversation: {exc}") from None
+    return tokenizer
+
+
 def load_tokenizer(path_or_id: str) -> BatchTokenizer:
     """Load a transformers tokenizer from a local directory or (where a network exists) a hub id.
 

@@ -129,6 +129,7 @@ def coordinator_command(spec: DeploymentSpec) -> list[str]:
         *(["--ready-without-engines"] if from_zero else []),
         *(["--tool-call-parser", parser] if (parser := spec.coordinator.tool_call_parser) else []),
         *(["--reasoning-parser", parser] if (parser := spec.coordinator.reasoning_parser) else []),
+        *(["--chat-template", text] if (text := spec.coordinator.chat_template) else []),
     ]  # fmt: skip
 
 

@@ -158,6 +158,8 @@ class CoordinatorSpec:
     tool_call_parser: str | None = None
     # spec.coordinator.reasoningParser (--reasoning-parser); None: the thought stays in content.
     reasoning_parser: str | None = None
+    # spec.coordinator.chatTemplate (--chat-template, the text); None: the model's own.
+    chat_template: str | None = None
     # (dpserve.limits field name, value) of each limit set in spec.coordinator.limits.
     limits: tuple[tuple[str, int | float], ...] = ()
 
@@ -316,6 +318,15 @@ class _Reader:
             return default
         if required and not value.strip():
             self.fail(self.at(key), "must not be empty")
+            return default
+        field = self.field(key)
+        minimum = field.get("minLength", 0)
+        if len(value) < minimum:
+            shortest = "not be empty" if minimum == 1 else f"have at least {minimum} characters"
+            self.fail(self.at(key), f"must {shortest}")
+            return default
+        if "maxLength" in field and len(value) > field["maxLength"]:
+            self.fail(self.at(key), f"must have at most {field['maxLength']} characters")
             return default
         return value
 
@@ -752,6 +763,7 @@ def _parse_coordinator(coordinator: _Reader) -> CoordinatorSpec:
         resources=coordinator.resources("resources"),
         tool_call_parser=coordinator.optional_choice("toolCallParser"),
         reasoning_parser=coordinator.optional_choice("reasoningParser"),
+        chat_template=coordinator.string("chatTemplate"),
         limits=parse_limits(
             coordinator.data.get("limits"), coordinator.at("limits"), coordinator.problems
         ),

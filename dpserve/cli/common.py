@@ -114,6 +114,23 @@ def add_reply_parser_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        default=None,
+        help="render chat requests with this Jinja template (a file, or the template itself) "
+        "instead of the model's own: e.g. one that shows the model its tools",
+    )
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's text (raises ``ChatTemplateError`` saying why it cannot be read)."""
+    from dpserve.tokenizer import read_chat_template
+
+    return None if args.chat_template is None else read_chat_template(args.chat_template)
+
+
 def reply_parsers(args: argparse.Namespace) -> ReplyParsers:
     return ReplyParsers(args.tool_call_parser, args.reasoning_parser)
 

@@ -11,10 +11,12 @@ from dpserve.cli.common import (
     DEFAULT_ZMQ_PORT,
     Subcommands,
     add_api_key_file,
+    add_chat_template_flag,
     add_credentials,
     add_ready_without_engines,
     add_reply_parser_flags,
     api_keys,
+    chat_template,
     reply_parsers,
     tokenizer_spec,
 )
@@ -22,6 +24,7 @@ from dpserve.coordinator.config import CoordinatorConfig, flag_fields
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.limits import MESSAGE_HEADROOM_BYTES
 from dpserve.security import bind, key_files
+from dpserve.tokenizer import ChatTemplateError, as_batch_tokenizer, with_chat_template
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -64,6 +67,7 @@ def add_parser(subparsers: Subcommands) -> None:
     add_api_key_file(coordinator)
     add_ready_without_engines(coordinator)
     add_reply_parser_flags(coordinator)
+    add_chat_template_flag(coordinator)
     coordinator.set_defaults(func=run)
 
 
@@ -82,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"dpserve coordinator: {exc}", file=sys.stderr)
         return 2
     tokenizer = tokenizer_spec(args.tokenizer)
-    options = coordinator_config(args).options()
+    try:
+        options = coordinator_config(args).options()
+        if options["chat_template"] is not None:  # refused now, not in a child process
+            with_chat_template(as_batch_tokenizer(tokenizer), options["chat_template"])
+    except ChatTemplateError as exc:
+        print(f"dpserve coordinator: {exc}", file=sys.stderr)
+        return 2
     if args.http_port is None:
         coordinator = None
         try:
@@ -112,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
         reply_parsers=reply_parsers(args),
+        chat_template=options["chat_template"],
     )
     return run_http_with_coordinator(args.port, args.deterministic, options, front)
 
@@ -139,4 +150,5 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         routing=args.routing,
         # The directory, not the keys: nothing secret travels to the coordinator's process.
         credentials=args.credentials or None,
+        chat_template=chat_template(args),
     )

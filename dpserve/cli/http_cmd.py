@@ -10,10 +10,12 @@ from dpserve.cli.common import (
     DEFAULT_HTTP_PORT,
     Subcommands,
     add_api_key_file,
+    add_chat_template_flag,
     add_credentials,
     add_ready_without_engines,
     add_reply_parser_flags,
     api_keys,
+    chat_template,
     client_keys,
     log,
     reply_parsers,
@@ -21,6 +23,7 @@ from dpserve.cli.common import (
     zmq_address,
 )
 from dpserve.security import bind, key_files
+from dpserve.tokenizer import ChatTemplateError, as_batch_tokenizer, with_chat_template
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -36,6 +39,7 @@ def add_parser(subparsers: Subcommands) -> None:
     add_api_key_file(http)
     add_ready_without_engines(http)
     add_reply_parser_flags(http)
+    add_chat_template_flag(http)
     flags.add_request_limits(http)
     flags.add_http_limits(http)
     http.set_defaults(func=run)
@@ -50,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         keys = client_keys(args, address)
         http_api_keys = api_keys(args)
-    except key_files.CredentialsError as exc:
+        template = chat_template(args)
+        if template is not None:  # refused now, not at the first chat request
+            with_chat_template(as_batch_tokenizer(tokenizer_spec(args.tokenizer)), template)
+    except (key_files.CredentialsError, ChatTemplateError) as exc:
         print(f"dpserve http: {exc}", file=sys.stderr)
         return 2
     if (http_api_keys is None or not http_api_keys.api) and not bind.is_loopback(args.host):
@@ -69,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         http_limits=flags.http_limits(args),
         hold_without_engines=args.ready_without_engines,
         reply_parsers=reply_parsers(args),
+        chat_template=template,
     )
     asyncio.run(run_http_front(front))
     return 0

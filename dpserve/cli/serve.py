@@ -12,14 +12,17 @@ from dpserve.cli.common import (
     DEFAULT_ZMQ_PORT,
     Subcommands,
     add_api_key_file,
+    add_chat_template_flag,
     add_kv_cache_flags,
     add_reply_parser_flags,
     api_keys,
+    chat_template,
     reply_parsers,
 )
 from dpserve.coordinator.routing import RoutingPolicy
 from dpserve.engine.layers import weight_format
 from dpserve.security import key_files
+from dpserve.tokenizer import ChatTemplateError, as_batch_tokenizer, with_chat_template
 
 # Where `make vllm` put the Python of vLLM's own install (the Makefile sets it for the tests).
 VLLM_PYTHON_ENV = "DPSERVE_VLLM_PYTHON"
@@ -89,6 +92,7 @@ def add_parser(subparsers: Subcommands) -> None:
     )
     add_api_key_file(serve)
     add_reply_parser_flags(serve)
+    add_chat_template_flag(serve)
     flags.add_request_limits(serve)
     flags.add_http_limits(serve)
     flags.add_lora_flags(serve)
@@ -136,6 +140,13 @@ def run(args: argparse.Namespace) -> int:
     except key_files.CredentialsError as exc:
         print(f"dpserve serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        template = chat_template(args)
+        if template is not None and args.fake:
+            raise ChatTemplateError("--chat-template needs a model (fake engines have none)")
+    except ChatTemplateError as exc:
+        print(f"dpserve serve: {exc}", file=sys.stderr)
+        return 2
     if args.fake:
         model_path, model_name = "fake", "fake"
     else:
@@ -143,6 +154,12 @@ def run(args: argparse.Namespace) -> int:
 
         model_name = args.model or DEFAULT_MODEL
         model_path = resolve_model(args.model)
+        if template is not None:  # refused now, not by the processes it starts
+            try:
+                with_chat_template(as_batch_tokenizer(model_path), template)
+            except ChatTemplateError as exc:
+                print(f"dpserve serve: {exc}", file=sys.stderr)
+                return 2
     deployment = LocalDeployment(
         model_path=model_path,
         data_parallel_size=args.data_parallel_size or len(numa_core_sets()),
@@ -165,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         limits=flags.request_limits(args),
         http_limits=flags.http_limits(args),
         reply_parsers=reply_parsers(args),
+        chat_template=template,
     )
     return serve(deployment, model_name, throwaway_keys=not (args.credentials or args.insecure))
 

@@ -75,6 +75,8 @@ class CoordinatorConfig:
     )
     # CURVE keys, or the credentials directory holding them; None: plain ZMQ.
     credentials: key_files.ServerKeys | str | os.PathLike[str] | None = None
+    # --chat-template's text: chat prompts rendered with it, not the model's own template.
+    chat_template: str | None = None
 
     def routing_policy(self, deterministic_mode: bool) -> RoutingPolicy:
         if self.routing:

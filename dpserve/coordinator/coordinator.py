@@ -52,7 +52,7 @@ from dpserve.coordinator.status import status_report
 from dpserve.coordinator.transport import Received, Transport
 from dpserve.protocol import ErrorCode, Header, MessageTooLarge, ProtocolError
 from dpserve.security import roles
-from dpserve.tokenizer import as_batch_tokenizer
+from dpserve.tokenizer import as_batch_tokenizer, with_chat_template
 
 log = logging.getLogger("dpserve.coordinator")
 
@@ -78,7 +78,9 @@ class DataParallelInferenceCoordinator:
         self.config = dataclasses.replace(config or CoordinatorConfig(), **options)
         self.pipe_connection = pipe_connection
         self.data_parallel_size = data_parallel_size
-        self.tokenizer = as_batch_tokenizer(tokenizer)
+        self.tokenizer = with_chat_template(
+            as_batch_tokenizer(tokenizer), self.config.chat_template
+        )
         self.deterministic_mode = deterministic_mode
         self.routing = self.config.routing_policy(deterministic_mode)
         self.instance_id = secrets.token_hex(8)

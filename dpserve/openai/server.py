@@ -19,7 +19,7 @@ from dpserve.openai.app import FRONT_KEY, create_app
 from dpserve.openai.connections import ConnectionGuard
 from dpserve.reply_formats import ReplyParsers
 from dpserve.security import api_tokens, key_files
-from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer
+from dpserve.tokenizer import BatchTokenizer, as_batch_tokenizer, with_chat_template
 
 log = logging.getLogger("dpserve.openai")
 
@@ -39,6 +39,8 @@ class FrontConfig:
     http_limits: HttpLimits = DEFAULT_HTTP_LIMITS
     # /ready is 200 while requests are held for want of an engine (autoscaled from zero).
     hold_without_engines: bool = False
+    # --chat-template's text: chats rendered with it, not the model's own template.
+    chat_template: str | None = None
     # What is read out of chat replies (--tool-call-parser, --reasoning-parser).
     reply_parsers: ReplyParsers = dataclasses.field(default_factory=ReplyParsers)
     # A socket already bound to host:port (``dpserve serve`` binds it before starting its
@@ -133,7 +135,7 @@ async def run_http_front(
     """Connect a client to the coordinator and serve HTTP until cancelled or ``stop_event`` is
     set (``listening`` is set once the port accepts connections). Raises
     ``CoordinatorUnavailable`` when the handshake fails."""
-    tokenizer = as_batch_tokenizer(config.tokenizer_spec)
+    tokenizer = with_chat_template(as_batch_tokenizer(config.tokenizer_spec), config.chat_template)
     client = InferenceClient(config.address, handshake_timeout=30.0, credentials=config.credentials)
     await client.start()
     try:

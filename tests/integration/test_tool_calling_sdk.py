@@ -191,12 +191,26 @@ LLAMA3_CALL_SCHEMA: dict[str, Any] = {
 }
 
 
+# The server's own template (--chat-template), which shows the model its tools.
+SERVER_TEMPLATE = (
+    # Names only: the tiny model's context is 256 tokens.
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A server reading Llama 3's calls and Qwen3's thoughts."""
-    log = tmp_path_factory.mktemp("serve-llama3") / "serve.log"
-    flags = ("--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3")
-    with serving(tiny_model_path, log, *flags) as url:
+    """A server reading Llama 3's calls and Qwen3's thoughts, with a template of its own."""
+    directory = tmp_path_factory.mktemp("serve-llama3")
+    (directory / "chat.jinja").write_text(SERVER_TEMPLATE)
+    flags = (
+        "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3",
+        "--chat-template", str(directory / "chat.jinja"),
+    )  # fmt: skip
+    with serving(tiny_model_path, directory / "serve.log", *flags) as url:
         yield openai.OpenAI(api_key="unused", base_url=url, max_retries=0, timeout=120)
 
 
@@ -262,6 +276,23 @@ def test_a_constrained_reply_is_not_split(llama: openai.OpenAI) -> None:
     message = response.choices[0].message
     assert message.content == "<think>Hmm.</think>Paris."
     assert getattr(message, "reasoning", None) is None
+
+
+def test_the_servers_chat_template_renders_the_tools(
+    llama: openai.OpenAI, tiny_model_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rendered = tokenizer.apply_chat_template(
+        MESSAGES, tools=TOOLS, chat_template=SERVER_TEMPLATE, tokenize=False
+    )
+    assert rendered.startswith("<|im_start|>system\nTools: forecast now<|im_end|>")
+    expected = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    response = llama.chat.completions.create(
+        model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    assert response.usage is not None and response.usage.prompt_tokens == expected
 
 
 def test_a_conversation_with_a_call_and_its_result(client: openai.OpenAI) -> None:

@@ -1,6 +1,7 @@
 """How a chat request's messages become the prompt beyond the messages themselves: vLLM's
 ``chat_template_kwargs`` (variables a template reads, such as Qwen3's ``enable_thinking``),
-checked at the edge so that none can change how transformers renders."""
+checked at the edge so that none can change how transformers renders; and ``--chat-template``
+(a template of the server's instead of the model's)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from dpserve.limits import DEFAULT_REQUEST_LIMITS
 from dpserve.openai.errors import InvalidRequest
 from dpserve.openai.prompts import RESERVED_TEMPLATE_NAMES
 from dpserve.openai.requests import parse_chat_request
-from dpserve.tokenizer import HuggingFaceTokenizer
+from dpserve.tokenizer import (
+    ByteTokenizer,
+    ChatTemplateError,
+    HuggingFaceTokenizer,
+    read_chat_template,
+    with_chat_template,
+)
 
 # Qwen3's way: with enable_thinking false, an empty thought opens the assistant's turn.
 THINKING_TEMPLATE = (
@@ -85,3 +92,38 @@ def test_template_variables_count_against_max_prompt_chars(
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(body, tokenizer, limits)
     assert caught.value.code == "max_prompt_chars"
+
+
+# ------------------------------------------------------------------- --chat-template
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path: Any) -> None:
+    path = tmp_path / "chat.jinja"
+    path.write_text(THINKING_TEMPLATE)
+    assert read_chat_template(str(path)) == THINKING_TEMPLATE
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ChatTemplateError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_chat_template_replaces_the_models_own() -> None:
+    from tests.tiny_model import _train_tokenizer
+
+    tokenizer = HuggingFaceTokenizer(_train_tokenizer())  # type: ignore[no-untyped-call]
+    plain = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    assert with_chat_template(tokenizer, plain).apply_chat_template(MESSAGES) == "[user] hi\n"
+    with pytest.raises(ChatTemplateError, match="does not render a conversation"):
+        with_chat_template(tokenizer, "{{ messages[5].content.upper() }}")
+    with pytest.raises(ChatTemplateError, match="needs a model's tokenizer"):
+        with_chat_template(ByteTokenizer(), plain)
+    assert with_chat_template(ByteTokenizer(), None).apply_chat_template(MESSAGES)
+
+
+def test_the_coordinator_flag_reaches_its_config(tmp_path: Any) -> None:
+    from dpserve.cli import build_parser
+    from dpserve.cli.coordinator import coordinator_config
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(THINKING_TEMPLATE)
+    args = build_parser().parse_args(["coordinator", "--chat-template", str(path)])
+    assert coordinator_config(args).chat_template == THINKING_TEMPLATE

@@ -169,11 +169,14 @@ def test_coordinator_deployment() -> None:
     assert "imagePullPolicy" not in coordinator
 
 
-def test_the_reply_parsers_reach_the_coordinators_front() -> None:
-    spec = {**MINIMAL_SPEC, "coordinator": {"toolCallParser": "hermes", "reasoningParser": "qwen3"}}
+def test_the_reply_parsers_and_chat_template_reach_the_coordinators_front() -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    coordinator = {"toolCallParser": "hermes", "reasoningParser": "qwen3", "chatTemplate": template}
+    spec = {**MINIMAL_SPEC, "coordinator": coordinator}
     command = container(children(spec)[("Deployment", "demo-coordinator")])["command"]
     assert command[command.index("--tool-call-parser") + 1] == "hermes"
     assert command[command.index("--reasoning-parser") + 1] == "qwen3"
+    assert command[command.index("--chat-template") + 1] == template
     assert (
         "--tool-call-parser"
         not in container(children(MINIMAL_SPEC)[("Deployment", "demo-coordinator")])["command"]
@@ -612,6 +615,10 @@ INVALID_SPECS = [
     case("bad-routing", with_(coordinator={"routing": "random"}), "spec.coordinator.routing"),
     case("bad-tool-call-parser", with_(coordinator={"toolCallParser": "json"}),
          "spec.coordinator.toolCallParser: must be one of hermes, llama3_json"),
+    case("empty-chat-template", with_(coordinator={"chatTemplate": ""}),
+         "spec.coordinator.chatTemplate: must not be empty"),
+    case("huge-chat-template", with_(coordinator={"chatTemplate": "x" * 65537}),
+         "spec.coordinator.chatTemplate: must have at most 65536 characters"),
     case("bad-pull-policy", with_(imagePullPolicy="always"), "spec.imagePullPolicy"),
     case("bad-quantity", with_(engine={"resources": {"limits": {"cpu": "2 cores"}}}),
          "spec.engine.resources.limits.cpu: must be a quantity"),
