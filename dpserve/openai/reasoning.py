@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from dpserve.openai.tags import partial_tag
 from dpserve.reply_formats import DEEPSEEK_R1, QWEN3, REASONING_PARSERS
 
 _OPEN: Final = "<think>"
@@ -106,7 +107,7 @@ class ReasoningStream:
             at, marker, kept = end
             self._thinking = False
             return text[:at], text[at if kept else at + len(marker) :]
-        keep = max(_partial_tail(text, marker) for marker, _ in self.reasoning.ends)
+        keep = max(partial_tag(text, marker) for marker, _ in self.reasoning.ends)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], ""
 
@@ -118,11 +119,3 @@ class ReasoningStream:
         if not self._opened:
             held = _without_opening(held)
         return held, ""
-
-
-def _partial_tail(text: str, marker: str) -> int:
-    """How many of the last characters may be the start of ``marker``."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return keep
-    return 0

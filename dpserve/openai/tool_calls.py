@@ -29,6 +29,7 @@ import re
 import uuid
 from typing import Any, Final, Protocol
 
+from dpserve.openai.tags import partial_tag
 from dpserve.openai.tools import ToolCalling, ToolChoice
 from dpserve.reply_formats import HERMES, LLAMA3_JSON, TOOL_CALL_PARSERS
 
@@ -136,10 +137,7 @@ class _Hermes:
         if start >= 0:
             return start, Scan.CALL
         # Hold back the last characters that may be the start of ``<tool_call>``.
-        for keep in range(min(len(self.OPEN) - 1, len(tail)), 0, -1):
-            if self.OPEN.startswith(tail[-keep:]):
-                return len(tail) - keep, Scan.UNDECIDED
-        return len(tail), Scan.UNDECIDED
+        return len(tail) - partial_tag(tail, self.OPEN), Scan.UNDECIDED
 
 
 class _Llama3Json:
