@@ -26,7 +26,8 @@ model's whole context).
 
 Reported per run: TTFT p50/p90, output tok/s, prompt tokens actually prefilled (the engines'
 own counters), cache hit rate (cached / prompt tokens, as the engines reported them per
-request) and index accuracy (predicted vs actual cached tokens). Prompts are token ids (no
+request), index accuracy (predicted vs actual cached tokens), the requests each engine got, and
+each engine's pace as the router measured it (``coordinator/engine_pace``). Prompts are token ids (no
 tokenizer in the way). Not a test: numbers depend on the machine and on what else runs on it.
 """
 
@@ -40,6 +41,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +177,9 @@ class Run:
             if self.records
             else float("nan"),
             "decisions": self.routing.get("decisions", {}),
+            "requests_by_rank": dict(sorted(Counter(r.engine_rank for r in self.records).items())),
+            # Each engine's measured pace and price of a request queued for a slot, after the run.
+            "pace_by_rank": self.routing.get("pace_by_rank", {}),
         }
 
 

@@ -71,7 +71,7 @@ class ResultRouter:
             request.generated += tokens
             if tokens and not request.progressed:
                 request.progressed = True
-                self.dispatcher.router.prefilled(update.request_id)
+                self.dispatcher.router.first_token(update.request_id)
             if update.logprobs is not None:
                 if request.logprobs is None:
                     request.logprobs = bytearray()

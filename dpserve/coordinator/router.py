@@ -3,18 +3,21 @@
 For ``prefix-aware`` it hashes the request's prompt (``dpserve.block_hash``, the engines' own
 definition, at each engine's block size), asks the ``PrefixIndex`` how much of it each routable
 engine holds, picks one (``routing.choose_by_prefix``), and counts the decisions and how good
-the index's predictions were (predicted cached tokens against what the engine found)."""
+the index's predictions were (predicted cached tokens against what the engine found). It
+times each engine's requests (dispatch, first token, finish) for the price of a wait for a slot
+there (``engine_pace``)."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from dpserve import protocol
 from dpserve.block_hash import BlockHash, BlockHashCache, extra_keys
 from dpserve.coordinator.adapter_residency import AdapterResidency
+from dpserve.coordinator.engine_pace import MIN_PREFILL_SAMPLE_TOKENS, EnginePace
 from dpserve.coordinator.prefix_index import PrefixIndex
 from dpserve.coordinator.registry import Engine, EngineRegistry
 from dpserve.coordinator.requests import InflightRequest
@@ -34,6 +37,15 @@ from dpserve.protocol import KvEvents
 _new_tuple: Final = tuple.__new__
 
 
+class _Prefill(NamedTuple):
+    """A request's prefill sent to an engine and not known to be done."""
+
+    identity: bytes
+    uncached: int  # its prompt tokens the engine must compute (as predicted)
+    sent_at: float
+    ahead: int  # prefill tokens sent there before it and not done, plus its own
+
+
 class Router:
     def __init__(
         self,
@@ -43,6 +55,7 @@ class Router:
         prediction_ttl: float = 2.0,
         weights: PrefixRouting = DEFAULT_PREFIX_ROUTING,
         request_snapshot: Callable[[bytes], object] = lambda identity: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
         self.registry = registry
@@ -51,13 +64,15 @@ class Router:
         # Prompts share prefixes: their blocks' hashes are computed once, not per request.
         self.hashes = BlockHashCache(DEFAULT_PREFIX_CACHE_LIMITS.max_cached_block_hashes)
         self.request_snapshot = request_snapshot
+        self.clock = clock  # seconds: prediction lifetimes and the engines' pace
         self.decisions: Counter[str] = Counter()
         self.adapters = AdapterResidency()
         self._predicted: dict[int, int] = {}  # request id -> predicted cached tokens
-        # Prefill sent to each engine and not known to be done: request id -> (engine,
-        # uncached tokens), and their sum per engine.
-        self._prefills: dict[int, tuple[bytes, int]] = {}
+        # Prefill sent to each engine and not known to be done, by request id, and the
+        # uncached tokens of it per engine.
+        self._prefills: dict[int, _Prefill] = {}
         self._queued: dict[bytes, int] = {}
+        self.paces: dict[bytes, EnginePace] = {}  # each engine's measured pace
         self.predicted_tokens = 0  # sums over finished requests with a reported count
         self.actual_tokens = 0
         self.prediction_error_tokens = 0
@@ -72,7 +87,7 @@ class Router:
         if not routable:
             return None
         routable.rotate(-1)  # the remaining ties go round
-        now = time.monotonic()
+        now = self.clock()
         index = self.index
         index.expire(now)
         # The context as the wire packs it (int32 each): hashed straight from those bytes.
@@ -82,6 +97,7 @@ class Router:
         context_tokens = len(context) // protocol.TOKEN_BYTES
         hashes_by_size, cached = self._cached_tokens(context, context_tokens, request, now)
         engines, caches, queued = self.registry.engines, index.engines, self._queued
+        paces = self.paces
         adapter = request.params.get("lora_name")
         residency = self.adapters
         candidates = []
@@ -102,16 +118,27 @@ class Router:
             if adapter:
                 loads_adapter = not residency.holds(engine, adapter, now)
                 any_held = any_held or not loads_adapter
+            outstanding = len(engine.outstanding)
+            slot_wait = 0.0
+            pace = paces.get(identity)
+            if (
+                pace is not None
+                and pace.wait_price_tokens
+                # (a slot free by the heartbeat last read: no call)
+                and (outstanding >= pace.runs_at_once or engine.stats is not pace.stats_read)
+            ):
+                slot_wait = pace.slot_wait_tokens(outstanding, engine.capacity, engine.stats)
             # A Candidate built as the tuple it is (its generated __new__ is a Python call,
             # and this runs for every engine for every request).
             fields = (
                 identity,
                 cached.get(identity, 0) if cached else 0,
-                len(engine.outstanding),
+                outstanding,
                 queued_tokens,
                 held,
                 free,
                 loads_adapter,
+                slot_wait,
             )
             candidates.append(_new_tuple(Candidate, fields))
         decision = choose_by_prefix(candidates, context_tokens, self.weights)
@@ -159,29 +186,53 @@ class Router:
         return hashes_by_size, cached
 
     def routed(self, request: InflightRequest, decision: Decision) -> None:
-        """The request was sent where ``decision`` said."""
+        """The request was sent where ``decision`` said (and counts in its outstanding)."""
         self.decisions[decision.reason] += 1  # a StrEnum: the same key as its value
         if self.policy is RoutingPolicy.PREFIX_AWARE:
-            self._predicted[request.request_id] = decision.predicted_cached_tokens
-            self.prefilled(request.request_id)
+            request_id, identity = request.request_id, decision.identity
+            self._predicted[request_id] = decision.predicted_cached_tokens
+            self._uncharge(request_id)
             context = (len(request.prompt_tokens) + len(request.generated)) // 4
             uncached = context - decision.predicted_cached_tokens
-            self._prefills[request.request_id] = (decision.identity, uncached)
-            self._queued[decision.identity] = self._queued.get(decision.identity, 0) + uncached
+            queued = self._queued.get(identity, 0)
+            now = self.clock()
+            pace = self.paces.get(identity)
+            if pace is not None and len(self.registry.engines[identity].outstanding) == 1:
+                pace.started(now)  # the engine was idle: its busy time starts now
+            # Built as the tuple it is (its generated __new__ is a Python call per request).
+            self._prefills[request_id] = _new_tuple(
+                _Prefill, (identity, uncached, now, queued + uncached)
+            )
+            self._queued[identity] = queued + uncached
 
-    def prefilled(self, request_id: int) -> None:
-        """The request's prefill is done (its first token came), or it left its engine."""
-        charged = self._prefills.pop(request_id, None)
-        if charged is not None:
-            identity, tokens = charged
-            left = self._queued.get(identity, 0) - tokens
+    def first_token(self, request_id: int) -> None:
+        """The request's first token came: its prefill is done (and, if it was long enough to
+        say, how fast its engine prefills)."""
+        prefill = self._uncharge(request_id)
+        if prefill is None:
+            return
+        identity, _, sent_at, ahead = prefill
+        if ahead >= MIN_PREFILL_SAMPLE_TOKENS and (pace := self.paces.get(identity)) is not None:
+            pace.prefilled(self.clock() - sent_at, ahead)
+
+    def _uncharge(self, request_id: int) -> _Prefill | None:
+        """Take the request's prefill off its engine's queue (done, or it left)."""
+        prefill = self._prefills.pop(request_id, None)
+        if prefill is not None:
+            identity = prefill.identity
+            left = self._queued.get(identity, 0) - prefill.uncached
             if left > 0:
                 self._queued[identity] = left
             else:
                 self._queued.pop(identity, None)
+        return prefill
 
     def finished(self, request: InflightRequest, cached_tokens: int | None) -> None:
-        """The engine reported how much of the prompt it found cached: the index's accuracy."""
+        """The request finished on its engine (that engine's pace), which found
+        ``cached_tokens`` of its prompt cached (the index's accuracy)."""
+        pace = None if request.engine is None else self.paces.get(request.engine)
+        if pace is not None:
+            pace.request_finished(self.clock())
         predicted = self._predicted.pop(request.request_id, None)
         if predicted is None or cached_tokens is None:
             return
@@ -191,18 +242,20 @@ class Router:
 
     def forget(self, request_id: int) -> None:
         self._predicted.pop(request_id, None)
-        self.prefilled(request_id)
+        self._uncharge(request_id)
 
     # ----------------------------------------------------------------- membership
 
     def engine_added(self, engine: Engine) -> None:
         self.index.add_engine(engine.identity, engine.instance)
+        self.paces[engine.identity] = EnginePace(self.weights.request_cost_tokens)
 
     def engine_removed(self, engine: Engine) -> None:
         self.index.remove_engine(engine.identity)
         self.adapters.engine_removed(engine.identity)
         self._queued.pop(engine.identity, None)
-        for request_id in [r for r, (i, _) in self._prefills.items() if i == engine.identity]:
+        self.paces.pop(engine.identity, None)
+        for request_id in [r for r, p in self._prefills.items() if p.identity == engine.identity]:
             del self._prefills[request_id]
 
     def on_kv_events(self, engine: Engine, batch: KvEvents) -> None:
@@ -216,8 +269,14 @@ class Router:
         by_rank = {
             str(engine.rank): self.index.held(identity) for identity, engine in engines.items()
         }
+        paces = {
+            str(engine.rank): pace.report()
+            for identity, engine in engines.items()
+            if (pace := self.paces.get(identity)) is not None
+        }
         return {
             "indexed_blocks_by_rank": by_rank,
+            "pace_by_rank": paces,
             "decisions": {str(reason): count for reason, count in self.decisions.items()},
             "adapter_decisions": dict(self.adapters.decisions),
             "predicted_cached_tokens": self.predicted_tokens,

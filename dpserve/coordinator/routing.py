@@ -7,11 +7,14 @@
   plus the prefill already queued there (uncached tokens of requests sent to it that have not
   produced a token yet), plus ``request_cost_tokens`` per request in flight there (decoding
   ones slow every step a little) — NVIDIA Dynamo's KV-router cost (prefill blocks + active
-  load), plus ``eviction_cost`` per token it would have to evict to store the uncached part
-  (beyond the engine's empty blocks, as its last heartbeat reported them, less the prefill
-  already sent there): on a warm, full pool a miss also costs a cached prefix that later
-  requests would have found, so a busy engine that holds the prefix is not given up for an idle
-  one as readily. The cheapest wins. A hot-spot guard passes over an engine with far more
+  load), plus the wait for a slot where the engine already holds as many requests as it
+  decodes together (each request ahead priced at that engine's measured pace,
+  ``engine_pace``: on a slow engine one more request queued is seconds of prefill), plus
+  ``eviction_cost`` per token it would have to evict to store the uncached part (beyond the
+  engine's empty blocks, as its last heartbeat reported them, less the prefill already sent
+  there): on a warm, full pool a miss also costs a cached prefix that later requests would
+  have found, so a busy engine that holds the prefix is not given up for an idle one as
+  readily. The cheapest wins. A hot-spot guard passes over an engine with far more
   outstanding requests than the least busy one, so even one very popular prefix spreads over
   every engine (each then caches it too). A request for a LoRA adapter also costs
   ``adapter_load_cost_tokens`` on an engine that does not hold the adapter in a slot (it must
@@ -90,6 +93,8 @@ class Candidate(NamedTuple):
     # Whether it must load the request's LoRA adapter first (False: it holds it, or the
     # request is for the base model).
     loads_adapter: bool = False
+    # What waiting for a free slot there costs, in prompt tokens (engine_pace.slot_wait_tokens).
+    slot_wait_tokens: float = 0.0
 
 
 class Decision(NamedTuple):
@@ -117,13 +122,13 @@ def choose_by_prefix(
     chosen_cost = 0.0
     best_cached = candidates[0]  # the first with the most cached tokens, eligible or not
     for candidate in candidates:
-        _, cached, outstanding, queued, held, free, loads_adapter = candidate
+        _, cached, outstanding, queued, held, free, loads_adapter, slot_wait = candidate
         if cached > best_cached.cached_tokens:
             best_cached = candidate
         if outstanding > bound:
             continue
         uncached = prompt_tokens - cached
-        cost = uncached + queued + per_request * outstanding
+        cost = uncached + queued + per_request * outstanding + slot_wait
         if free is not None and uncached > free:
             cost += per_evicted * (uncached - free)
         if loads_adapter:

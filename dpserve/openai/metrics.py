@@ -163,6 +163,17 @@ def _routing_metrics(routing: Mapping[str, Any]) -> Iterable[Metric]:
     ):
         if key in routing:
             yield CounterMetricFamily(name, help_text, value=routing[key])
+    paces = routing.get("pace_by_rank", {})
+    if paces:
+        family = GaugeMetricFamily(
+            "dpserve_routing_wait_price_tokens",
+            "What the prefix-aware router charges, in prompt tokens, for each request ahead "
+            "of a new one in an engine's queue for a slot (measured from its pace)",
+            labels=["rank"],
+        )
+        for rank, pace in sorted(paces.items()):
+            family.add_metric([rank], pace["wait_price_tokens"])
+        yield family
     if "indexed_blocks" in routing:
         yield GaugeMetricFamily(
             "dpserve_routing_indexed_blocks",

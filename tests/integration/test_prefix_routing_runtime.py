@@ -93,6 +93,47 @@ async def test_same_prefix_lands_together_and_a_hot_prefix_spreads(processes, cl
     assert routing["actual_cached_tokens"] >= 3 * CACHED
 
 
+async def test_a_slow_engines_queue_is_priced_at_its_measured_pace(processes, client, port):
+    # Engines that run 2 requests at once, with slow steps and a prefill cost per uncached
+    # token. With the constant price of a request in flight alone (16 tokens) a burst of 8
+    # requests for one cached prefix kept 7 on its engine (a miss elsewhere costs ~200 tokens;
+    # the queued prefills moved the 8th). Measured, each request queued there for a slot
+    # costs what the engine prefills in the time it takes to finish one (~250 tokens here), so
+    # the burst is split as soon as requests wait there (4 of 8 stayed, in 3 of 3 runs).
+    slow = (
+        *ENGINE,
+        "--step-delay",
+        "0.02",
+        "--fake-prefill-cost",
+        "0.002",
+        "--max-batch-size",
+        "2",
+    )
+    processes.coordinator(port, *FAST)
+    for rank in range(2):
+        processes.fake_engine(port, rank, *slow)
+    await client.start()
+    await wait_for_engines(client, 2)
+    # The engines' pace: requests with prompts nobody holds, finished on both.
+    rng = random.Random(7)
+    await run(client, [[rng.randrange(1, 250) for _ in range(200)] for _ in range(6)], tokens=10)
+    paces = (await routing_status(client))["pace_by_rank"]
+    assert set(paces) == {"0", "1"}
+    assert all(pace["wait_price_tokens"] > 16 for pace in paces.values()), paces
+    [first] = await run(client, [prompt(0)])
+    home = first.engine_rank
+    await wait_indexed(client, home, lambda n: n >= 13)
+    before = (await routing_status(client))["decisions"]
+    burst = await run(client, [prompt(i) for i in range(1, 9)], tokens=30)
+    after = (await routing_status(client))["decisions"]
+    on_home = sum(r.engine_rank == home for r in burst)
+    assert 2 <= on_home <= 5, [r.engine_rank for r in burst]
+    assert after.get("balance", 0) > before.get("balance", 0), after
+    assert after.get("hot_spot", 0) == before.get("hot_spot", 0)
+    # The ones kept home were served from its cache.
+    assert all(r.cached_tokens == CACHED for r in burst if r.engine_rank == home)
+
+
 async def test_index_follows_engine_death_and_restart(processes, client, port):
     processes.coordinator(port, *FAST)
     engines = {rank: processes.fake_engine(port, rank, *ENGINE) for rank in range(2)}

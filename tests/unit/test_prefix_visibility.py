@@ -44,6 +44,7 @@ def test_metrics_export_cache_counters_and_routing_decisions() -> None:
             "actual_cached_tokens": 64,
             "prediction_error_tokens": 0,
             "indexed_blocks": 4,
+            "pace_by_rank": {"0": {"wait_price_tokens": 312.5, "seconds_per_request": 0.7}},
         },
     }
     text = FrontMetrics().render(status).decode()
@@ -53,3 +54,4 @@ def test_metrics_export_cache_counters_and_routing_decisions() -> None:
     assert 'dpserve_routing_decisions_total{reason="prefix"} 3.0' in text
     assert "dpserve_routing_actual_cached_tokens_total 64.0" in text
     assert "dpserve_routing_indexed_blocks 4.0" in text
+    assert 'dpserve_routing_wait_price_tokens{rank="0"} 312.5' in text
