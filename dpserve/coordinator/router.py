@@ -248,7 +248,8 @@ class Router:
 
     def engine_added(self, engine: Engine) -> None:
         self.index.add_engine(engine.identity, engine.instance)
-        self.paces[engine.identity] = EnginePace(self.weights.request_cost_tokens)
+        if self.policy is RoutingPolicy.PREFIX_AWARE:  # the one policy that prices a queue
+            self.paces[engine.identity] = EnginePace(self.weights.request_cost_tokens)
 
     def engine_removed(self, engine: Engine) -> None:
         self.index.remove_engine(engine.identity)

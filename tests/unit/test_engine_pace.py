@@ -143,3 +143,15 @@ def test_a_measured_wait_moves_a_cached_prefix_to_an_idle_engine() -> None:
     # An engine that leaves takes its pace with it.
     router.engine_removed(engine_a)
     assert A not in router.paces
+
+
+def test_only_the_prefix_aware_policy_measures_and_reports_a_pace() -> None:
+    registry = EngineRegistry()
+    router = Router(RoutingPolicy.LEAST_OUTSTANDING, registry)
+    engine = Engine(A, 0, capacity=2, instance="a1", last_seen=0)
+    registry.add(engine)
+    router.engine_added(engine)
+    request = InflightRequest(1, b"client", 1, protocol.pack_tokens([5] * 300), {}, False, 0.0)
+    request.engine = A
+    router.finished(request, None)
+    assert router.paces == {} and router.status()["pace_by_rank"] == {}
