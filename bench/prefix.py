@@ -27,8 +27,9 @@ model's whole context).
 Reported per run: TTFT p50/p90, output tok/s, prompt tokens actually prefilled (the engines'
 own counters), cache hit rate (cached / prompt tokens, as the engines reported them per
 request), index accuracy (predicted vs actual cached tokens), the requests each engine got, and
-each engine's pace as the router measured it (``coordinator/engine_pace``). Prompts are token ids (no
-tokenizer in the way). Not a test: numbers depend on the machine and on what else runs on it.
+each engine's pace as the router measured it (``coordinator/engine_pace``). Prompts are token
+ids (no tokenizer in the way). Not a test: numbers depend on the machine and on what else runs
+on it.
 """
 
 from __future__ import annotations

@@ -11,10 +11,15 @@ engine's is measured, by Little's law:
 * ``seconds_per_request``: the time the engine had requests in flight over the requests it
   finished in that time (running means, recent ones weighing most): under load, the interval
   between two finishes, so the wait for each slot that must free first;
-* ``prefill_tokens_per_second``: prompt tokens it computes a second, from each request's
-  dispatch to its first token over the prefill sent there up to it (its own uncached tokens
-  and those queued before it), taking the upper quartile of recent samples: a request that
-  also waited for a slot reads slower than the engine prefills, never faster.
+* ``prefill_tokens_per_second``: prompt tokens it computes a second, from dispatch to first
+  token of the requests that found a slot free and no prefill queued ahead of them (one that
+  waited reads as slow as the queue, not the engine: under load vLLM's CPU engines read at
+  half their rate); the median of the last 16 such, the engine's first left out (it pays for
+  the engine's warm-up: vLLM's first forward on CPU took seconds). Under a lasting queue there
+  are none, and the rate measured before it holds (it is the engine's, not the load's). An
+  engine loaded from its start has none at all: until it has one, the rate is the upper
+  quartile of requests that waited, timed over the prefill queued ahead of them and their own
+  (slow by the queue's waits, so a price too low rather than none).
 
 A request ahead in the queue for a slot costs ``seconds_per_request x
 prefill_tokens_per_second`` prompt tokens, the unit of the rest of the cost; until both are
@@ -35,7 +40,7 @@ from typing import Final
 
 # A prefill shorter than this says more about the step around it than about prefill.
 MIN_PREFILL_SAMPLE_TOKENS: Final = 64
-# Recent prefill samples kept; the rate is their upper quartile.
+# Recent prefill samples kept; the rate is their median.
 PREFILL_SAMPLES: Final = 16
 # The weight the past keeps at each finished request: ~the last 20 carry 90 % of the mean.
 KEEP: Final = 0.9
@@ -56,8 +61,9 @@ class EnginePace:
     # request to it idle (None: it never had one).
     since: float | None = None
     prefill_rates: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_SAMPLES))
-    prefill_tokens_per_second: float | None = None  # their upper quartile
-    prefill_samples: int = 0
+    prefill_tokens_per_second: float | None = None  # their median
+    warmed_up: bool = False  # its first prefill was seen (and left out)
+    queued_rates: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_SAMPLES))
     # Prompt tokens one request ahead in the queue for a slot costs (0: not measured yet).
     wait_price_tokens: float = 0.0
     # How many requests it runs at once, as read from the heartbeat stats it was read from
@@ -65,18 +71,23 @@ class EnginePace:
     runs_at_once: int = 0
     stats_read: Mapping[str, float] | None = None
 
+    def runs(self, capacity: int, stats: Mapping[str, float]) -> int:
+        """How many requests the engine runs at once (``running_at_once``), by the heartbeat
+        ``stats`` it last reported."""
+        if stats is not self.stats_read:
+            self.stats_read = stats
+            self.runs_at_once = running_at_once(
+                capacity, stats.get("running"), stats.get("waiting")
+            )
+        return self.runs_at_once
+
     def slot_wait_tokens(
         self, outstanding: int, capacity: int, stats: Mapping[str, float]
     ) -> float:
         """What waiting for a slot costs a request sent to the engine now, with
         ``outstanding`` requests in flight there: none while one is free, else
         ``wait_price_tokens`` for each that must finish first."""
-        if stats is not self.stats_read:
-            self.stats_read = stats
-            self.runs_at_once = running_at_once(
-                capacity, stats.get("running"), stats.get("waiting")
-            )
-        ahead = outstanding - self.runs_at_once + 1
+        ahead = outstanding - self.runs(capacity, stats) + 1
         return ahead * self.wait_price_tokens if ahead > 0 else 0.0
 
     def started(self, now: float) -> None:
@@ -103,17 +114,27 @@ class EnginePace:
             )
 
     def prefilled(self, seconds: float, tokens: int) -> None:
-        """``tokens`` of prefill (the request's and those queued before it) took ``seconds``
-        from dispatch to its first token."""
+        """A request's ``tokens`` of prefill took ``seconds`` from its dispatch to its first
+        token, on a free slot with no prefill queued ahead of it."""
         if tokens >= MIN_PREFILL_SAMPLE_TOKENS and seconds > 0.0:
+            if not self.warmed_up:
+                self.warmed_up = True
+                return
             rates = self.prefill_rates
             rates.append(tokens / seconds)
-            self.prefill_samples += 1
-            # The quartile again at every 4th sample: under load every request is a sample,
-            # and a sort each would be a tenth of the coordinator's time per request.
-            if self.prefill_samples % 4 == 0 or self.prefill_tokens_per_second is None:
-                self.prefill_tokens_per_second = sorted(rates)[(3 * len(rates)) // 4]
-                self._reprice()
+            self.prefill_tokens_per_second = sorted(rates)[len(rates) // 2]
+            self._reprice()
+
+    def prefilled_queued(self, seconds: float, tokens: int) -> None:
+        """``tokens`` of prefill, a request's and those queued ahead of it, took ``seconds``
+        from its dispatch to its first token: counted only while no request found the engine
+        free (``prefilled``)."""
+        if self.prefill_rates or tokens < MIN_PREFILL_SAMPLE_TOKENS or seconds <= 0.0:
+            return
+        rates = self.queued_rates
+        rates.append(tokens / seconds)
+        self.prefill_tokens_per_second = sorted(rates)[(3 * len(rates)) // 4]
+        self._reprice()
 
     @property
     def seconds_per_request(self) -> float | None:

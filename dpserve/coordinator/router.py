@@ -43,7 +43,10 @@ class _Prefill(NamedTuple):
     identity: bytes
     uncached: int  # its prompt tokens the engine must compute (as predicted)
     sent_at: float
-    ahead: int  # prefill tokens sent there before it and not done, plus its own
+    ahead: int  # prefill tokens queued there before it, and its own
+    # Whether it found a slot free and no prefill queued ahead: its first token then times
+    # the engine's prefill (engine_pace).
+    alone: bool
 
 
 class Router:
@@ -196,12 +199,17 @@ class Router:
             uncached = context - decision.predicted_cached_tokens
             queued = self._queued.get(identity, 0)
             now = self.clock()
+            alone = False
             pace = self.paces.get(identity)
-            if pace is not None and len(self.registry.engines[identity].outstanding) == 1:
-                pace.started(now)  # the engine was idle: its busy time starts now
+            if pace is not None:
+                engine = self.registry.engines[identity]
+                before = len(engine.outstanding) - 1
+                if not before:
+                    pace.started(now)  # the engine was idle: its busy time starts now
+                alone = not queued and before < pace.runs(engine.capacity, engine.stats)
             # Built as the tuple it is (its generated __new__ is a Python call per request).
             self._prefills[request_id] = _new_tuple(
-                _Prefill, (identity, uncached, now, queued + uncached)
+                _Prefill, (identity, uncached, now, queued + uncached, alone)
             )
             self._queued[identity] = queued + uncached
 
@@ -211,9 +219,12 @@ class Router:
         prefill = self._uncharge(request_id)
         if prefill is None:
             return
-        identity, _, sent_at, ahead = prefill
+        identity, uncached, sent_at, ahead, alone = prefill
         if ahead >= MIN_PREFILL_SAMPLE_TOKENS and (pace := self.paces.get(identity)) is not None:
-            pace.prefilled(self.clock() - sent_at, ahead)
+            if alone:
+                pace.prefilled(self.clock() - sent_at, uncached)
+            elif not pace.prefill_rates:
+                pace.prefilled_queued(self.clock() - sent_at, ahead)
 
     def _uncharge(self, request_id: int) -> _Prefill | None:
         """Take the request's prefill off its engine's queue (done, or it left)."""

@@ -114,9 +114,16 @@ async def test_a_slow_engines_queue_is_priced_at_its_measured_pace(processes, cl
         processes.fake_engine(port, rank, *slow)
     await client.start()
     await wait_for_engines(client, 2)
-    # The engines' pace: requests with prompts nobody holds, finished on both.
+    # The engines' pace: requests with prompts nobody holds, finished on both; a few one at a
+    # time (a prefill is timed only on an engine with nothing queued, and not its first).
     rng = random.Random(7)
-    await run(client, [[rng.randrange(1, 250) for _ in range(200)] for _ in range(6)], tokens=10)
+
+    def unheld(count: int) -> list[list[int]]:
+        return [[rng.randrange(1, 250) for _ in range(200)] for _ in range(count)]
+
+    for _ in range(3):
+        await run(client, unheld(2), tokens=10)  # one on each engine
+    await run(client, unheld(6), tokens=10)
     paces = (await routing_status(client))["pace_by_rank"]
     assert set(paces) == {"0", "1"}
     assert all(pace["wait_price_tokens"] > 16 for pace in paces.values()), paces

@@ -65,14 +65,19 @@ def test_the_engines_pace_is_its_busy_time_per_finish_and_fast_prefills() -> Non
     pace.started(20.0)  # idle from 11.5 to 20: not busy time
     pace.request_finished(20.5)
     assert pace.busy_seconds == pytest.approx(0.9 * (0.9 * 1.0 + 0.5) + 0.5)
-    # Prefill: a short one says nothing; of the rest the upper quartile (a request that also
-    # waited for a slot reads slow, never fast).
+    # Prefill: a short one says nothing, nor the first (the engine's warm-up); of the rest
+    # the median of the last 16.
     pace.prefilled(5.0, MIN_PREFILL_SAMPLE_TOKENS - 1)
+    pace.prefilled(30.0, 400)
     assert pace.prefill_tokens_per_second is None
-    for seconds in (1.0, 1.0, 4.0, 0.5):  # 400, 400, 100 and 800 tokens a second
+    for seconds in (1.0, 4.0, 0.5):  # 400, 100 and 800 tokens a second
         pace.prefilled(seconds, 400)
+    assert pace.prefill_tokens_per_second == 400.0
+    for _ in range(16):
+        pace.prefilled(0.5, 400)
     assert pace.prefill_tokens_per_second == 800.0
     assert pace.wait_price_tokens == pytest.approx(800.0 * pace.busy_seconds / pace.finished)
+    assert pace.runs(4, {"running": 2, "waiting": 1}) == 2
 
 
 def test_a_measured_wait_moves_a_cached_prefix_to_an_idle_engine() -> None:
@@ -108,7 +113,9 @@ def test_a_measured_wait_moves_a_cached_prefix_to_an_idle_engine() -> None:
     # Unmeasured: the constant price, and A's cached prefix outweighs two requests in flight.
     assert choose(1) == (A, Reason.PREFIX)
 
-    # One request, with a prompt A holds none of, measured on A (idle when it was sent).
+    # One request, with a prompt A holds none of, measured on A (idle when it was sent; A's
+    # warm-up request came before).
+    router.paces[A].warmed_up = True
     measured = request(7, [9_999] * 300)
     decision = choose_by_prefix([Candidate(A, 0, 0)], 300)
     assert decision is not None
@@ -155,3 +162,49 @@ def test_only_the_prefix_aware_policy_measures_and_reports_a_pace() -> None:
     request.engine = A
     router.finished(request, None)
     assert router.paces == {} and router.status()["pace_by_rank"] == {}
+
+
+def test_only_a_request_that_found_the_engine_free_times_its_prefill() -> None:
+    # Its dispatch-to-first-token time is its own prefill only with a slot free and no
+    # prefill queued ahead; otherwise it measures the queue, not the engine.
+    now = [0.0]
+    registry = EngineRegistry()
+    router = Router(RoutingPolicy.PREFIX_AWARE, registry, clock=lambda: now[0])
+    engine = Engine(A, 0, capacity=1, instance="a1", last_seen=0)
+    registry.add(engine)
+    router.engine_added(engine)
+
+    def send(request_id: int, outstanding: set[int]) -> None:
+        request = InflightRequest(
+            request_id, b"client", request_id, protocol.pack_tokens([5] * 300), {}, False, 0.0
+        )
+        engine.outstanding = outstanding
+        router.routed(request, choose_by_prefix([Candidate(A, 0, 0)], 300) or pytest.fail())
+
+    router.paces[A].warmed_up = True
+    send(1, {1})  # alone
+    send(2, {1, 2})  # behind request 1's prefill, and no slot free
+    now[0] = 1.0
+    router.first_token(1)
+    now[0] = 5.0
+    router.first_token(2)
+    assert list(router.paces[A].prefill_rates) == [300.0]
+
+
+def test_an_engine_loaded_from_its_start_is_priced_by_its_queued_prefills() -> None:
+    pace = EnginePace(FLOOR)
+    pace.prefilled(20.0, 300)  # its warm-up: left out
+    pace.request_finished(1.0)
+    pace.started(1.0)
+    pace.request_finished(2.0)  # a second a request
+    # No request found it free since: the upper quartile of those that waited, timed over
+    # the prefill ahead of them.
+    for seconds in (4.0, 2.0, 8.0, 1.0):  # 250, 500, 125 and 1,000 tokens a second
+        pace.prefilled_queued(seconds, 1_000)
+    assert pace.prefill_tokens_per_second == 1_000.0
+    assert pace.wait_price_tokens == pytest.approx(1_000.0)
+    # The first one timed alone takes over, and the waiting ones count no more.
+    pace.prefilled(0.5, 200)
+    pace.prefilled_queued(0.1, 1_000)
+    assert pace.prefill_tokens_per_second == 400.0
+    assert pace.wait_price_tokens == pytest.approx(400.0)
