@@ -99,19 +99,10 @@ class EnginePace:
         since, self.since = self.since, now
         if since is None or now < since:
             return
-        self.busy_seconds = busy = KEEP * self.busy_seconds + (now - since)
-        self.finished = finished = KEEP * self.finished + 1.0
-        rate = self.prefill_tokens_per_second
-        if rate is not None:  # (wait_price_tokens, inlined: this runs for every request)
-            price = busy / finished * rate
-            floor = self.floor
-            self.wait_price_tokens = (
-                floor
-                if price < floor
-                else MAX_WAIT_PRICE_TOKENS
-                if price > MAX_WAIT_PRICE_TOKENS
-                else price
-            )
+        self.busy_seconds = KEEP * self.busy_seconds + (now - since)
+        self.finished = KEEP * self.finished + 1.0
+        if self.prefill_tokens_per_second is not None:
+            self._reprice()
 
     def prefilled(self, seconds: float, tokens: int) -> None:
         """A request's ``tokens`` of prefill took ``seconds`` from its dispatch to its first
