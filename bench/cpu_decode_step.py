@@ -1,7 +1,8 @@
 """Decode step time on CPU of a random-weight Llama-shaped model (or a model directory) at 1 to 16
-sequences, three ways in one run: the engine as it runs by default (the C++ decode kernel, rows of
-2,048 columns or more column-blocked), the same kernel on row-major weights, and every step on
-oneDNN.
+sequences, four ways in one run: the engine as it runs by default (every layer in one C++ call,
+``layers.cpu_decode_layers``, over the C++ decode kernel, rows of 2,048 columns or more
+column-blocked), the same with the layers run from Python one torch operation at a time
+(``DPSERVE_CPU_FUSED_DECODE=0``), the kernel on row-major weights, and every step on oneDNN.
 
     python bench/cpu_decode_step.py [--shape 1b|8b] [--layers 4] [--model DIR]
                                     [--rows 1 2 4 8 16] [--steps 10]
@@ -54,11 +55,12 @@ class Shape:
 
 
 SHAPES = {"1b": Shape(2048, 8192, 32, 8), "8b": Shape(4096, 14336, 32, 8)}
-# name -> (small-batch rows, column-blocked)
+# name -> (small-batch rows, column-blocked, layers in one C++ call where a step fits)
 WAYS = {
-    "kernel, blocked (default)": (cpu_settings.DECODE_MATMUL_MAX_ROWS, True),
-    "kernel, row-major": (cpu_settings.DECODE_MATMUL_MAX_ROWS, False),
-    "oneDNN": (0, False),
+    "kernel, blocked (default)": (cpu_settings.DECODE_MATMUL_MAX_ROWS, True, True),
+    "kernel, blocked, layers from Python": (cpu_settings.DECODE_MATMUL_MAX_ROWS, True, False),
+    "kernel, row-major": (cpu_settings.DECODE_MATMUL_MAX_ROWS, False, True),
+    "oneDNN": (0, False, True),
 }
 PROMPT_TOKENS = 32
 
@@ -92,9 +94,11 @@ def projection_bytes(path: Path) -> int:
     return sum(linear.out_features * linear.in_features * 4 for linear in model.projections())
 
 
-def step_ms(path: Path, rows: int, small_rows: int, blocked: bool, runs: int, steps: int) -> float:
+def step_ms(path: Path, rows: int, way: tuple[int, bool, bool], runs: int, steps: int) -> float:
     """ms per decode step of ``rows`` sequences, one way."""
+    small_rows, blocked, fused = way
     os.environ[SMALL_BATCH_ROWS_ENV] = str(small_rows)
+    os.environ[cpu_settings.FUSED_DECODE_ENV] = "1" if fused else "0"
     saved = cpu_kernels.BLOCK_FROM_COLUMNS
     if not blocked:
         cpu_kernels.BLOCK_FROM_COLUMNS = 1 << 62
@@ -153,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"projection weights: {nbytes / 1e9:.2f} GB fp32\n")
         results: dict[str, dict[int, float]] = {way: {} for way in WAYS}
         for rows in args.rows:
-            for way, (small_rows, blocked) in WAYS.items():
-                results[way][rows] = step_ms(path, rows, small_rows, blocked, args.runs, args.steps)
+            for name, way in WAYS.items():
+                results[name][rows] = step_ms(path, rows, way, args.runs, args.steps)
         print("| sequences | " + " | ".join(WAYS) + " |")
         print("|---:|" + "---:|" * len(WAYS))
         for rows in args.rows:

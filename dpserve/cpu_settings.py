@@ -12,6 +12,9 @@ is restarted until its restarts run out (or a pod in CrashLoopBackOff).
   oneDNN (``engine.layers.linear``; unset: the engine's start-up probe measures it).
 - ``BF16_DOTS_ENV``: "1" rounds a bf16 projection's activations to bf16 too, where the CPU can
   multiply them so (``engine.layers.weight_format`` says what it costs).
+- ``FUSED_DECODE_ENV``: "0" runs a decode step's layers one torch operation at a time from
+  Python instead of in one C++ call (``engine.layers.cpu_decode_layers``; the same result, for
+  the bench and for ruling the fused call out).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ SMALL_BATCH_ROWS_ENV: Final = "DPSERVE_CPU_SMALL_BATCH_ROWS"
 DECODE_MATMUL_MAX_ROWS: Final = 16
 
 BF16_DOTS_ENV: Final = "DPSERVE_CPU_BF16_DOTS"
+
+FUSED_DECODE_ENV: Final = "DPSERVE_CPU_FUSED_DECODE"
 
 
 def isa_named(value: str) -> int:
@@ -79,8 +84,25 @@ def bf16_dots_setting() -> bool:
 def bf16_dots_named(value: str) -> bool:
     """``value`` as ``BF16_DOTS_ENV``'s setting; ValueError, naming it, for anything but 0 or
     1."""
+    return switch_named(BF16_DOTS_ENV, value)
+
+
+def fused_decode_setting() -> bool:
+    """Whether decode steps may run their layers in one C++ call (``FUSED_DECODE_ENV``, unset:
+    1); ValueError, naming it, for anything but 0 or 1."""
+    return switch_named(FUSED_DECODE_ENV, os.environ.get(FUSED_DECODE_ENV, "1"))
+
+
+def fused_decode_named(value: str) -> bool:
+    """``value`` as ``FUSED_DECODE_ENV``'s setting."""
+    return switch_named(FUSED_DECODE_ENV, value)
+
+
+def switch_named(name: str, value: str) -> bool:
+    """``value`` of the on/off setting ``name``; ValueError, naming it, for anything but 0 or
+    1."""
     if value.strip() not in ("0", "1"):
-        raise ValueError(f"{BF16_DOTS_ENV} must be 0 or 1 (got {value!r})")
+        raise ValueError(f"{name} must be 0 or 1 (got {value!r})")
     return value.strip() == "1"
 
 
@@ -89,6 +111,7 @@ _READERS: Final[dict[str, Callable[[str], object]]] = {
     ISA_ENV: isa_named,
     SMALL_BATCH_ROWS_ENV: small_batch_rows_named,
     BF16_DOTS_ENV: bf16_dots_named,
+    FUSED_DECODE_ENV: fused_decode_named,
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.ops_per_layer import count_decode_ops_per_layer
-from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve.cpu_settings import FUSED_DECODE_ENV, SMALL_BATCH_ROWS_ENV
 from dpserve.engine.kernels import cpu_kernels
 
 MAX_OPS_PER_LAYER = 12
@@ -32,6 +32,9 @@ def test_a_decode_step_costs_at_most_12_operations_per_layer(
     # are off, the dense ``F.linear`` runs with no fused epilogue. Pinned: torch's path is
     # oneDNN's fused primitives, the kernels' path is the decode kernel.
     monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, "8" if kernels else "0")
+    # The layers one torch operation at a time, as a step with a prompt chunk runs them: in
+    # one C++ call (``layers.cpu_decode_layers``) the profiler sees no operation of a layer.
+    monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     count = count_decode_ops_per_layer(tiny_model_path, batch=4, context=21)
     assert 0 < count.compute <= MAX_OPS_PER_LAYER, str(count)
     # The counter sees the real work: projections, attention and the cache write are there.

@@ -57,9 +57,11 @@ CSRC = Path(__file__).with_name("csrc")
 # code an AVX2-only CPU runs, whichever CPU built it): one library.
 GLUE_SOURCE = CSRC / "cpu_kernels.cpp"
 MATMUL_SOURCE = CSRC / "decode_matmul.cpp"
-SOURCES = (GLUE_SOURCE, MATMUL_SOURCE)
-# What both include (from their own directory); part of the build's key as the sources are.
-HEADERS = (CSRC / "exp_nonpositive.h",)
+# Every decoder layer of a decode step in one call, over the two above; compiled as the glue.
+LAYERS_SOURCE = CSRC / "decode_layers.cpp"
+SOURCES = (GLUE_SOURCE, MATMUL_SOURCE, LAYERS_SOURCE)
+# What they include (from their own directory); part of the build's key as the sources are.
+HEADERS = (CSRC / "exp_nonpositive.h", CSRC / "cpu_ops.h")
 DISABLE_VARIABLE = "DPSERVE_CPU_KERNELS"
 PREBUILT_VARIABLE = "DPSERVE_CPU_KERNELS_PREBUILT"
 # A portable build's target, and the /proc/cpuinfo flags a CPU needs to run it.
@@ -152,6 +154,7 @@ def compile_commands(
             *(_arch_flags() if arch is None else arch),
             "-shared",
             str(GLUE_SOURCE),
+            str(LAYERS_SOURCE),
             str(matmul_object),
             "-o",
             str(output),

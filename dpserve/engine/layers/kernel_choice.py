@@ -22,6 +22,9 @@ count on the model's own projection shapes (``linear.small_batch_rows``, up to
 torch's dense ``F.linear`` instead, where that measures faster than oneDNN.
 
 (*) For power-of-two head sizes; otherwise torch, per head, before the kernel.
+On CPU a decode step whose every row and projection the C++ column takes runs all its layers in
+one C++ call over those same kernels (``cpu_decode_layers``), the host's Python between them
+left out.
 "CUDA" means Triton imports and its kernels compile there (``triton_layer_ops.available``,
 ``attention.decode_attention_backend``); otherwise the CUDA column falls back to torch op by op.
 "CPU, fp32" means the C++ kernels built on this machine (``cpu_kernels.usable``); without a

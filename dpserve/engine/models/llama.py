@@ -25,6 +25,7 @@ import torch
 from torch.nn import functional
 
 from dpserve.engine.layers import linear
+from dpserve.engine.layers.cpu_decode_layers import DecodeLayers
 from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
 from dpserve.engine.layers.linear import Linear, detached_weights, resident
@@ -173,6 +174,24 @@ class PagedLlama:
         for index in range(len(decoder.layers)):
             self.layers.append(self.convert_layer(decoder.layers[index]))
             decoder.layers[index] = torch.nn.Identity()  # frees its (now copied) weights
+        # A decode step's layers in one C++ call where the glue is C++ and every layer fits.
+        self.decode_layers: DecodeLayers | None = None
+        if self.kernels.glue == "cpu":
+            self.decode_layers = DecodeLayers.of(
+                self.layers,
+                [self.head_norms(layer) for layer in self.layers],
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                eps=self.eps,
+                scale=self.scale,
+                rotation_pairs=self.rotary.rotation_pairs,
+            )
+            if self.decode_layers is not None:
+                log.info(
+                    "decode steps of up to %d sequences run every layer in one C++ call",
+                    self.decode_layers.max_rows,
+                )
         if self.device.type == "cpu":  # what --cpu-weights chose, and what it holds
             held = self.projection_bytes()
             as_fp32 = sum(
@@ -299,10 +318,35 @@ class PagedLlama:
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (the model's dtype) for ``batch.logits_indices`` (every
         row if None). The stages below, in this order, are what ``piecewise_graphs`` cuts at
-        attention."""
+        attention; a decode step on CPU runs them all in one C++ call where ``decode_layers``
+        takes it (the same kernels, the same result)."""
+        hidden = self.embed(batch.input_ids)
+        fused, rows = self.decode_layers, len(batch.input_ids)
+        has_adapters = batch.adapters is not None
+        if fused is not None and fused.runs(
+            rows, batch.num_decodes, bool(batch.prefills), has_adapters
+        ):
+            assert batch.block_tables is not None and batch.seq_lens is not None
+            hidden = fused(
+                hidden,
+                batch.positions,
+                batch.slot_mapping,
+                cache.kv,
+                batch.block_tables,
+                batch.seq_lens,
+            )
+        else:
+            hidden = self._layers(hidden, batch, cache)
+        if batch.logits_indices is not None:
+            hidden = hidden.index_select(0, batch.logits_indices)
+        return self.lm_head(self.final_norm(hidden))
+
+    def _layers(
+        self, hidden: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache
+    ) -> torch.Tensor:
+        """``hidden`` through every layer, one stage at a time."""
         tokens = self.token_inputs(batch.positions, batch.slot_mapping)
         layout = self.attention_layout(batch, cache.block_size)
-        hidden = self.embed(batch.input_ids)
         self._adapters = batch.adapters
         try:
             for index in range(len(self.layers)):
@@ -311,9 +355,7 @@ class PagedLlama:
                 hidden = self.layer_output(index, hidden, attended)
         finally:  # the stages run alone (piecewise graphs) only for steps without adapters
             self._adapters = None
-        if batch.logits_indices is not None:
-            hidden = hidden.index_select(0, batch.logits_indices)
-        return self.lm_head(self.final_norm(hidden))
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return functional.embedding(input_ids, self.embedding)

@@ -21,9 +21,12 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "exp_nonpositive.h"
 
-namespace {
+// Every function here is in dpserve_cpu (not file-local), so that decode_layers.cpp runs the
+// same kernels a layer at a time (cpu_ops.h declares the ones it calls).
+namespace dpserve_cpu {
 
 // transformers' LlamaRMSNorm in fp32: x * rsqrt(mean(x^2) + eps) * weight, a row at a time.
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
@@ -556,7 +559,7 @@ void lora_delta(const at::Tensor& x, at::Tensor out, const at::Tensor& a, const 
   });
 }
 
-}  // namespace
+}  // namespace dpserve_cpu
 
 TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
@@ -573,8 +576,8 @@ TORCH_LIBRARY(dpserve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotate_and_write_kv", &rotate_and_write_kv);
-  m.impl("decode_attention", &decode_attention);
-  m.impl("lora_delta", &lora_delta);
+  m.impl("rms_norm", &dpserve_cpu::rms_norm);
+  m.impl("rotate_and_write_kv", &dpserve_cpu::rotate_and_write_kv);
+  m.impl("decode_attention", &dpserve_cpu::decode_attention);
+  m.impl("lora_delta", &dpserve_cpu::lora_delta);
 }

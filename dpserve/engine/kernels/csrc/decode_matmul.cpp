@@ -50,6 +50,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "exp_nonpositive.h"
 
 #if defined(__x86_64__)
@@ -736,6 +737,10 @@ Format weight_format(const at::Tensor& weight, const std::optional<at::Tensor>& 
   return kF32;  // not reached
 }
 
+}  // namespace
+
+namespace dpserve_cpu {
+
 // x [rows, k] float32 (rows may be strided), weight [n, k] or column-blocked [chunks, n,
 // width] (chunks * width >= k > (chunks - 1) * width, the last chunk's columns past k unread),
 // contiguous (float32, bfloat16, or int8 with float32 scales [n]), bias [n] or none, other
@@ -846,6 +851,10 @@ at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+}  // namespace dpserve_cpu
+
+namespace {
+
 // Whether this CPU runs instruction path `isa` (for the tests and the bench).
 bool decode_matmul_supports(int64_t isa) {
   return isa >= kAuto && isa <= kAvx512 && (isa == kAuto || cpu_has(static_cast<Isa>(isa)));
@@ -864,4 +873,4 @@ TORCH_LIBRARY_FRAGMENT(dpserve_cpu, m) {
   m.def("decode_matmul_supports_bf16_dots() -> bool", &decode_matmul_supports_bf16_dots);
 }
 
-TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) { m.impl("decode_matmul", &decode_matmul); }
+TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) { m.impl("decode_matmul", &dpserve_cpu::decode_matmul); }
