@@ -15,10 +15,11 @@ The model is written once to a temporary directory and loaded by a ``ModelRunner
 ``DPSERVE_CPU_SMALL_BATCH_ROWS`` set (``cpu_settings.DECODE_MATMUL_MAX_ROWS``, or 0 for oneDNN)
 so that no start-up probe decides; the row-major way raises ``cpu_kernels.BLOCK_FROM_COLUMNS``
 out of reach before loading.
-For each row count, ``rows`` greedy requests of 32 prompt tokens decode together (EOS ignored);
-after 3 warm-up steps the figure is the median over ``--runs`` of the mean of ``--steps`` steps
-(wall time), beside the GB/s of projection weights it streams (fp32 bytes / step time). Ways
-alternate per row count, so that a load that comes or goes weighs on all alike.
+For each row count, ``rows`` greedy requests of 32 prompt tokens decode together (EOS ignored)
+in one runner per way, all loaded first; after 3 warm-up steps the figure is the median over
+``--runs`` of the mean of ``--steps`` steps (wall time), beside the GB/s of projection weights it
+streams (fp32 bytes / step time). The ways take turns run by run, each run starting from the
+next way, so that a load that comes or goes, or the host's drift, weighs on all alike.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ def projection_bytes(path: Path) -> int:
     return sum(linear.out_features * linear.in_features * 4 for linear in model.projections())
 
 
-def step_ms(path: Path, rows: int, way: tuple[int, bool, bool], runs: int, steps: int) -> float:
-    """ms per decode step of ``rows`` sequences, one way."""
+def prepared(path: Path, rows: int, way: tuple[int, bool, bool]) -> ModelRunner:
+    """A runner of ``rows`` sequences loaded one way, every sequence decoding and warm."""
     small_rows, blocked, fused = way
     os.environ[SMALL_BATCH_ROWS_ENV] = str(small_rows)
     os.environ[cpu_settings.FUSED_DECODE_ENV] = "1" if fused else "0"
@@ -113,13 +114,15 @@ def step_ms(path: Path, rows: int, way: tuple[int, bool, bool], runs: int, steps
         runner.add(RunnerRequest(request, prompt, params))
     for _ in range(3 + rows):  # every prompt in, every sequence decoding, warm
         runner.step()
-    means = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(steps):
-            runner.step()
-        means.append((time.perf_counter() - start) * 1000 / steps)
-    return statistics.median(means)
+    return runner
+
+
+def step_ms(runner: ModelRunner, steps: int) -> float:
+    """The mean ms of ``steps`` decode steps."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.step()
+    return (time.perf_counter() - start) * 1000 / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"projection weights: {nbytes / 1e9:.2f} GB fp32\n")
         results: dict[str, dict[int, float]] = {way: {} for way in WAYS}
         for rows in args.rows:
-            for name, way in WAYS.items():
-                results[name][rows] = step_ms(path, rows, way, args.runs, args.steps)
+            runners = {name: prepared(path, rows, way) for name, way in WAYS.items()}
+            means: dict[str, list[float]] = {name: [] for name in WAYS}
+            for run in range(args.runs):  # the ways in turn, each run from the next one
+                names = list(WAYS)[run % len(WAYS) :] + list(WAYS)[: run % len(WAYS)]
+                for name in names:
+                    means[name].append(step_ms(runners[name], args.steps))
+            for name in WAYS:
+                results[name][rows] = statistics.median(means[name])
+            del runners
         print("| sequences | " + " | ".join(WAYS) + " |")
         print("|---:|" + "---:|" * len(WAYS))
         for rows in args.rows:
