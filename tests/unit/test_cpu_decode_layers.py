@@ -101,10 +101,10 @@ def test_prompt_chunks_and_larger_steps_run_the_python_layers(
     steps = _counting_fused_steps(runner, monkeypatch)
     greedy_requests(runner, 4)
     assert steps and set(steps) <= {1, 2}
-    assert fused.runs(2, 2, False, False)
-    assert not fused.runs(3, 3, False, False)
-    assert not fused.runs(2, 1, True, False)  # a prompt chunk beside a decode row
-    assert not fused.runs(1, 1, False, True)  # a LoRA row
+    assert fused.runs(2, 2, False)
+    assert not fused.runs(3, 3, False)
+    assert not fused.runs(2, 1, False)  # a prompt chunk beside a decode row
+    assert not fused.runs(1, 1, True)  # a LoRA row
 
 
 def test_a_mixture_of_experts_keeps_the_python_layers(

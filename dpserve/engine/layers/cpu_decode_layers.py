@@ -107,10 +107,10 @@ class DecodeLayers:
             )
         return cls(handle, max_rows)
 
-    def runs(self, rows: int, num_decodes: int, has_prompts: bool, has_adapters: bool) -> bool:
-        """Whether a step of ``rows`` rows runs here: every row decoding, no LoRA row, no more
-        rows than every projection's decode kernel takes."""
-        return not has_prompts and not has_adapters and 0 < rows == num_decodes <= self.max_rows
+    def runs(self, rows: int, num_decodes: int, has_adapters: bool) -> bool:
+        """Whether a step of ``rows`` rows runs here: every row decoding (no prompt chunk),
+        no LoRA row, no more rows than every projection's decode kernel takes."""
+        return not has_adapters and 0 < rows == num_decodes <= self.max_rows
 
     def __call__(
         self,

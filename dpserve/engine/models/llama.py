@@ -322,10 +322,7 @@ class PagedLlama:
         takes it (the same kernels, the same result)."""
         hidden = self.embed(batch.input_ids)
         fused, rows = self.decode_layers, len(batch.input_ids)
-        has_adapters = batch.adapters is not None
-        if fused is not None and fused.runs(
-            rows, batch.num_decodes, bool(batch.prefills), has_adapters
-        ):
+        if fused is not None and fused.runs(rows, batch.num_decodes, batch.adapters is not None):
             assert batch.block_tables is not None and batch.seq_lens is not None
             hidden = fused(
                 hidden,
