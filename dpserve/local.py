@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
 from dpserve.client import ClientError, InferenceClient
-from dpserve.engine.cpus import numa_core_sets, usable_cores
+from dpserve.engine.cpus import (
+    VLLM_THREADS_BIND_ENV,
+    numa_core_sets,
+    shared_core_bindings,
+    usable_cores,
+)
 from dpserve.flags import CONSTRAINT_LIMITS, request_limit_flag
 from dpserve.limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_LIMITS, HttpLimits, RequestLimits
 from dpserve.reply_formats import ReplyParsers
@@ -78,6 +83,7 @@ class Child:
     cores: frozenset[int] | None
     deaths: Deaths
     python: str = sys.executable  # the interpreter it runs in (vLLM's own install for its engines)
+    environment: dict[str, str] = field(default_factory=dict)  # set for it, over serve's own
     process: subprocess.Popen[bytes] | None = None  # the latest start's
     started_at: float = 0.0  # time.monotonic() of the latest start
     restart_at: float | None = None  # while it waits out its backoff
@@ -135,8 +141,9 @@ class LocalDeployment:
         *args: str,
         cores: frozenset[int] | None = None,
         python: str = sys.executable,
+        environment: dict[str, str] | None = None,
     ) -> None:
-        child = Child(name, args, cores, Deaths(self.restart_policy), python)
+        child = Child(name, args, cores, Deaths(self.restart_policy), python, environment or {})
         self.children.append(child)
         self._start(child)
 
@@ -155,7 +162,10 @@ class LocalDeployment:
         # A session of their own: Ctrl-C in the terminal reaches only `dpserve serve`, which
         # then stops the children in order (engines drain while the coordinator still runs).
         child.process = subprocess.Popen(
-            command, preexec_fn=before_exec, start_new_session=True, env=child_environment()
+            command,
+            preexec_fn=before_exec,
+            start_new_session=True,
+            env=child_environment() | child.environment,
         )
         child.started_at = time.monotonic()
 
@@ -174,6 +184,34 @@ class LocalDeployment:
         if len(nodes) > 1 and len(nodes) == self.data_parallel_size:
             return list(nodes)
         return [None] * self.data_parallel_size
+
+    def vllm_thread_bindings(self) -> list[str | None]:
+        """Each vLLM engine's ``VLLM_THREADS_BIND_ENV`` where several share this process's
+        cores (``cpus.shared_core_bindings``: a slice each); None where vLLM binds by itself:
+        one engine, engines pinned one per NUMA node, the variable set for ``serve``, or too
+        few cores for a slice each."""
+        engines = self.data_parallel_size
+        if (
+            self.backend != "vllm"
+            or self.fake
+            or engines == 1
+            or VLLM_THREADS_BIND_ENV in os.environ
+            or any(self.engine_cores())
+        ):
+            return [None] * engines
+        bindings = shared_core_bindings(
+            sorted(os.sched_getaffinity(0)), engines, self.tensor_parallel_size, self.torch_threads
+        )
+        if bindings is None:
+            log.warning(
+                "%d vLLM engines of %d rank(s) each share %d cores, too few for cores of their "
+                "own: vLLM binds each engine's workers itself, and they may share cores",
+                engines,
+                self.tensor_parallel_size,
+                len(os.sched_getaffinity(0)),
+            )
+            return [None] * engines
+        return list(bindings)
 
     def client_keys(self) -> key_files.PeerKeys | None:
         return None if self.credentials is None else key_files.load_peer_keys(self.credentials)
@@ -197,13 +235,18 @@ class LocalDeployment:
             *(["--routing", self.routing] if self.routing else []),
             *(["--chat-template", self.chat_template] if self.chat_template else []),
         )
+        bindings = self.vllm_thread_bindings()
         for rank, cores in enumerate(self.engine_cores()):
             engine = ["--fake"] if self.fake else ["--model", self.model_path]
+            environment = {}
             if self.fake and self.step_delay:
                 engine += ["--step-delay", str(self.step_delay)]
             if not self.fake and self.backend == "vllm":
-                engine += self._vllm_engine_flags()
+                binding = bindings[rank]
+                engine += self._vllm_engine_flags(threads=binding is None)
                 engine += self.lora_args
+                if binding is not None:
+                    environment[VLLM_THREADS_BIND_ENV] = binding
             elif not self.fake:
                 threads = self.threads_per_engine()
                 if cores and self.torch_threads is None:
@@ -226,14 +269,16 @@ class LocalDeployment:
                 *keys,
                 cores=cores,
                 python=self.engine_python if self.backend == "vllm" else sys.executable,
+                environment=environment,
             )
 
-    def _vllm_engine_flags(self) -> list[str]:
+    def _vllm_engine_flags(self, threads: bool = True) -> list[str]:
         """A vLLM engine's flags: its backend's, and its compute threads only when asked for
-        (vLLM binds its workers' threads itself, leaving a core to the engine process)."""
+        (vLLM binds its workers' threads itself, leaving a core to the engine process) and
+        ``threads`` (not where the engine's binding, which says them, is set for it)."""
         engine = ["--backend", "vllm", "--tensor-parallel-size", str(self.tensor_parallel_size)]
         engine += [f"--vllm-arg={arg}" for arg in self.vllm_args]
-        if self.torch_threads is not None:
+        if threads and self.torch_threads is not None:
             engine += ["--torch-threads", str(self.torch_threads)]
         return [*engine, *self.kv_cache_args, *_engine_limit_flags(self.limits)]
 

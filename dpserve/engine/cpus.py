@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# vLLM's CPU build binds its workers' compute threads to the cores this names ("auto": its own
+# choice, within the process's affinity).
+VLLM_THREADS_BIND_ENV: Final = "VLLM_CPU_OMP_THREADS_BIND"
 NODE_ROOT = Path("/sys/devices/system/node")
 
 
@@ -115,3 +120,47 @@ def numa_core_sets(root: Path = NODE_ROOT, allowed: set[int] | None = None) -> l
         if cores & allowed:
             nodes.append((number, frozenset(cores & allowed)))
     return [cores for _, cores in sorted(nodes)] or [frozenset(allowed)]
+
+
+def cpu_thread_binding(threads: int, tensor_parallel_size: int, cores: Sequence[int]) -> str:
+    """``VLLM_THREADS_BIND_ENV`` for ``threads`` compute threads per rank: each rank its own
+    cores, the first of ``cores`` ("0-1" or "0|1" for two ranks)."""
+    wanted = threads * tensor_parallel_size
+    if wanted > len(cores):
+        raise ValueError(
+            f"{threads} thread(s) for each of {tensor_parallel_size} tensor-parallel rank(s) "
+            f"need {wanted} cores; this process may use {len(cores)}"
+        )
+    ordered = sorted(cores)
+    ranks = [ordered[rank * threads : (rank + 1) * threads] for rank in range(tensor_parallel_size)]
+    return "|".join(",".join(map(str, rank)) for rank in ranks)
+
+
+def shared_core_bindings(
+    cores: Sequence[int], engines: int, tensor_parallel_size: int, threads: int | None
+) -> list[str] | None:
+    """``VLLM_THREADS_BIND_ENV`` for each of ``engines`` vLLM engines started on the same
+    ``cores``, or None where those cannot give every rank of every engine a core of its own.
+
+    Left to itself each vLLM engine binds its workers within its process's affinity, to the
+    same first cores as every other engine there: two engines of ``dpserve serve`` on two
+    cores ran both workers on core 0 while core 1 only polled (each engine's prefill read
+    ~40 and ~430 tokens/s, BENCHMARKS.md). So each engine takes a slice of its own, and of
+    its slice, as vLLM does with a machine, one core per rank is left to the engine's process
+    (its scheduler polls the workers) where the slice has more cores than ranks; ``threads``
+    (``--torch-threads``) per rank instead where given."""
+    share = len(cores) // engines
+    if share < tensor_parallel_size:
+        return None
+    if threads is None:
+        spare = share - tensor_parallel_size if share > tensor_parallel_size else share
+        threads = max(1, spare // tensor_parallel_size)
+    if threads * tensor_parallel_size > share:
+        return None
+    ordered = sorted(cores)
+    return [
+        cpu_thread_binding(
+            threads, tensor_parallel_size, ordered[engine * share : (engine + 1) * share]
+        )
+        for engine in range(engines)
+    ]

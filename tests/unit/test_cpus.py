@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from dpserve.engine import cpus
 
 
@@ -78,3 +80,29 @@ def test_cores_are_grouped_by_numa_node_in_node_order(tmp_path: Path) -> None:
 
 def test_without_nodes_in_sysfs_all_allowed_cores_are_one_group(tmp_path: Path) -> None:
     assert cpus.numa_core_sets(tmp_path / "absent", allowed={0, 1}) == [frozenset({0, 1})]
+
+
+def test_a_binding_gives_each_tensor_parallel_rank_cores_of_its_own() -> None:
+    assert cpus.cpu_thread_binding(2, 1, [3, 1, 2, 0]) == "0,1"
+    assert cpus.cpu_thread_binding(1, 2, [4, 5]) == "4|5"
+    with pytest.raises(ValueError, match="need 4 cores"):
+        cpus.cpu_thread_binding(2, 2, [0, 1, 2])
+
+
+def test_vllm_engines_sharing_cores_each_bind_a_slice_of_their_own() -> None:
+    # Two engines on two cores: a core each (left to vLLM, both bound to core 0).
+    assert cpus.shared_core_bindings([0, 1], 2, 1, None) == ["0", "1"]
+    # Slices wider than their ranks leave one core per rank to the engine's process.
+    assert cpus.shared_core_bindings(range(8), 2, 1, None) == ["0,1,2", "4,5,6"]
+    assert cpus.shared_core_bindings(range(8), 2, 2, None) == ["0|1", "4|5"]
+    # --torch-threads per rank instead, within the slice.
+    assert cpus.shared_core_bindings(range(8), 2, 1, 4) == ["0,1,2,3", "4,5,6,7"]
+    # Every slice disjoint from the others, whatever the order the affinity lists.
+    bindings = cpus.shared_core_bindings([7, 6, 5, 4, 3, 2, 1, 0], 4, 1, None)
+    assert bindings == ["0", "2", "4", "6"]
+
+
+def test_too_few_cores_for_a_slice_each_leave_the_binding_to_vllm() -> None:
+    assert cpus.shared_core_bindings([0, 1], 3, 1, None) is None
+    assert cpus.shared_core_bindings([0, 1, 2, 3], 2, 4, None) is None
+    assert cpus.shared_core_bindings(range(8), 2, 1, 5) is None

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
 
 import pytest
 
 from dpserve import flags, local
 from dpserve.cli import build_parser
+from dpserve.engine import cpus
 from dpserve.limits import RequestLimits
 from dpserve.local import Child, DeploymentEnded, LocalDeployment
 
@@ -278,3 +280,46 @@ def test_serve_refuses_one_port_for_http_and_zmq(capsys: pytest.CaptureFixture[s
     args = build_parser().parse_args(["serve", "--fake", "--port", "8123", "--http-port", "8123"])
     assert args.func(args) == 2
     assert "give --http-port and --port different ports" in capsys.readouterr().err
+
+
+def vllm_engines(
+    monkeypatch: pytest.MonkeyPatch, engines: int, cores: set[int], torch_threads: int | None
+) -> list[Child]:
+    """The engine children of a vLLM deployment of ``engines`` on ``cores`` (one NUMA node)."""
+    monkeypatch.setattr(local, "numa_core_sets", lambda: [frozenset(cores)])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: cores)
+    monkeypatch.delenv(cpus.VLLM_THREADS_BIND_ENV, raising=False)
+    run = Supervised(engines)
+    run.deployment.fake = False
+    run.deployment.backend = "vllm"
+    run.deployment.torch_threads = torch_threads
+    run.deployment.children.clear()
+    run.deployment.start_processes()
+    return run.deployment.engines
+
+
+def test_vllm_engines_sharing_the_cores_bind_their_workers_to_cores_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Left to vLLM, both engines' workers bound to core 0 (prefill at half speed).
+    children = vllm_engines(monkeypatch, 2, {0, 1}, None)
+    assert [c.environment.get(cpus.VLLM_THREADS_BIND_ENV) for c in children] == ["0", "1"]
+    assert all("--torch-threads" not in c.args for c in children)  # the binding says them
+    children = vllm_engines(monkeypatch, 2, set(range(8)), 2)
+    assert [c.environment[cpus.VLLM_THREADS_BIND_ENV] for c in children] == ["0,1", "4,5"]
+
+
+def test_one_vllm_engine_or_too_few_cores_leave_the_binding_to_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (child,) = vllm_engines(monkeypatch, 1, {0, 1}, None)
+    assert child.environment == {}
+    children = vllm_engines(monkeypatch, 3, {0, 1}, None)
+    assert all(c.environment == {} for c in children)
+    children = vllm_engines(monkeypatch, 2, {0, 1}, 1)
+    assert all(c.environment for c in children)  # a core each still fits one thread each
+    monkeypatch.setenv(cpus.VLLM_THREADS_BIND_ENV, "0-1")  # the user's own binding stands
+    monkeypatch.setattr(local, "numa_core_sets", lambda: [frozenset({0, 1})])
+    run = Supervised(2)
+    run.deployment.fake, run.deployment.backend = False, "vllm"
+    assert run.deployment.vllm_thread_bindings() == [None, None]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from dpserve.engine.cpus import VLLM_THREADS_BIND_ENV, cpu_thread_binding
 from dpserve.engine.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CPU_KV_CACHE_BYTES
 from dpserve.engine.vllm.resumed_penalties import QUALIFIED_NAME as RESUMED_PENALTIES_PROCESSOR
 from dpserve.limits import SAMPLING_CEILINGS
@@ -98,20 +98,6 @@ def vllm_command_line(options: VllmOptions, *, on_cpu: bool) -> list[str]:
     return [*line, *options.extra]
 
 
-def cpu_thread_binding(threads: int, tensor_parallel_size: int, cores: Sequence[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` compute threads per rank: each rank its
-    own cores, the first of those this process may use ("0-1" or "0|1" for two ranks)."""
-    wanted = threads * tensor_parallel_size
-    if wanted > len(cores):
-        raise ValueError(
-            f"{threads} thread(s) for each of {tensor_parallel_size} tensor-parallel rank(s) "
-            f"need {wanted} cores; this process may use {len(cores)}"
-        )
-    ordered = sorted(cores)
-    ranks = [ordered[rank * threads : (rank + 1) * threads] for rank in range(tensor_parallel_size)]
-    return "|".join(",".join(map(str, rank)) for rank in ranks)
-
-
 def engine_args(options: VllmOptions) -> Any:
     """vLLM's ``EngineArgs`` for these options (vLLM imported here). Bad pass-through flags
     raise ``SystemExit`` with vLLM's parser's message, as on vLLM's own command line."""
@@ -124,7 +110,7 @@ def engine_args(options: VllmOptions) -> Any:
         binding = cpu_thread_binding(
             options.threads, options.tensor_parallel_size, sorted(os.sched_getaffinity(0))
         )
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        os.environ[VLLM_THREADS_BIND_ENV] = binding
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="dpserve engine --vllm-arg"))
     parsed = parser.parse_args(vllm_command_line(options, on_cpu=on_cpu))
     args = EngineArgs.from_cli_args(parsed)
