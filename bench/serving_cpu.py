@@ -38,6 +38,16 @@ from the project's (how they were installed: ``BENCHMARKS.md``): ``guidellm-venv
 weights (``--gguf``; default ``<peers>/smollm2-135m-instruct-f32.gguf``). A peer that is not
 installed is skipped and says so. Nothing here runs in CI.
 
+``--paired N`` (after the levels; ``--levels "" --burst 0`` for it alone) runs N pairs of single
+requests: each pair one fresh prompt (``--prompt-tokens`` exactly) sent to the first server, then
+to each other one, the order alternating from pair to pair, through a plain streaming client
+(no guidellm between requests). Where the host's memory speed drifts within minutes (the
+2-core machines here: a one-sequence step 13 ms, then 19 ms), rounds of a level a quarter
+minute apart compare two speeds of the host; the two requests of a pair run a second apart,
+so each pair compares the servers at one speed. Reported: every server's median ITL, TTFT and
+output tok/s over its requests, the median of the pairs' ITL ratios (first server / other),
+and in how many pairs the first server's ITL was the lower.
+
 ``--avx2-only`` runs, on an AVX-512 machine, the code an AVX2-only CPU runs (dpserve held to its
 AVX2 paths, llama.cpp built without AVX-512: ``cmake -B build-avx2 -DGGML_NATIVE=OFF
 -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON``): the instructions, not that CPU's memory.
@@ -46,8 +56,10 @@ AVX2 paths, llama.cpp built without AVX-512: ``cmake -B build-avx2 -DGGML_NATIVE
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -299,6 +311,105 @@ def level_requests(streams: int, args: argparse.Namespace) -> int:
     return max(args.min_requests, args.requests_per_stream * streams)
 
 
+def exact_prompts(tokenizer_dir: Path, tokens: int, count: int, seed: int) -> list[str]:
+    """``count`` prompts of random words, each exactly ``tokens`` tokens long by the model's
+    tokenizer (decoded from the first ``tokens`` ids of a longer text)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    pieces = (tokenizer.decode([token]).strip() for token in range(len(tokenizer)))
+    vocabulary = sorted({word for word in pieces if word.isascii() and word.isalpha()})
+    prompts = []
+    for index in range(count):
+        pick = random.Random(seed * 1_000_003 + index)
+        while True:
+            text = " ".join(pick.choice(vocabulary) for _ in range(tokens * 2))
+            ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+            prompt = tokenizer.decode(ids)
+            if len(tokenizer.encode(prompt, add_special_tokens=False)) == tokens:
+                prompts.append(prompt)
+                break
+    return prompts
+
+
+def single_stream(server: Server, prompt: str, output_tokens: int) -> dict[str, float]:
+    """One streaming completion of ``prompt`` (greedy, ``ignore_eos``): TTFT, ITL ((last text
+    chunk - first) / (tokens - 1): how a server groups its tokens into chunks does not enter),
+    and output tokens over the whole request."""
+    body = {
+        "model": server.model_id,
+        "prompt": prompt,
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    started = time.perf_counter()
+    first = last = 0.0
+    try:
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status} {response.read()[:300]!r}")
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    finally:
+        connection.close()
+    if not first:
+        raise RuntimeError(f"{server.name}: no text streamed")
+    return {
+        "ttft_ms": (first - started) * 1000,
+        "itl_ms": (last - first) * 1000 / (output_tokens - 1),
+        "tok_s": output_tokens / (last - started),
+    }
+
+
+def run_pairs(servers: list[Server], args: argparse.Namespace) -> list[str]:
+    """``--paired``: the table's lines (module docstring)."""
+    prompts = exact_prompts(args.model, args.prompt_tokens, args.paired, args.seed + 1_000)
+    timings: dict[str, list[dict[str, float]]] = {server.name: [] for server in servers}
+    for index, prompt in enumerate(prompts):
+        order = servers if index % 2 == 0 else list(reversed(servers))
+        for server in order:
+            timings[server.name].append(single_stream(server, prompt, args.output_tokens))
+    first = servers[0]
+    lines = [
+        f"\nPaired single stream ({args.paired} pairs, {args.prompt_tokens}-token prompts, "
+        f"{args.output_tokens} output tokens, order alternating):",
+        "",
+        "| server | ITL p50 | TTFT p50 | output tok/s p50 |",
+        "|---|---:|---:|---:|",
+    ]
+    for server in servers:
+        rows = timings[server.name]
+        lines.append(
+            f"| {server.name} | {statistics.median(r['itl_ms'] for r in rows):.2f} ms | "
+            f"{statistics.median(r['ttft_ms'] for r in rows):.0f} ms | "
+            f"{statistics.median(r['tok_s'] for r in rows):.1f} |"
+        )
+    for other in servers[1:]:
+        pairs = list(zip(timings[first.name], timings[other.name], strict=True))
+        ratios = [mine["itl_ms"] / theirs["itl_ms"] for mine, theirs in pairs]
+        speeds = [mine["tok_s"] / theirs["tok_s"] for mine, theirs in pairs]
+        lower = sum(ratio < 1.0 for ratio in ratios)
+        quartiles = statistics.quantiles(ratios, n=4)
+        lines.append(
+            f"{first.name} / {other.name}: ITL {statistics.median(ratios):.3f}x "
+            f"(pairs' median; quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}), "
+            f"lower in {lower} of {len(pairs)} "
+            f"pairs; output tok/s {statistics.median(speeds):.3f}x"
+        )
+    return lines
+
+
 def dpserve_server(name: str, model: str, extra: list[str]) -> Server:
     """``dpserve serve`` of this checkout on free loopback ports, with ``extra`` flags."""
     port = _free_port()
@@ -478,6 +589,12 @@ def main(
         "single runs of one level on this machine have moved by up to 20%%",
     )
     parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        help="after the levels, this many pairs of single requests (module docstring)",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         default=None,
@@ -548,10 +665,15 @@ def main(
                     assert server.process is not None
                     server.rss_after = max(server.rss_after, _tree_rss(server.process.pid))
                     print(f"{server.name} {column}: {result}", flush=True)
+            paired = run_pairs(servers, args) if args.paired else []
+            for server in servers if args.paired else []:
+                assert server.process is not None
+                server.rss_after = max(server.rss_after, _tree_rss(server.process.pid))
         finally:
             for server in servers:
                 stop(server)
     print_table(servers, [column for column, _, _ in plan], skipped)
+    print("\n".join(paired))
     return 0
 
 
