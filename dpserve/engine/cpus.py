@@ -124,7 +124,7 @@ def numa_core_sets(root: Path = NODE_ROOT, allowed: set[int] | None = None) -> l
 
 def cpu_thread_binding(threads: int, tensor_parallel_size: int, cores: Sequence[int]) -> str:
     """``VLLM_THREADS_BIND_ENV`` for ``threads`` compute threads per rank: each rank its own
-    cores, the first of ``cores`` ("0-1" or "0|1" for two ranks)."""
+    cores, the first of ``cores`` ("0,1": two threads of one rank; "0|1": one each of two)."""
     wanted = threads * tensor_parallel_size
     if wanted > len(cores):
         raise ValueError(
