@@ -32,10 +32,12 @@ ISA_CHOICES: Final = ("auto", "portable", "avx2", "avx512")
 SMALL_BATCH_ROWS_ENV: Final = "DPSERVE_CPU_SMALL_BATCH_ROWS"
 # The most activation rows ``decode_matmul`` is meant for (the engine's probe measures it against
 # oneDNN up to here, ``engine.layers.linear.small_batch_rows``): it takes any number, the weight
-# read from memory once (groups of 4 rows after the first re-read it from L2, register-blocked),
-# but at 24 rows oneDNN's blocked kernels were as fast (Zen 4 held to AVX2, 2 threads,
-# SmolLM2-135M's projections: 49 ms a step against oneDNN's 52; 16 rows 33 against 43; issue 33).
-DECODE_MATMUL_MAX_ROWS: Final = 16
+# read from memory once (groups of 4 rows after the first re-read it from L2, register-blocked).
+# Where oneDNN's blocked kernels catch up depends on the CPU: at 24 rows they were as fast on a
+# Zen 4 held to AVX2 (2 threads, SmolLM2-135M's projections: 49 ms a step against 52; 16 rows 33
+# against 43), while on an AVX2-only Zen 3 the kernel's whole SmolLM2-135M step stayed 0.73x
+# oneDNN's at 24 and at 32 rows (88 / 121 ms and 112 / 153; 16 rows 71 / 112; issue 33).
+DECODE_MATMUL_MAX_ROWS: Final = 32
 
 BF16_DOTS_ENV: Final = "DPSERVE_CPU_BF16_DOTS"
 

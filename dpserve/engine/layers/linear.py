@@ -120,11 +120,13 @@ SMALL_BATCH_MAX_ROWS = cpu_settings.DECODE_MATMUL_MAX_ROWS
 # further row count while it is not slower than oneDNN (the copy is held by then; at 8 rows on 2
 # threads, Zen 4, the kernel read 17.4 GB/s against oneDNN's 15.1, and the margin alone had sent
 # 8-sequence steps to oneDNN).
-# The row counts measured, in two stages: the second only where every count of the first went to
-# the small-batch path (on Zen 4 with AVX-512, 2 threads, oneDNN's 5-6-row kernels won and the
-# first stage ended at 4-5; held to AVX2 every count to 16 went to the kernel). Each stage costs
-# about a second at start-up.
-_PROBE_STAGES = (range(1, 9), range(9, SMALL_BATCH_MAX_ROWS + 1))
+# The row counts measured, in stages: each only where every count of the one before went to the
+# small-batch path (on Zen 4 with AVX-512, 2 threads, oneDNN's 5-6-row kernels won and the
+# first stage ended at 4-5; held to AVX2 every count to 16 went to the kernel, as on an AVX2-only
+# Zen 3, where 24 and 32 rows did too). The third stage measures 24 and 32 rows only, a step of
+# 17-23 rows going with 24's result: every count there would cost seconds at start-up, where
+# each stage now costs about one.
+_PROBE_STAGES: tuple[Sequence[int], ...] = (range(1, 9), range(9, 17), (24, SMALL_BATCH_MAX_ROWS))
 _PROBE_SHAPE = (2048, 1024)
 _PROBE_BYTES = 192 << 20
 # The most bytes one probe weight takes: a larger projection (an 8B model's 14336x4096 MLP
@@ -373,10 +375,10 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
     )
     gigabytes = held / 1e9
     log.info(
-        "%s; GB/s of weights read by rows 1-%d: %s %s, oneDNN %s (padded to %d below it; %d "
+        "%s; GB/s of weights read by rows %s: %s %s, oneDNN %s (padded to %d below it; %d "
         "threads; weights of %s)",
         choice,
-        len(small),
+        " / ".join(map(str, small)),
         kernel,
         " / ".join(f"{gigabytes / seconds:.1f}" for seconds in small.values()),
         " / ".join(f"{gigabytes / onednn[max(rows, ONEDNN_MIN_ROWS)]:.1f}" for rows in small),
