@@ -694,9 +694,9 @@ INVALID_SPECS = [
          "spec.engine.env[1].value: DPSERVE_CPU_ISA must be one of auto, portable, avx2, avx512 "
          "(got 'avx3')"),
     case("bad-small-batch-rows",
-         with_(engine={"env": [{"name": "DPSERVE_CPU_SMALL_BATCH_ROWS", "value": "32"}]}),
+         with_(engine={"env": [{"name": "DPSERVE_CPU_SMALL_BATCH_ROWS", "value": "33"}]}),
          "spec.engine.env[0].value: DPSERVE_CPU_SMALL_BATCH_ROWS must be a whole number from 0 "
-         "to 16 (got '32')"),
+         "to 32 (got '33')"),
     case("bad-bf16-dots", with_(engine={"env": [{"name": "DPSERVE_CPU_BF16_DOTS", "value": "on"}]}),
          "spec.engine.env[0].value: DPSERVE_CPU_BF16_DOTS must be 0 or 1 (got 'on')"),
     case("reserved-label",
