@@ -320,9 +320,17 @@ def _measured_small_batch_rows(threads: int, shapes: tuple[Shape, ...]) -> int:
         else plain
     )
     widths = sorted({rows_in for _, rows_in in shapes})
+    # Activations for the row counts the stages measure, and oneDNN's padded count below its
+    # least.
+    measured_rows = {
+        count
+        for stage in _PROBE_STAGES
+        for rows in stage
+        for count in (rows, max(rows, ONEDNN_MIN_ROWS))
+    }
     inputs = {
         (rows, width): torch.full((rows, width), 0.5)
-        for rows in range(1, SMALL_BATCH_MAX_ROWS + 1)
+        for rows in sorted(measured_rows)
         for width in widths
     }
 
