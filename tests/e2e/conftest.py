@@ -27,6 +27,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from dpserve.engine.kernels import cpu_kernels
 from tests.e2e.cluster import (
     ControlPlane,
     Kubectl,
@@ -121,9 +122,21 @@ def node_agent(control_plane: ControlPlane) -> Iterator[NodeAgent]:
         log_dir=control_plane.workdir / "node",
         # No service-account token is mounted into these "containers"; a Pod that
         # talks to the API (the operator) finds the cluster through KUBECONFIG.
-        pod_env={"KUBECONFIG": str(control_plane.kubeconfig)},
+        pod_env={"KUBECONFIG": str(control_plane.kubeconfig), **_image_kernels_env()},
     ) as agent:
         yield agent
+
+
+def _image_kernels_env() -> dict[str, str]:
+    """The runtime image's CPU kernels for the node's pods: built once for x86-64-v3, no
+    compiler in the "container". Each engine pod otherwise built them into its own emptyDir
+    cache, 57-76 s beside other engines under load (CI, 2026-11-30). Where none can be built
+    (no compiler, not x86-64), nothing: the pods then find none either."""
+    try:
+        library = cpu_kernels.build(portable=True)
+    except RuntimeError:
+        return {}
+    return {cpu_kernels.PREBUILT_VARIABLE: str(library), "CXX": "/nonexistent/c++"}
 
 
 @pytest.fixture(scope="session")

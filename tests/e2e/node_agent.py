@@ -11,7 +11,8 @@ What it does, and where it differs from kubelet:
 * Environment: the agent's own environment minus ``PYTEST_*`` (PATH gets the
   current virtualenv's bin dir first, so ``python`` and ``dpserve`` resolve
   there), then the agent's ``pod_env`` (the fixture sets KUBECONFIG to the test
-  cluster's: no service-account token is mounted), then HOSTNAME (the Pod's
+  cluster's: no service-account token is mounted; and the runtime image's
+  prebuilt CPU kernels, with no compiler), then HOSTNAME (the Pod's
   name), then ``envFrom`` and ``env`` (``value``, ``fieldRef``, ``secretKeyRef``,
   ``configMapKeyRef``). ``secret`` volumes the container mounts are written
   (their ``items`` or every key, with ``mode``/``defaultMode``) to a fresh

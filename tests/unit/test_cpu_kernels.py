@@ -363,6 +363,27 @@ def test_an_image_without_a_compiler_loads_the_portable_build(tmp_path: Path) ->
     assert not (tmp_path / "cache" / "cpu-kernels").exists()  # nothing was built there
 
 
+
+@needs_kernels
+def test_the_cached_portable_build_is_one_prebuilt_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``build(portable=True)``, what the tests' local Kubernetes node gives its pods as
+    ``$DPSERVE_CPU_KERNELS_PREBUILT``: the x86-64-v3 build in the cache, the torch version
+    beside it, built once."""
+    if not cpu_kernels._cpu_flags() >= X86_64_V3:
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path))
+    library = cpu_kernels.build(portable=True)
+    assert cpu_kernels.prebuilt(library) == library
+    built = library.stat().st_mtime_ns
+    # A cache from before the version file was written there gets it, the library kept.
+    library.with_name(library.name + ".torch-version").unlink()
+    assert cpu_kernels.build(portable=True) == library
+    assert cpu_kernels.prebuilt(library) == library
+    assert library.stat().st_mtime_ns == built
+
+
 # ------------------------------------------------------------------------- the decode matmul
 
 X86_PATHS = [

@@ -211,20 +211,30 @@ def _compile(compiler: str, library: Path, arch: tuple[str, ...] | None = None) 
         os.replace(partial, library)
 
 
-def build() -> Path:
+def build(portable: bool = False) -> Path:
     """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
-    the compiler's message when it cannot be built."""
+    the compiler's message when it cannot be built. ``portable``: the x86-64-v3 build, with the
+    torch version beside it, so that ``prebuilt`` takes it (``build_portable``'s library, kept
+    in the cache: the tests' local Kubernetes node gives it to its pods as the runtime image
+    does)."""
     compiler = _required_compiler()
     # What an AVX2-only CPU builds, when the engine is told to run its AVX2 path
     # (cpu_settings.ISA_ENV).
-    arch = (PORTABLE_ARCH,) if engine_isa() == ISA_AVX2 else None
+    arch = (PORTABLE_ARCH,) if portable or engine_isa() == ISA_AVX2 else None
     directory = cache_dir() / "cpu-kernels" / build_key(compiler, arch)
     library = directory / "dpserve_cpu_kernels.so"
-    if library.exists():
+    # The key holds torch's version: the file is written once, before the library, so that a
+    # process that finds the library finds it too.
+    version_file = _torch_version_file(library)
+    if library.exists() and (arch is None or version_file.exists()):
         return library
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if arch is not None and not version_file.exists():
+            partial = version_file.with_name(f".{version_file.name}.{os.getpid()}")
+            partial.write_text(torch.__version__ + "\n")
+            os.replace(partial, version_file)
         if library.exists():  # another process built it while this one waited
             return library
         log.info("building the CPU kernels into %s (once per CPU and torch version)", directory)
