@@ -88,9 +88,10 @@ ENGINE_SELECTOR = f"{INSTANCE_SELECTOR},app.kubernetes.io/component=engine"
 COORDINATOR_SELECTOR = f"{INSTANCE_SELECTOR},app.kubernetes.io/component=coordinator"
 
 STARTUP_TIMEOUT = 60.0  # operator pod, CRD, children
-# Engines importing torch on a shared 2-core machine, each pod building the CPU kernels into its
-# own cache first: 57 s for two at once, 76 s for a third beside two serving this file's load
-# (CI, 2026-11-30), which left the 90 s this was short.
+# Engines importing torch on a shared 2-core machine. When each pod still built the CPU kernels
+# into its own cache first (before the node gave its pods the image's prebuilt ones, conftest),
+# that took 57 s for two at once and 76 s for a third beside two serving this file's load (CI,
+# 2026-11-30), which left 90 s short; the margin stays for slower CI machines.
 READY_TIMEOUT = 180.0
 SCALE_TIMEOUT = 60.0
 DELETE_TIMEOUT = 60.0
