@@ -363,7 +363,6 @@ def test_an_image_without_a_compiler_loads_the_portable_build(tmp_path: Path) ->
     assert not (tmp_path / "cache" / "cpu-kernels").exists()  # nothing was built there
 
 
-
 @needs_kernels
 def test_the_cached_portable_build_is_one_prebuilt_takes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
