@@ -130,8 +130,9 @@ def node_agent(control_plane: ControlPlane) -> Iterator[NodeAgent]:
 def _image_kernels_env() -> dict[str, str]:
     """The runtime image's CPU kernels for the node's pods: built once for x86-64-v3, no
     compiler in the "container". Each engine pod otherwise built them into its own emptyDir
-    cache, 57-76 s beside other engines under load (CI, 2026-11-30). Where none can be built
-    (no compiler, not x86-64), nothing: the pods then find none either."""
+    cache, 57-76 s beside other engines under load (CI, 2026-11-30). Where this build fails
+    (no compiler, not x86-64), nothing is set and each pod builds its own as before (or runs
+    torch's operations without a compiler)."""
     try:
         library = cpu_kernels.build(portable=True)
     except RuntimeError:

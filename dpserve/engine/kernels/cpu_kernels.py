@@ -214,8 +214,8 @@ def _compile(compiler: str, library: Path, arch: tuple[str, ...] | None = None) 
 def build(portable: bool = False) -> Path:
     """The compiled library, built now unless the cache has it; raises ``RuntimeError`` with
     the compiler's message when it cannot be built. ``portable``: the x86-64-v3 build, with the
-    torch version beside it, so that ``prebuilt`` takes it (``build_portable``'s library, kept
-    in the cache: the tests' local Kubernetes node gives it to its pods as the runtime image
+    torch version beside it, so that ``prebuilt`` takes it (what ``build_portable`` copies into
+    an image; the tests' local Kubernetes node gives it to its pods as the runtime image
     does)."""
     compiler = _required_compiler()
     # What an AVX2-only CPU builds, when the engine is told to run its AVX2 path
@@ -248,10 +248,19 @@ def _torch_version_file(library: Path) -> Path:
 
 def build_portable(library: Path) -> Path:
     """A library for any x86-64-v3 CPU at ``library``, with the torch version it was built
-    against beside it (``<library>.torch-version``): what a container image ships."""
+    against beside it (``<library>.torch-version``): what a container image ships. A copy of
+    the cache's portable build (``build(portable=True)``, compiled there once), the version
+    file first, each replaced whole."""
+    cached = build(portable=True)
     library.parent.mkdir(parents=True, exist_ok=True)
-    _compile(_required_compiler(), library, (PORTABLE_ARCH,))
-    _torch_version_file(library).write_text(torch.__version__ + "\n")
+    for source, target in (
+        (_torch_version_file(cached), _torch_version_file(library)),
+        (cached, library),
+    ):
+        partial = target.with_name(f".{target.name}.{os.getpid()}")
+        shutil.copyfile(source, partial)
+        os.chmod(partial, 0o755 if target == library else 0o644)
+        os.replace(partial, target)
     return library
 
 
