@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving_cpu import _VLLM_SHIM, Server, _free_port, dpserve_server, start, stop, wait_ready
-from serving_vllm import KV_CACHE_BYTES, _default_vllm_python
+from serving_cpu import Server, dpserve_server, start, stop, wait_ready
+from serving_vllm import KV_CACHE_BYTES, _default_vllm_python, vllm_serve
 
 PREFIX_TOKENS = 256
 QUESTION_TOKENS = 16
@@ -97,16 +97,7 @@ def one_round(server: Server, cached_count: int, cold_count: int, seed: int) -> 
 
 
 def servers(model: str, vllm_python: str) -> list[Server]:
-    port = _free_port()
-    vllm = Server(
-        name="vllm serve",
-        argv=[
-            vllm_python, "-c", _VLLM_SHIM, "serve", model, "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--port", str(port),
-            "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
-        ],
-        port=port,
-    )  # fmt: skip
+    vllm = vllm_serve(model, vllm_python, ["--enforce-eager", "--max-model-len", "512"])
     backend = dpserve_server(
         "dpserve serve --backend vllm",
         model,

@@ -48,8 +48,13 @@ def build(
             *(f"--vllm-arg={flag}" for flag in vllm_flags),
         ],
     )  # fmt: skip
+    return [backend, vllm_serve(model, vllm_python, vllm_flags), own], []
+
+
+def vllm_serve(model: str, vllm_python: str, vllm_flags: list[str]) -> Server:
+    """``vllm serve`` of ``model`` on a free loopback port: float32, the bench's KV cache."""
     port = _free_port()
-    vllm = Server(
+    return Server(
         name="vllm serve",
         argv=[
             vllm_python, "-c", _VLLM_SHIM, "serve", model, "--dtype", "float32",
@@ -58,7 +63,6 @@ def build(
         ],
         port=port,
     )  # fmt: skip
-    return [backend, vllm, own], []
 
 
 def main(argv: list[str] | None = None) -> int:
