@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from serving_cpu import Server, dpserve_server, start, stop, wait_ready
-from serving_vllm import KV_CACHE_BYTES, _default_vllm_python, vllm_serve
+from serving_vllm import add_model_arguments, missing_install, vllm_backend, vllm_serve
 
 PREFIX_TOKENS = 256
 QUESTION_TOKENS = 16
@@ -98,15 +98,7 @@ def one_round(server: Server, cached_count: int, cold_count: int, seed: int) -> 
 
 def servers(model: str, vllm_python: str) -> list[Server]:
     vllm = vllm_serve(model, vllm_python, ["--enforce-eager", "--max-model-len", "512"])
-    backend = dpserve_server(
-        "dpserve serve --backend vllm",
-        model,
-        [
-            "--backend", "vllm", "--data-parallel-size", "1",
-            "--kv-cache-bytes", str(KV_CACHE_BYTES), "--engine-python", vllm_python,
-            "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=512",
-        ],
-    )  # fmt: skip
+    backend = vllm_backend(model, vllm_python, ["--enforce-eager", "--max-model-len=512"])
     own = dpserve_server(
         "dpserve serve (own engine, 1 thread)",
         model,
@@ -117,22 +109,13 @@ def servers(model: str, vllm_python: str) -> list[Server]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model",
-        type=Path,
-        default=Path.home() / ".cache/dpserve/models/smollm2-135m-instruct",
-        help="a model directory all three servers read (default: the embedded SmolLM2)",
-    )
-    parser.add_argument("--vllm-python", default=_default_vllm_python())
+    add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cached", type=int, default=60, help="cached requests a round")
     parser.add_argument("--cold", type=int, default=20, help="uncached requests a round")
     args = parser.parse_args(argv)
-    if not args.vllm_python or not Path(args.vllm_python).exists():
-        print("no vLLM install: run `make vllm` (or pass --vllm-python)", file=sys.stderr)
-        return 2
-    if not args.model.is_dir():
-        print(f"no model at {args.model}: run `dpserve serve` once", file=sys.stderr)
+    if (missing := missing_install(args)) is not None:
+        print(missing, file=sys.stderr)
         return 2
     pool = servers(str(args.model), args.vllm_python)
     rounds: dict[str, list[dict[str, float]]] = {server.name: [] for server in pool}

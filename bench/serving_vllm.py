@@ -12,7 +12,9 @@ servers run vLLM's own install (``make vllm``; ``--vllm-python``) with the same 
 (``--vllm-flags``, default eager: no minutes of torch.compile at each start) and the same KV
 cache (2 GiB) and float32 weights; each binds its compute threads the way vLLM does by default
 (one core here, the other left to its front end). guidellm comes from ``--peers`` as for
-``serving_cpu.py``. Nothing here runs in CI.
+``serving_cpu.py``. At c = 8 guidellm itself takes about half a core, on a 2-core machine
+taken from the servers; ``plain_load_vllm.py`` runs the first two under a client that costs
+almost nothing. Nothing here runs in CI.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ def build(
 ) -> tuple[list[Server], list[str]]:
     model = str(args.model)
     own = dpserve_server("dpserve serve (own engine)", model, [])
-    backend = dpserve_server(
+    backend = vllm_backend(model, vllm_python, vllm_flags)
+    return [backend, vllm_serve(model, vllm_python, vllm_flags), own], []
+
+
+def vllm_backend(model: str, vllm_python: str, vllm_flags: list[str]) -> Server:
+    """``dpserve serve --backend vllm`` of ``model``: one engine, the bench's KV cache, vLLM's
+    ``vllm_flags`` passed through."""
+    return dpserve_server(
         "dpserve serve --backend vllm",
         model,
         [
@@ -48,7 +57,6 @@ def build(
             *(f"--vllm-arg={flag}" for flag in vllm_flags),
         ],
     )  # fmt: skip
-    return [backend, vllm_serve(model, vllm_python, vllm_flags), own], []
 
 
 def vllm_serve(model: str, vllm_python: str, vllm_flags: list[str]) -> Server:
@@ -63,6 +71,26 @@ def vllm_serve(model: str, vllm_python: str, vllm_flags: list[str]) -> Server:
         ],
         port=port,
     )  # fmt: skip
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--vllm-python`` for the benches that start only their own servers."""
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=Path.home() / ".cache/dpserve/models/smollm2-135m-instruct",
+        help="a model directory every server reads (default: the embedded SmolLM2)",
+    )
+    parser.add_argument("--vllm-python", default=_default_vllm_python())
+
+
+def missing_install(args: argparse.Namespace) -> str | None:
+    """Why the bench cannot run (no vLLM install, no model), or None."""
+    if not args.vllm_python or not Path(args.vllm_python).exists():
+        return "no vLLM install: run `make vllm` (or pass --vllm-python)"
+    if not args.model.is_dir():
+        return f"no model at {args.model}: run `dpserve serve` once"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
