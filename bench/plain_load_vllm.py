@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from serving_cpu import Server, start, stop, wait_ready
+from serving_cpu import Server, start, stop, tree_pids, wait_ready
 from serving_vllm import add_model_arguments, missing_install, vllm_backend, vllm_serve
 
 PROMPT_TOKENS = 128
@@ -42,15 +42,12 @@ OUTPUT_TOKENS = 64
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of ``pid``, its threads and all its descendants."""
-    ticks, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
+    ticks = 0
+    for current in tree_pids(pid):
         try:
             stat = Path(f"/proc/{current}/stat").read_text()
             fields = stat[stat.rfind(")") + 2 :].split()
             ticks += int(fields[11]) + int(fields[12])
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError, IndexError):
             continue
     return ticks / 100  # USER_HZ

@@ -120,17 +120,28 @@ def _free_port() -> int:
         return port
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (from /proc)."""
-    total, pending = 0, [pid]
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants alive now (from /proc)."""
+    found, pending = [], [pid]
     while pending:
         current = pending.pop()
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        found.append(current)
+    return found
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants."""
+    total = 0
+    for current in tree_pids(pid):
         try:
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return total
