@@ -8,12 +8,15 @@ same seeded tokens on CUDA as on CPU and stay safe for every dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dpserve.engine.layers.attention import paged_decode_attention_reference
+from dpserve.engine.sample.penalties import PenaltyTokens, TokenHistory
 from dpserve.engine.sample.sampler import sample
 from dpserve.sampling import SamplingParams
 from tests.paged_cases import PagedCase, make_paged_case, random_lengths
@@ -118,6 +121,48 @@ def test_seeded_tokens_are_the_same_on_cuda_and_cpu() -> None:
     # The noise is bit-identical; the scores may differ in the last ulp between devices, which
     # can flip a near-tie: allow a handful of rows out of 64.
     assert (on_cpu == on_cuda).sum() >= 60
+
+
+def test_bias_penalties_and_min_p_choose_the_same_tokens_on_cuda_as_on_cpu() -> None:
+    """logit_bias, the three penalties (from list histories and from the counts a sequence
+    keeps between steps, both host tensors moved to the logits' device) and min_p, greedy and
+    seeded, on a Llama-3 vocabulary: CUDA picks CPU's tokens, and the bias and penalties do
+    change the picks (each row's forced token wins)."""
+    vocab = 128_256
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(32, vocab, generator=generator) * 3
+    prompt = torch.randint(vocab, (300,), generator=generator).tolist()
+    generated = torch.randint(vocab, (40,), generator=generator).tolist()
+    top = logits.argmax(-1).tolist()
+    kinds = [
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.4},
+        {"presence_penalty": 0.5, "min_p": 0.05},
+        {"frequency_penalty": -0.3, "repetition_penalty": 0.9},
+        {"min_p": 0.2},
+    ]
+    params, histories = [], []
+    for row in range(32):
+        forced = (top[row] + 1 + row) % vocab
+        params.append(
+            SamplingParams(
+                temperature=0.0 if row % 2 == 0 else 0.8,
+                seed=None if row % 2 == 0 else row,
+                logit_bias=((forced, 100.0), (top[row], -100.0)),
+                **kinds[row % 4],
+            )
+        )
+        kept = PenaltyTokens(prompt, params[-1].repetition_penalty != 1.0)
+        histories.append(TokenHistory(prompt, generated) if row % 3 else kept.counts(generated))
+    positions = list(range(400, 432))
+    on_cpu = sample(logits, params, positions, histories).tokens
+    on_cuda = sample(logits.cuda(), params, positions, histories).tokens.cpu()
+    assert torch.equal(on_cpu, on_cuda)
+    assert on_cuda.tolist() == [(top[row] + 1 + row) % vocab for row in range(32)]
+    # Without the bias, the penalized greedy rows still agree between the devices.
+    plain = [dataclasses.replace(p, logit_bias=()) for p in params]
+    cpu_plain = sample(logits, plain, positions, histories).tokens
+    cuda_plain = sample(logits.cuda(), plain, positions, histories).tokens.cpu()
+    assert (cpu_plain == cuda_plain).sum() >= 30
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
