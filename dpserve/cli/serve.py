@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 from dpserve import cpu_settings, flags
@@ -26,6 +27,18 @@ from dpserve.tokenizer import ChatTemplateError, as_batch_tokenizer, with_chat_t
 
 # Where `make vllm` put the Python of vLLM's own install (the Makefile sets it for the tests).
 VLLM_PYTHON_ENV = "DPSERVE_VLLM_PYTHON"
+# What the engines' Python must import for --backend vllm, asked before any engine starts: an
+# engine that cannot import them dies at start, and serve restarts it until it counts a crash
+# loop (~30 s of tracebacks). vLLM is found, not imported: importing it takes seconds.
+_VLLM_PYTHON_PROBE = """
+import importlib.util, sys
+missing = [] if importlib.util.find_spec("vllm") else ["vllm"]
+try:
+    import dpserve  # imported, not found: an editable install's checkout may be gone
+except ImportError as exc:
+    missing.insert(0, f"dpserve ({exc})")
+sys.exit(" or ".join(missing) or None)
+"""
 
 
 def add_parser(subparsers: Subcommands) -> None:
@@ -102,7 +115,7 @@ def add_parser(subparsers: Subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dpserve.engine.cpus import numa_core_sets
-    from dpserve.local import LocalDeployment, serve
+    from dpserve.local import LocalDeployment, child_environment, serve
 
     if args.data_parallel_size is not None and args.data_parallel_size < 1:
         print("dpserve serve: --data-parallel-size must be at least 1", file=sys.stderr)
@@ -147,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     except ChatTemplateError as exc:
         print(f"dpserve serve: {exc}", file=sys.stderr)
         return 2
+    engine_python = _engine_python(args)
+    if (
+        args.backend == "vllm"
+        and (why := _vllm_python_error(engine_python, child_environment())) is not None
+    ):
+        print(f"dpserve serve: {why}", file=sys.stderr)
+        return 2
     if args.fake:
         model_path, model_name = "fake", "fake"
     else:
@@ -175,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         tensor_parallel_size=args.tensor_parallel_size,
         vllm_args=tuple(args.vllm_args),
-        engine_python=_engine_python(args),
+        engine_python=engine_python,
         routing=args.routing,
         credentials=args.credentials or None,
         api_keys=http_api_keys,
@@ -194,6 +214,32 @@ def _engine_python(args: argparse.Namespace) -> str:
     if args.backend == "vllm":
         return os.environ.get(VLLM_PYTHON_ENV) or sys.executable
     return sys.executable
+
+
+def _vllm_python_error(python: str, environment: dict[str, str]) -> str | None:
+    """Why ``python`` cannot run vLLM engines (it lacks vLLM or dpserve, in the engines'
+    ``environment``); None when it can."""
+    try:
+        probe = subprocess.run(
+            [python, "-c", _VLLM_PYTHON_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=environment,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        cause = f"it cannot be run ({exc})"
+    else:
+        if probe.returncode == 0:
+            return None
+        lines = probe.stderr.strip().splitlines()
+        cause = f"it cannot import {lines[-1] if lines else f'them (exit {probe.returncode})'}"
+    return (
+        f"--backend vllm runs its engines with {python}, and {cause}. vLLM has an install of "
+        f"its own: `make vllm` in dpserve's checkout builds it (and mends one whose dpserve "
+        f"points at a checkout that is gone); name its Python with --engine-python or "
+        f"${VLLM_PYTHON_ENV}"
+    )
 
 
 def _kv_cache_args(args: argparse.Namespace) -> tuple[str, ...]:
