@@ -353,9 +353,13 @@ def run_engine(runner: ModelRunner, workload: Workload, vocab: int, device: str)
     return run
 
 
-def runner_kwargs(capacity: int, device: str, dtype: str) -> dict[str, Any]:
+def runner_kwargs(
+    capacity: int, device: str, dtype: str, cuda_graphs: bool = True
+) -> dict[str, Any]:
     """The constructor arguments this ``ModelRunner`` accepts (its signature is evolving)."""
     wanted = {"device": device, "dtype": dtype, "max_num_seqs": capacity}
+    if not cuda_graphs:
+        wanted["cuda_graphs"] = False
     accepted = inspect.signature(ModelRunner).parameters
     dropped = sorted(set(wanted) - set(accepted))
     if dropped:
@@ -417,7 +421,10 @@ def run_shape(name: str, shape: LlamaShape, args: argparse.Namespace, scratch: P
     release_memory()
 
     started = time.perf_counter()
-    runner = ModelRunner(str(path), **runner_kwargs(args.capacity, args.device, args.dtype))
+    runner = ModelRunner(
+        str(path),
+        **runner_kwargs(args.capacity, args.device, args.dtype, not args.no_cuda_graphs),
+    )
     facts = runner.stats()
     start_line = (
         f"   ModelRunner start (load, warm-up, graph capture): "
@@ -652,6 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-count", type=int, default=16, help="0: no mixed-step figure")
     parser.add_argument("--mixed-prompt", type=int, default=128)
     parser.add_argument("--profile-dir", default=None, help="write a profiler table per shape")
+    parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="eager ModelRunner steps (what the decode and piecewise graphs save); the full "
+        "stack's engine keeps its graphs",
+    )
     parser.add_argument("--skip", action="append", default=[], help="static, stack (repeatable)")
     args = parser.parse_args(argv)
     if args.requests is None:
