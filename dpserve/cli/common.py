@@ -14,6 +14,11 @@ log = logging.getLogger("dpserve")
 
 DEFAULT_ZMQ_PORT = 5555
 DEFAULT_HTTP_PORT = 8000
+# Where a command that needs vLLM sends a user whose Python lacks it (serve, engine).
+VLLM_INSTALL_HINT = (
+    "vLLM has an install of its own: `make vllm` in dpserve's checkout builds it (and mends one "
+    "whose dpserve points at a checkout that is gone)"
+)
 
 # argparse's subparsers action is private and not subscriptable at run time.
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import re
@@ -12,7 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dpserve import cpu_settings, flags
-from dpserve.cli.common import Subcommands, add_credentials, add_kv_cache_flags, log, zmq_address
+from dpserve.cli.common import (
+    VLLM_INSTALL_HINT,
+    Subcommands,
+    add_credentials,
+    add_kv_cache_flags,
+    log,
+    zmq_address,
+)
 from dpserve.engine.defaults import DEFAULT_MAX_NUM_SEQS
 from dpserve.engine.fake import DEFAULT_CONTEXT_SIZE as DEFAULT_FAKE_CONTEXT_SIZE
 from dpserve.engine.layers import weight_format
@@ -124,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         or cpu_settings.error()
         or weight_format.flag_error(args)
     )
+    if why is None and args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        why = (
+            f"--backend vllm needs vLLM, which {sys.executable} cannot import: {VLLM_INSTALL_HINT}"
+        )
     if why is not None:
         print(f"dpserve engine: {why}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from dpserve import cpu_settings, flags
 from dpserve.cli.common import (
     DEFAULT_HTTP_PORT,
     DEFAULT_ZMQ_PORT,
+    VLLM_INSTALL_HINT,
     Subcommands,
     add_api_key_file,
     add_chat_template_flag,
@@ -235,10 +236,8 @@ def _vllm_python_error(python: str, environment: dict[str, str]) -> str | None:
         lines = probe.stderr.strip().splitlines()
         cause = f"it cannot import {lines[-1] if lines else f'them (exit {probe.returncode})'}"
     return (
-        f"--backend vllm runs its engines with {python}, and {cause}. vLLM has an install of "
-        f"its own: `make vllm` in dpserve's checkout builds it (and mends one whose dpserve "
-        f"points at a checkout that is gone); name its Python with --engine-python or "
-        f"${VLLM_PYTHON_ENV}"
+        f"--backend vllm runs its engines with {python}, and {cause}. {VLLM_INSTALL_HINT}; "
+        f"name its Python with --engine-python or ${VLLM_PYTHON_ENV}"
     )
 
 

@@ -3,7 +3,8 @@ dpserve before starting any engine: one that cannot is refused in a second, with
 and how to get vLLM's install (``make vllm``), instead of engines that die at start until serve
 counts a crash loop (~30 s of tracebacks). Real interpreters, no mocks: this install's (no vLLM
 in it), one with no site-packages at all (no dpserve either), a path that is no program, and
-vLLM's own install, which passes."""
+vLLM's own install, which passes. ``dpserve engine --backend vllm`` in a Python without vLLM
+says so in one line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dpserve.cli import main
+from dpserve.cli.common import VLLM_INSTALL_HINT
 from dpserve.cli.serve import _vllm_python_error
 from dpserve.local import child_environment
 
@@ -38,6 +40,21 @@ def test_a_python_without_vllm_is_refused_naming_vllm(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert "and it cannot import vllm." in refusal(capsys, sys.executable)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None,
+    reason="this install has vLLM: the default install never does (vLLM has its own)",
+)
+def test_an_engine_without_vllm_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # `dpserve engine --backend vllm` started by hand in the default install: one line, as
+    # every other refusal of the engine command, not an import traceback from the runner.
+    assert main(["engine", "--backend", "vllm", "--coordinator", "5999", "--model", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"dpserve engine: --backend vllm needs vLLM, which {sys.executable} cannot import: "
+        f"{VLLM_INSTALL_HINT}\n"
+    )
 
 
 def test_a_python_without_dpserve_is_refused_naming_dpserve(
