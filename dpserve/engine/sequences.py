@@ -74,7 +74,7 @@ class StopText:
         text = cls(IncrementalDetokenizer(tokenizer, resume_tokens), stops)
         if resume_tokens:
             tail = released_texts(tokenizer, [resume_tokens])[0][-text._automaton.longest :]
-            text._state = text._automaton.advance(0, tail).state
+            text._state = text._automaton.advance(0, tail)[0]
         return text
 
     def add(self, token: int) -> str:
@@ -86,9 +86,7 @@ class StopText:
             self._next_delta = None
         self._unsent = unsent = self._unsent + delta
         self._ends.append(len(unsent))
-        advanced = self._automaton.advance(self._state, delta)
-        self._state = advanced.state
-        self._match_back = advanced.match_back
+        self._state, self._match_back = self._automaton.advance(self._state, delta)
         return delta
 
     def scan(self) -> tuple[int, bool]:
@@ -104,6 +102,8 @@ class StopText:
         when no stop string may end the request yet: one that begins before that point and
         ends after it still cuts the text where it begins."""
         held = self._automaton.hold(self._state)
+        if not held:  # nothing may complete a stop string: every token may go
+            return len(self._ends)
         return bisect_right(self._ends, len(self._unsent) - held)
 
     def release(self, count: int, final: bool) -> str:
