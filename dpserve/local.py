@@ -3,9 +3,13 @@ machine, supervised by one process that leaves nothing behind when it stops.
 
 Supervision: a child that exits is started again with the same command line (an engine keeps
 its rank) after a backoff, while the others keep serving; one that keeps dying is left down
-(``dpserve.restarts`` decides both). An engine that exits with code 0 left on purpose (it was
-told to drain, or the coordinator was stopped) and is not restarted. ``serve`` ends when the
-coordinator is left down or no engine is left, since nothing could answer then.
+(``dpserve.restarts`` decides both). A child that fails before it ever came up (the coordinator
+before it answered, an engine before it registered) is left down at once: it failed on what it
+was given (a model that cannot load, a flag its backend refuses, too little memory, a port in
+use), and each further try would load the model again to fail the same way. An engine that
+exits with code 0 left on purpose (it was told to drain, or the coordinator was stopped) and
+is not restarted. ``serve`` ends when the coordinator is left down or no engine is left, since
+nothing could answer then.
 
 Without flags the deployment still uses CURVE: ``serve`` generates throw-away keys in a private
 directory, hands the directory to its children and removes it on exit. ``dpserve generate`` and
@@ -87,7 +91,10 @@ class Child:
     process: subprocess.Popen[bytes] | None = None  # the latest start's
     started_at: float = 0.0  # time.monotonic() of the latest start
     restart_at: float | None = None  # while it waits out its backoff
-    down: Literal["crash loop", "left"] | None = None  # why it is left down for good
+    # It served once: the coordinator answered ``serve``'s client, an engine registered. Until
+    # then a death is a start-up failure, which is not retried.
+    came_up: bool = False
+    down: Literal["crash loop", "left", "never came up"] | None = None  # why, for good
 
     @property
     def is_engine(self) -> bool:
@@ -331,15 +338,21 @@ class LocalDeployment:
                 self.engines_not_down(),
             )
             return
+        if not child.came_up:
+            child.down = "never came up"
+            log.error(
+                "%s %s, before it ever came up: it is not restarted, as it would fail the same "
+                "way (its error is above: a model that cannot load, a flag refused, too little "
+                "memory, a port in use) (%s)",
+                what,
+                ran,
+                self._what_is_left(child),
+            )
+            return
         delay = child.deaths.record(now)
         policy = child.deaths.policy
         if delay is None:
             child.down = "crash loop"
-            rest = (
-                f"engines left: {self.engines_not_down()} of {len(self.engines)}"
-                if child.is_engine
-                else "nothing can serve without it"
-            )
             log.error(
                 "%s %s; it died %d times within %g s, a crash loop: it is left down until "
                 "dpserve serve is restarted (%s)",
@@ -347,7 +360,7 @@ class LocalDeployment:
                 ran,
                 child.deaths.recent,
                 policy.crash_loop_window,
-                rest,
+                self._what_is_left(child),
             )
             return
         child.restart_at = now + delay
@@ -360,6 +373,20 @@ class LocalDeployment:
             policy.crash_loop_window,
             _ordinal(policy.crash_loop_deaths),
         )
+
+    def _what_is_left(self, child: Child) -> str:
+        """What serves without ``child``, now left down."""
+        if child.is_engine:
+            return f"engines left: {self.engines_not_down()} of {len(self.engines)}"
+        return "nothing can serve without it"
+
+    def note_came_up(self, status: dict[str, Any]) -> None:
+        """The coordinator answered with ``status`` (its STATUS report): it came up, and so did
+        each engine whose rank it lists."""
+        ranks = {int(engine["rank"]) for engine in status.get("engine_list", ())}
+        for child in self.children:
+            if not child.is_engine or _rank_of(child) in ranks:
+                child.came_up = True
 
     async def keep_running(self, interval: float = SUPERVISE_INTERVAL_S) -> NoReturn:
         """``supervise`` for ever (until cancelled, or ``DeploymentEnded``)."""
@@ -379,6 +406,7 @@ class LocalDeployment:
             except (TimeoutError, ClientError):  # the coordinator is restarting: ask again
                 status = None
             if status is not None:
+                self.note_came_up(status)
                 registered = int(status["engines"])
                 if registered != shown:
                     shown = registered
@@ -411,6 +439,10 @@ class LocalDeployment:
                     log.warning("%s did not stop in %g s: killing it", name, grace)
                     process.kill()
                     process.wait()
+
+
+def _rank_of(engine: Child) -> int:
+    return int(engine.args[engine.args.index("--rank") + 1])
 
 
 def _ordinal(n: int) -> str:
@@ -528,6 +560,19 @@ def bind_http_port(host: str, port: int) -> socket.socket:
     return bound
 
 
+def check_zmq_port(host: str, port: int) -> None:
+    """Raise OSError where the coordinator could not bind ``host:port`` (taken by another
+    process): ``dpserve serve`` asks before it starts anything, so that a port in use is one
+    line at once, not a coordinator that fails to start. libzmq binds with SO_REUSEADDR, so
+    this does too (the last run's connections in TIME_WAIT do not count)."""
+    family, kind, protocol, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+
+
 async def _start_http(
     deployment: LocalDeployment,
     model_name: str,
@@ -590,6 +635,15 @@ async def run_local(deployment: LocalDeployment, model_name: str) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    try:
+        check_zmq_port(deployment.host, deployment.port)
+    except OSError as exc:
+        print(
+            f"dpserve: cannot bind the ZMQ port {deployment.host}:{deployment.port}: {exc} "
+            "(--port names another)",
+            file=sys.stderr,
+        )
+        return 1
     bound: socket.socket | None = None
     if deployment.http_port:
         try:

@@ -1,7 +1,8 @@
 """``dpserve serve`` survives its children (issue 35): an engine that dies is started again with
 its rank while the other serves and the dead one's streams move on unchanged; a rank that keeps
-dying is left down; with no engine left, serve exits with an error; Ctrl-C during a restart's
-backoff still stops everything."""
+dying is left down; one that cannot start (it dies before it ever registered) is left down at
+once; with no engine left, serve exits with an error; Ctrl-C during a restart's backoff still
+stops everything."""
 
 from __future__ import annotations
 
@@ -32,22 +33,30 @@ PROMPTS = [f"supervised stream {i}" for i in range(16)]
 CRASH_EXIT_CODE = 3
 READY = {"status": "ready", "draining": 0, "queued": 0, "state": "running"}
 
-# Loaded by every Python process the test's serve starts (PYTHONPATH): an engine of the given
-# ranks exits at once, as one whose model cannot load would. Nothing in dpserve knows of it.
+# Loaded by every Python process the test's serve starts (PYTHONPATH): an engine whose rank the
+# file lists when it starts exits at once, as one whose model cannot load would. Nothing in
+# dpserve knows of it.
 CRASHING_SITE = """\
 import os
 import sys
 
 _args = sys.argv
-if "engine" in _args and "--rank" in _args and _args[_args.index("--rank") + 1] in {ranks!r}:
-    os._exit({code})
+if "engine" in _args and "--rank" in _args and os.path.exists({ranks_file!r}):
+    if _args[_args.index("--rank") + 1] in open({ranks_file!r}).read().split():
+        os._exit({code})
 """
 
 
 class Serve:
-    def __init__(self, process: subprocess.Popen[bytes], log: Path, port: int, http: int):
-        self.process, self.log, self.port = process, log, port
+    def __init__(
+        self, process: subprocess.Popen[bytes], log: Path, port: int, http: int, ranks_file: Path
+    ):
+        self.process, self.log, self.port, self.ranks_file = process, log, port, ranks_file
         self.base = f"http://127.0.0.1:{http}"
+
+    def crash_from_now(self, *ranks: str) -> None:
+        """Each later start of these engines exits at once (``CRASHING_SITE``)."""
+        self.ranks_file.write_text(" ".join(ranks))
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -102,14 +111,14 @@ def serve(
 ) -> Iterator[Serve]:
     """``dpserve serve --data-parallel-size 2`` with fake engines (or ``model``), plain ZMQ
     (the test's client needs no keys); with ``crashing_ranks``, those engines exit at once
-    every time they start."""
+    every time they start (``Serve.crash_from_now`` names others later)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    if crashing_ranks:
-        site = tmp_path / "site"
-        site.mkdir()
-        code = CRASHING_SITE.format(ranks=set(crashing_ranks), code=CRASH_EXIT_CODE)
-        (site / "sitecustomize.py").write_text(code)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    site, ranks_file = tmp_path / "site", tmp_path / "crashing-ranks"
+    site.mkdir()
+    code = CRASHING_SITE.format(ranks_file=str(ranks_file), code=CRASH_EXIT_CODE)
+    (site / "sitecustomize.py").write_text(code)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    ranks_file.write_text(" ".join(crashing_ranks))
     port, http_port = free_port(), free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
@@ -124,7 +133,7 @@ def serve(
             stderr=subprocess.STDOUT,
             env=env,
         )  # fmt: skip
-    deployment = Serve(process, log, port, http_port)
+    deployment = Serve(process, log, port, http_port, ranks_file)
     try:
         yield deployment
     finally:
@@ -296,41 +305,79 @@ async def test_a_killed_coordinator_is_restarted_and_the_streams_resume(tmp_path
         deployment.stop_and_check_nothing_is_left(running=3)
 
 
-async def test_a_crash_looping_engine_is_left_down_and_the_other_serves(tmp_path: Path) -> None:
+async def test_an_engine_that_cannot_start_is_left_down_at_once_and_the_other_serves(
+    tmp_path: Path,
+) -> None:
     with serve(tmp_path, crashing_ranks=("1",)) as deployment:
         banner = await asyncio.to_thread(wait_for_banner, deployment.process, deployment.log, 120)
         assert "serving fake with 1 of 2 engine(s) (engine 1 left down" in banner
         deaths = re.findall(rf"engine 1 \(pid \d+\) exited with code {CRASH_EXIT_CODE}", banner)
-        assert len(deaths) == 5, banner
+        assert len(deaths) == 1, banner
         assert (
-            "it died 5 times within 300 s, a crash loop: it is left down until dpserve serve "
-            "is restarted (engines left: 1 of 2)"
+            "before it ever came up: it is not restarted, as it would fail the same way"
         ) in banner
+        assert "(engines left: 1 of 2)" in banner
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             code, body = await ready(session, deployment.base)
             assert (code, body["status"], body["engines"]) == (200, "ready", 1)
             for i in range(8):
                 assert await completion(session, deployment.base, f"one engine {i}") == 4
+        assert "engine 1 started again" not in deployment.text(), "left down means left down"
+        assert deployment.process.poll() is None
+        deployment.stop_and_check_nothing_is_left(running=2)
+
+
+async def test_a_crash_looping_engine_is_left_down_and_the_other_serves(tmp_path: Path) -> None:
+    """An engine that served, then dies and fails each start after, is tried five times."""
+    with serve(tmp_path) as deployment:
+        await asyncio.to_thread(wait_for_banner, deployment.process, deployment.log, 120)
+        deployment.crash_from_now("1")
+        victim = deployment.pid_of("engine 1")
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while "a crash loop" not in deployment.text():
+            assert time.monotonic() < deadline, deployment.text()[-3000:]
+            await asyncio.sleep(0.2)
+        log = deployment.text()
+        assert f"engine 1 (pid {victim}) was killed by SIGKILL" in log
+        deaths = re.findall(rf"engine 1 \(pid \d+\) exited with code {CRASH_EXIT_CODE}", log)
+        assert len(deaths) == 4, log[-3000:]
+        assert (
+            "it died 5 times within 300 s, a crash loop: it is left down until dpserve serve "
+            "is restarted (engines left: 1 of 2)"
+        ) in log
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            for i in range(8):
+                assert await completion(session, deployment.base, f"one engine {i}") == 4
             await asyncio.sleep(3)
-            assert (await ready(session, deployment.base))[1]["engines"] == 1
+            code, body = await ready(session, deployment.base)
+            assert (code, body["status"], body["engines"]) == (200, "ready", 1)
         after = deployment.text().split("a crash loop", 1)[1]
         assert "engine 1 started again" not in after, "left down means left down"
         assert deployment.process.poll() is None
         deployment.stop_and_check_nothing_is_left(running=2)
 
 
-def test_serve_exits_with_an_error_when_every_engine_crash_loops(tmp_path: Path) -> None:
+def test_serve_exits_with_an_error_when_no_engine_can_start(tmp_path: Path) -> None:
     with serve(tmp_path, crashing_ranks=("0", "1")) as deployment:
         assert deployment.process.wait(120) == 1
         log = deployment.text()
         assert "no engine is left to serve" in log, log[-3000:]
-        assert len(re.findall(r"a crash loop: it is left down", log)) == 2
+        assert len(re.findall(r"before it ever came up: it is not restarted", log)) == 2
+        assert "started again" not in log
         assert "Press Ctrl-C to stop." not in log, "it never claimed to be serving"
         deployment.assert_nothing_left()
 
 
 def test_ctrl_c_during_a_restart_backoff_stops_everything(tmp_path: Path) -> None:
-    with serve(tmp_path, crashing_ranks=("0", "1")) as deployment:
+    with serve(tmp_path) as deployment:
+        wait_for_banner(deployment.process, deployment.log, 120)
+        deployment.crash_from_now("0", "1")
+        for rank in ("0", "1"):
+            pid = deployment.pid_of(f"engine {rank}")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while "restarting it in 4 s" not in deployment.text():  # a 4 s wait has begun
             assert time.monotonic() < deadline, deployment.text()[-3000:]

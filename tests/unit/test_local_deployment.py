@@ -1,6 +1,7 @@
 """``dpserve serve`` starts one engine per NUMA node by default, each pinned to its node's
 cores; any other engine count is not pinned. Its supervision restarts a child that died after
-a backoff, leaves a crash-looping one down, and ends when nothing could serve."""
+a backoff, leaves a crash-looping one down, and one that failed before it ever came up at once,
+and ends when nothing could serve."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_serve_refuses_a_data_parallel_size_below_one(capsys: pytest.CaptureFixt
     assert "--data-parallel-size must be at least 1" in capsys.readouterr().err
 
 
+def status(*ranks: int) -> dict[str, object]:
+    """The part of the coordinator's STATUS report ``note_came_up`` reads: who registered."""
+    return {"engines": len(ranks), "engine_list": [{"rank": rank} for rank in ranks]}
+
+
 class StubProcess:
     """What ``supervise`` and ``stop`` ask of a child's process."""
 
@@ -64,9 +70,11 @@ class StubProcess:
 
 
 class Supervised:
-    """A fake-engine deployment whose children are ``StubProcess``es, on a clock of its own."""
+    """A fake-engine deployment whose children are ``StubProcess``es, on a clock of its own.
+    With ``came_up``, the coordinator answered and listed every engine (``note_came_up`` with
+    a STATUS report's ``engine_list``), as once ``serve`` is serving."""
 
-    def __init__(self, engines: int = 2) -> None:
+    def __init__(self, engines: int = 2, came_up: bool = True) -> None:
         self.now = 0.0
         self.deployment = LocalDeployment(
             model_path="fake", data_parallel_size=engines, port=5555, http_port=None, fake=True
@@ -81,6 +89,8 @@ class Supervised:
         self.deployment._start = start  # type: ignore[method-assign]
         self.deployment.start_processes()
         self.starts.clear()
+        if came_up:
+            self.deployment.note_came_up(status(*range(engines)))
 
     def process(self, name: str) -> StubProcess:
         child = next(c for c in self.deployment.children if c.name == name)
@@ -164,6 +174,66 @@ def test_a_crash_looping_coordinator_ends_the_deployment() -> None:
     with pytest.raises(DeploymentEnded, match="coordinator is left down") as ended:
         run.at(now)
     assert ended.value.exit_code == 1
+
+
+def test_an_engine_that_fails_before_it_registers_is_left_down_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank that dies while loading (its model cannot load, too little memory) is not
+    started again: it would fail the same way; the other, which registered, is restarted."""
+    run = Supervised(came_up=False)
+    run.deployment.note_came_up(status(0))
+    failed = run.process("engine 1")
+    failed.returncode = 1
+    with caplog.at_level(logging.ERROR, "dpserve.serve"):
+        run.at(15.0)
+    assert caplog.messages == [
+        f"engine 1 (pid {failed.pid}) exited with code 1 after 15.0 s, before it ever came up: "
+        "it is not restarted, as it would fail the same way (its error is above: a model that "
+        "cannot load, a flag refused, too little memory, a port in use) (engines left: 1 of 2)"
+    ]
+    run.at(3600.0)
+    assert run.starts == []
+    assert "1 of 2 engine(s) (engine 1 left down" in local.banner(run.deployment)
+    run.process("engine 0").returncode = -9
+    run.at(3601.0)
+    run.at(3602.0)
+    assert run.starts == ["engine 0"], "a rank that registered is restarted"
+
+
+def test_no_engine_that_can_start_ends_the_deployment_at_the_first_failures() -> None:
+    run = Supervised(came_up=False)
+    run.deployment.note_came_up({"engines": 0, "engine_list": []})  # the coordinator answered
+    run.process("engine 0").returncode = 1
+    run.at(20.0)
+    run.process("engine 1").returncode = 1
+    with pytest.raises(DeploymentEnded, match="no engine is left") as ended:
+        run.at(21.0)
+    assert ended.value.exit_code == 1
+    assert run.starts == []
+
+
+def test_a_coordinator_that_fails_before_it_answers_ends_the_deployment() -> None:
+    run = Supervised(came_up=False)
+    run.process("coordinator").returncode = 1
+    with pytest.raises(DeploymentEnded, match="coordinator is left down") as ended:
+        run.at(0.5)
+    assert ended.value.exit_code == 1
+    assert run.starts == []
+
+
+def test_an_engine_that_came_up_and_then_fails_to_start_again_is_tried_as_a_crash_loop() -> None:
+    """Coming up once is for good: a later start that fails is retried (the GPU may come
+    back), until the crash-loop rule leaves it down."""
+    run = Supervised()
+    run.process("engine 1").returncode = -9
+    run.at(0.0)
+    run.at(1.0)
+    assert run.starts == ["engine 1"]
+    run.process("engine 1").returncode = 1  # the new start fails while loading
+    run.at(10.0)
+    run.at(12.0)
+    assert run.starts == ["engine 1", "engine 1"]
 
 
 def test_an_engine_that_exits_zero_left_on_purpose_and_is_not_restarted(
@@ -280,6 +350,26 @@ def test_serve_refuses_one_port_for_http_and_zmq(capsys: pytest.CaptureFixture[s
     args = build_parser().parse_args(["serve", "--fake", "--port", "8123", "--http-port", "8123"])
     assert args.func(args) == 2
     assert "give --http-port and --port different ports" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_zmq_port_in_use_before_it_starts_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One line at once, where the coordinator used to fail to bind it five times over."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = build_parser().parse_args(["serve", "--fake", "--port", str(port)])
+        args.http_port = 0
+        assert args.func(args) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"dpserve: cannot bind the ZMQ port 127.0.0.1:{port}: [Errno 98] Address already in "
+        "use (--port names another)"
+    )
+    local.check_zmq_port("127.0.0.1", port)  # free again: no error
 
 
 def vllm_engines(
