@@ -17,6 +17,9 @@ from dpserve.limits import DEFAULT_LORA_LIMITS, DEFAULT_PREFIX_CACHE_LIMITS, SAM
 
 # Temperatures below this sample greedily (as vLLM does below 1e-5).
 GREEDY_TEMPERATURE: Final = 1e-5
+# OpenAI's API takes temperatures in [0, 2], and vLLM refuses any above: one range for both
+# engines, so that a request one engine of a mixed pool takes, the other takes too.
+MAX_TEMPERATURE: Final = 2.0
 
 
 class InvalidSamplingParams(ValueError):
@@ -108,9 +111,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         _require_number("temperature", self.temperature)
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN too
             raise InvalidSamplingParams(
-                f"temperature must be a finite number >= 0, got {self.temperature}"
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
             )
         _require_int("top_k", self.top_k)
         if self.top_k < 0:

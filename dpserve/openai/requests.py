@@ -77,7 +77,7 @@ COMMON_FIELDS: Final[dict[str, Field]] = {
     "user": Field(Handling.INFORMATIONAL, "an end-user id for the caller's records; not stored"),
     "stream": _honoured("SSE chunks, then data: [DONE]"),
     "stream_options": _honoured("include_usage (a final usage chunk), continuous_usage_stats"),
-    "temperature": _honoured("SamplingParams.temperature; below 1e-5 decodes greedily"),
+    "temperature": _honoured("SamplingParams.temperature, in [0, 2]; below 1e-5 decodes greedily"),
     "top_p": _honoured("SamplingParams.top_p"),
     "top_k": _honoured("vLLM extension: SamplingParams.top_k (0 or -1 disables it)"),
     "seed": _honoured("SamplingParams.seed: same seed, prompt and model give the same tokens"),

@@ -570,6 +570,7 @@ def test_completion_parameters_map_to_sampling_params() -> None:
         ({"best_of": 17}, "best_of"),
         ({"max_tokens": 10**30}, "max_tokens"),
         ({"temperature": 10**400}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),  # OpenAI's and vLLM's range is [0, 2]
         ({"temperature": float("nan")}, "temperature"),
         ({"seed": -1}, "seed"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

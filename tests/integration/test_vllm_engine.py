@@ -27,6 +27,7 @@ from tests.integration.vllm_support import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+MAX_LOGPROBS_FLAG = "--vllm-arg=--max-logprobs=3"
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 120 + i, 9, 200 - i, 31] for i in range(4)]
 NEW_TOKENS = 24
 
@@ -45,7 +46,9 @@ def coordinator_port(
     port = free_port()
     try:
         processes.coordinator(port, "--insecure", "--tokenizer", str(llama))
-        spawn_vllm_engine(processes, vllm_python, port, 0, llama)
+        # vLLM refuses more alternatives than this, and dpserve's edge allows up to 20: a
+        # request only vLLM refuses (``test_a_request_vllm_refuses_...``).
+        spawn_vllm_engine(processes, vllm_python, port, 0, llama, MAX_LOGPROBS_FLAG)
         yield port
     finally:
         processes.cleanup()
@@ -207,6 +210,26 @@ async def test_a_constraint_is_checked_as_dpserve_engine_checks_it(
     assert refused.value.code == "bad_request", refused.value
     assert "admits no" in refused.value.message, refused.value
     assert len(answered.generated_tokens) == 8
+
+
+async def test_a_request_vllm_refuses_fails_alone_as_a_bad_request(
+    vllm_client: InferenceClient,
+) -> None:
+    """A request that passes dpserve's checks but not vLLM's (here: more top log-probs than
+    the engine's ``--max-logprobs``) is the client's error, 400, not the engine's (vLLM's
+    validation errors are not ValueErrors): it fails alone, and the engine serves on."""
+    alternatives = SamplingParams(
+        temperature=0, num_tokens_to_generate=4, return_log_probs=True, top_logprobs=5
+    )
+    plain = SamplingParams(temperature=0, num_tokens_to_generate=4, ignore_eos=True)
+    with pytest.raises(RequestFailed) as refused:
+        await vllm_client.add_request(PROMPTS[1], alternatives)
+    answered = await vllm_client.add_request(PROMPTS[1], plain)
+    vllm_client.stop()
+    assert refused.value.code == "bad_request", refused.value
+    assert refused.value.message.startswith("vLLM refused the request: "), refused.value
+    assert "greater than max allowed: 3" in refused.value.message, refused.value
+    assert len(answered.generated_tokens) == 4
 
 
 async def test_a_repeated_prompt_is_found_in_the_prefix_cache_as_predicted(

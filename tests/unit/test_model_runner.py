@@ -177,7 +177,7 @@ def test_top_k_1_equals_greedy(runner: ModelRunner, reference: Any) -> None:
     prompt = random_prompts(1, seed=5)[0]
     outcome = run(
         runner,
-        {0: [request(1, prompt, temperature=3.0, top_k=1, seed=1, num_tokens_to_generate=20)]},
+        {0: [request(1, prompt, temperature=2.0, top_k=1, seed=1, num_tokens_to_generate=20)]},
     )[1]
     assert outcome.tokens == greedy_reference(reference, prompt, 20)[0]
 
@@ -186,7 +186,7 @@ def test_sampling_parameters_change_the_output(runner: ModelRunner) -> None:
     prompt = random_prompts(1, seed=6)[0]
     greedy = run(runner, {0: [request(1, prompt, num_tokens_to_generate=25)]})[1].tokens
     hot = run(
-        runner, {0: [request(2, prompt, temperature=5.0, seed=3, num_tokens_to_generate=25)]}
+        runner, {0: [request(2, prompt, temperature=2.0, seed=3, num_tokens_to_generate=25)]}
     )[2].tokens
     assert hot != greedy
     # A greedy request ignores its seed entirely.

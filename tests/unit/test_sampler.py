@@ -40,7 +40,7 @@ def test_greedy_rows_take_the_argmax() -> None:
     params = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1e-6),  # below the greedy threshold
-        SamplingParams(temperature=5.0, top_k=1),  # one candidate: greedy at any temperature
+        SamplingParams(temperature=2.0, top_k=1),  # one candidate: greedy at any temperature
         SamplingParams(temperature=0.0, seed=3),
     ]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -185,9 +185,9 @@ def test_top_k_ties_at_the_boundary_keep_the_lowest_ids() -> None:
 
 def test_temperature_sharpens_and_flattens() -> None:
     cold = frequencies(SamplingParams(temperature=0.2))
-    hot = frequencies(SamplingParams(temperature=5.0))
+    hot = frequencies(SamplingParams(temperature=2.0))
     assert cold[0] > 0.9  # 0.5 vs 0.3 at T=0.2: ~93% on token 0
-    assert hot[3] > 0.12  # nearly uniform at T=5: the 5% token reaches ~18%
+    assert hot[3] > 0.09  # flatter at T=2: the 5% token reaches ~12%
 
 
 def test_a_seeded_row_does_not_depend_on_its_batch_mates() -> None:

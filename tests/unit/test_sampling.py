@@ -34,6 +34,9 @@ def test_defaults_serialize_to_nothing_and_round_trip() -> None:
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 2.0000000000000004}, r"temperature must be in \[0, 2\]"),
+        ({"temperature": 1e308}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"top_k": -1}, "top_k"),
         ({"top_k": 1.5}, "top_k must be an integer"),

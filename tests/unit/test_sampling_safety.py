@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.runner import RunnerRequest, TokenUpdate
 from dpserve.engine.sample.sampler import sample
-from dpserve.sampling import GREEDY_TEMPERATURE, SamplingParams
+from dpserve.sampling import GREEDY_TEMPERATURE, MAX_TEMPERATURE, SamplingParams
 
 VOCAB = 37
 SEED_LIMIT = 2**63
@@ -30,10 +30,10 @@ temperatures = st.one_of(
     st.sampled_from(
         [
             *(0.0, 5e-324, 1e-300, 1e-50, GREEDY_TEMPERATURE * 0.999, GREEDY_TEMPERATURE, 1e-4),
-            *(0.7, 1.0, 2.0, 1e30, 1e300, 1.7976931348623157e308),
+            *(0.7, 1.0, 1.9999999999999998, MAX_TEMPERATURE),
         ]
     ),
-    st.floats(min_value=0.0, allow_nan=False, allow_infinity=False),
+    st.floats(min_value=0.0, max_value=MAX_TEMPERATURE),
 )
 top_ps = st.one_of(
     st.sampled_from([5e-324, 1e-300, 1e-9, 0.5, 0.999999, 1.0]),
@@ -194,7 +194,7 @@ EXTREME_PARAMS = [
     SamplingParams(temperature=1e-50, return_log_probs=True),
     SamplingParams(temperature=5e-324, seed=0),
     SamplingParams(temperature=GREEDY_TEMPERATURE, top_p=1e-300, seed=SEED_LIMIT - 1),
-    SamplingParams(temperature=1e30, top_k=2**62, return_log_probs=True),
+    SamplingParams(temperature=MAX_TEMPERATURE, top_k=2**62, return_log_probs=True),
     SamplingParams(temperature=1.0, top_k=1),
     SamplingParams(temperature=0.8, top_p=0.9, top_k=10, seed=42, return_log_probs=True),
 ]

@@ -79,6 +79,7 @@ class VllmRunner:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor" / install)
         os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
         from transformers import AutoTokenizer
+        from vllm.exceptions import VLLMClientError
         from vllm.renderers import renderer_from_config
         from vllm.v1.engine.core_client import InprocClient
         from vllm.v1.engine.input_processor import InputProcessor
@@ -86,6 +87,10 @@ class VllmRunner:
 
         self.options = options
         self._limits = limits
+        # What vLLM raises for a request it refuses: its validation errors (VLLMClientError,
+        # not a ValueError in vLLM 0.32) and the ValueErrors of its other checks. Either is the
+        # request's fault (400); anything else is the engine's (502, ``EngineServer``).
+        self._refusals: tuple[type[Exception], ...] = (ValueError, VLLMClientError)
         config = engine_args(options).create_engine_config()
         self._config = config
         # Builds vLLM's engine core here and its model workers (their own processes on CPU,
@@ -186,7 +191,7 @@ class VllmRunner:
                 self._tasks,
                 lora_request=adapter,
             )
-        except ValueError as exc:  # vLLM's own validation (VLLMValidationError is one)
+        except self._refusals as exc:
             raise RequestRejected(
                 ErrorCode.BAD_REQUEST, f"vLLM refused the request: {exc}"
             ) from None
