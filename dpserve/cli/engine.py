@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"dpserve engine: {exc}", file=sys.stderr)
         return 2
+    runner.warm_up()
     address = zmq_address(args.coordinator)
     try:
         keys = key_files.load_peer_keys(args.credentials, "engine") if args.credentials else None

@@ -152,6 +152,9 @@ class FakeRunner:
             del self._bases[request_id]
         return updates
 
+    def warm_up(self) -> None:
+        pass  # no model, nothing compiled
+
     def release(self) -> None:
         self.released = True
 

@@ -121,6 +121,11 @@ class Runner(Protocol):
         takes them once per stream interval, and all of them when it hands its requests
         over)."""
 
+    def warm_up(self) -> None:
+        """Once, before the engine registers: what the first request of some kind would
+        otherwise do on the step loop, holding every request of the engine meanwhile (the
+        tokenizer's tables for structured output, a compile)."""
+
     def release(self) -> None:
         """Suspend: free the model's and KV cache's memory; requests stay queued."""
 

@@ -54,9 +54,9 @@ from dpserve.tokenizer import as_batch_tokenizer, prepare_detokenizing
 
 log = logging.getLogger(__name__)
 
-# The start-up request that compiles vLLM's log-prob ranking ends in two steps (its prefill
-# samples its one token); past this many, something is wrong and it is abandoned.
-WARM_UP_STEPS = 50
+# The start-up request (``VllmRunner.warm_up``) takes ~10 s where torch compiles cold on a
+# slow CPU; past this, something is wrong and it is abandoned.
+WARM_UP_TIMEOUT_S = 300.0
 
 TopEntry = tuple[int, float]
 
@@ -157,32 +157,46 @@ class VllmRunner:
             raise ValueError("--lora-modules needs vLLM's LoRA support (--enable-lora)")
         for name, path in (lora_modules or {}).items():
             self.load_adapter(name, path)
-        self._warm_up_log_probs()
 
-    def _warm_up_log_probs(self) -> None:
-        """vLLM ranks each sampled (and prompt) token among the log-probs with a function torch
-        compiles on its first use (``batched_count_greater_than``). Its GPU worker warms that
-        up at start; its CPU worker does not, so the first request asking for log-probs held
-        every request of the engine for the compile: 9.6 s on a 2-core Zen 3 with a cold cache,
-        as a pod's is. One request of two tokens asking for both kinds runs it here, before the
-        engine registers; its prompt fills no KV block, so nothing reaches the prefix cache's
-        events."""
+    def warm_up(self) -> None:
+        """What vLLM does on the first request of a kind, done here before the engine
+        registers: each held every request of the engine meanwhile. Its CPU worker compiles
+        the ranking of sampled and prompt tokens among the log-probs on first use (torch's
+        inductor; its GPU worker warms that up at start): the first request asking for
+        log-probs took 9.6 s on a 2-core Zen 3 with a cold compile cache, as a new pod has.
+        Its structured-output backend builds the tokenizer's tables on the first constrained
+        request (~0.9 s for SmolLM2's, every stream paused), as dpserve's own checks do
+        (``_grammars_for_requests``). One request of two tokens asks for both; its prompt fills
+        no KV block, so nothing reaches the prefix cache's events."""
         from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         started = time.monotonic()
+        try:
+            self._grammars_for_requests()
+            structured = StructuredOutputsParams(json_object=True)
+        except RequestRejected:  # each structured request will be a 400: nothing to warm
+            structured = None
         params = VllmSamplingParams(
-            max_tokens=1, logprobs=1, prompt_logprobs=1, ignore_eos=True, detokenize=False
+            max_tokens=1,
+            logprobs=1,
+            prompt_logprobs=1,
+            ignore_eos=True,
+            detokenize=False,
+            structured_outputs=structured,
         )
         request = self._inputs.process_inputs(
             "dpserve-warm-up", {"prompt_token_ids": [0, 0]}, params, self._tasks
         )
         self._client.add_request(request)
-        for _ in range(WARM_UP_STEPS):
-            if any(output.finished for output in self._client.get_output().outputs):
-                break
-        else:
-            self._client.abort_requests([request.request_id])
-        log.info("log-probs warmed up in %.1f s", time.monotonic() - started)
+        # vLLM compiles the constraint off its step: until then its steps return nothing.
+        deadline = started + WARM_UP_TIMEOUT_S
+        while not any(output.finished for output in self._client.get_output().outputs):
+            if time.monotonic() > deadline:
+                self._client.abort_requests([request.request_id])
+                log.warning("the warm-up request did not finish in %g s", WARM_UP_TIMEOUT_S)
+                return
+        log.info("log-probs and structured output warmed up in %.1f s", time.monotonic() - started)
 
     # ---------------------------------------------------------------------------- requests
 
