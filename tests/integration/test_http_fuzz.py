@@ -174,8 +174,15 @@ def check_answer(status: int, content_type: str, payload: bytes) -> None:
 
 
 def test_fuzzed_bodies_get_2xx_or_4xx_in_openai_shape(cluster: Cluster) -> None:
+    fuzz_the_front(cluster.base_url, examples=200)
+
+
+def fuzz_the_front(base_url: str, examples: int) -> None:
+    """``examples`` fuzzed requests to the front at ``base_url``: each a 2xx or a 4xx in
+    OpenAI's shape, both kinds reached; then the front is ready with nothing in flight."""
+
     @settings(
-        max_examples=200,
+        max_examples=examples,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -183,7 +190,7 @@ def test_fuzzed_bodies_get_2xx_or_4xx_in_openai_shape(cluster: Cluster) -> None:
     @given(requests)
     def one_request(request: tuple[str, str]) -> None:
         endpoint, body = request
-        answer = post(f"{cluster.base_url}{endpoint}", body)
+        answer = post(f"{base_url}{endpoint}", body)
         statuses.add(answer[0] // 100)
         check_answer(*answer)
 
@@ -192,10 +199,10 @@ def test_fuzzed_bodies_get_2xx_or_4xx_in_openai_shape(cluster: Cluster) -> None:
     assert statuses == {2, 4}, f"the fuzz must reach accepted and refused requests: {statuses}"
 
     # Still up, and nothing left in flight anywhere.
-    assert http_json(f"{cluster.base_url}/ready")[0] == 200
+    assert http_json(f"{base_url}/ready")[0] == 200
 
     def idle() -> bool:
-        with urllib.request.urlopen(f"{cluster.base_url}/metrics", timeout=5) as reply:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as reply:
             text = reply.read().decode()
         return (
             metric(text, "dpserve_coordinator_inflight_requests") == 0
