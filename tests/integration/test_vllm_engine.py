@@ -4,7 +4,7 @@ build, in its own install: ``make vllm``): greedy output and log-probs equal tra
 finish reasons; seeds repeat; structured output follows its constraint, checked first within
 dpserve's limits; a repeated prompt is
 found in vLLM's prefix cache as the coordinator's index predicted (KV events translated into
-dpserve's block hashes)."""
+dpserve's block hashes). The module's engine finds no C++ compiler, as in dpserve's images."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from tests.integration.vllm_support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MAX_LOGPROBS_FLAG = "--vllm-arg=--max-logprobs=3"
+NO_COMPILER = {"CXX": "/nonexistent/g++"}
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 120 + i, 9, 200 - i, 31] for i in range(4)]
 NEW_TOKENS = 24
 
@@ -48,7 +49,14 @@ def coordinator_port(
         processes.coordinator(port, "--insecure", "--tokenizer", str(llama))
         # vLLM refuses more alternatives than this, and dpserve's edge allows up to 20: a
         # request only vLLM refuses (``test_a_request_vllm_refuses_...``).
-        spawn_vllm_engine(processes, vllm_python, port, 0, llama, MAX_LOGPROBS_FLAG)
+        # And no C++ compiler, as in dpserve's runtime images, and nothing compiled cached:
+        # vLLM's sampler cannot compile its log-prob ranking (the engine died on the first
+        # log-probs request, or at its warm-up), so it runs eagerly
+        # (``test_greedy_tokens_and_logprobs_equal_transformers`` checks the log-probs).
+        cold = {**NO_COMPILER, "DPSERVE_CACHE": str(tmp_path_factory.mktemp("cold-cache"))}
+        spawn_vllm_engine(
+            processes, vllm_python, port, 0, llama, MAX_LOGPROBS_FLAG, environment=cold
+        )
         yield port
     finally:
         processes.cleanup()

@@ -228,9 +228,16 @@ async def _time_to_kill(
 
 
 def spawn_vllm_engine(
-    processes: Processes, vllm_python: str, port: int, rank: int, model: Path, *extra: str
+    processes: Processes,
+    vllm_python: str,
+    port: int,
+    rank: int,
+    model: Path,
+    *extra: str,
+    environment: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``dpserve engine --backend vllm`` in vLLM's install, logged like ``Processes.spawn``."""
+    """``dpserve engine --backend vllm`` in vLLM's install, logged like ``Processes.spawn``;
+    ``environment`` is set for it over this process's."""
     log = open(processes.log_dir / f"engine-{rank}.log", "ab")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [
@@ -241,7 +248,7 @@ def spawn_vllm_engine(
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(environment or {})},
         cwd=processes.log_dir,  # never the repository root: its operator/ shadows the stdlib's
     )  # fmt: skip
     log.close()

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -83,6 +84,7 @@ class VllmRunner:
         install = hashlib.sha256(sys.prefix.encode()).hexdigest()[:16]
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "torchinductor" / install)
         os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
+        _compile_nothing_without_a_cpp_compiler()
         from transformers import AutoTokenizer
         from vllm.exceptions import VLLMClientError
         from vllm.renderers import renderer_from_config
@@ -605,6 +607,30 @@ def _logprob_rows(logprobs: Any, count: int) -> list[tuple[float, list[TopEntry]
         top = [(int(token), float(value)) for token, value in zip(ids[1:], row[1:], strict=True)]
         rows.append((float(row[0]), top))
     return rows
+
+
+def _compile_nothing_without_a_cpp_compiler() -> None:
+    """On CPU, torch's inductor compiles to C++, and vLLM's sampler compiles functions with it
+    on first use (the log-prob ranking; ``VllmRunner.warm_up`` runs it at start). Where no C++
+    compiler is found (dpserve's runtime images have none) that compile raised in vLLM's
+    worker and ended the engine: before the warm-up, on the first request asking for log-probs.
+    There, torch.compile is turned off for vLLM's workers (they inherit the variable; the
+    functions run eagerly, with the same results), and the log says so. vLLM's model itself
+    compiles only without ``--enforce-eager``, which needs the compiler anyway."""
+    from vllm.platforms import current_platform
+
+    compiler = os.environ.get("CXX") or "g++"
+    if not current_platform.is_cpu() or shutil.which(compiler) is not None:
+        return
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True  # this process's own, if it compiles anything
+    log.warning(
+        "no C++ compiler (%s) for torch's inductor on CPU: torch.compile is off in vLLM's "
+        "workers (its sampler's helpers run eagerly; its model needs --enforce-eager)",
+        compiler,
+    )
 
 
 def _eos_token_ids(tokenizer: Any, model: str) -> frozenset[int]:
