@@ -49,13 +49,19 @@ if "engine" in _args and "--rank" in _args and os.path.exists({ranks_file!r}):
 
 class Serve:
     def __init__(
-        self, process: subprocess.Popen[bytes], log: Path, port: int, http: int, ranks_file: Path
+        self,
+        process: subprocess.Popen[bytes],
+        log: Path,
+        port: int,
+        http: int,
+        ranks_file: Path | None = None,  # read by CRASHING_SITE, where ``serve`` installed it
     ):
         self.process, self.log, self.port, self.ranks_file = process, log, port, ranks_file
         self.base = f"http://127.0.0.1:{http}"
 
     def crash_from_now(self, *ranks: str) -> None:
         """Each later start of these engines exits at once (``CRASHING_SITE``)."""
+        assert self.ranks_file is not None, "a deployment started by this module's serve()"
         self.ranks_file.write_text(" ".join(ranks))
 
     def text(self) -> str:
