@@ -576,6 +576,14 @@ class EngineServer:
             )
             if not self.registered:
                 return True  # nobody routes to us: nothing to finish
+            if not self._held and not self._outbox:
+                # Nothing to hand over: say so and go, without waiting for an answer. A
+                # request already on its way here is the coordinator's to re-dispatch when it
+                # reads DEREGISTER (as after HAND_OFF). Waiting would cost a Pod deleted with
+                # its coordinator (a namespace, an uninstall) the whole coordinator timeout.
+                self.connection.send(Deregister())
+                log.info("engine rank %d idle; leaving", self.connection.rank)
+                return True
             self._hand_off()
             return False
         if self.handed_off:

@@ -2,8 +2,9 @@
 build) behind dpserve's coordinator and HTTP front. Prefix-aware routing predicts exactly the
 cached tokens vLLM reports (its KV events translated into dpserve's block hashes); an engine
 SIGKILLed mid-stream is restarted while its streams move to the other engine and end
-byte-identical to their uninterrupted run (resume tokens become part of vLLM's prompt); serve
-leaves no process behind, vLLM's workers included."""
+byte-identical to their uninterrupted run (resume tokens become part of vLLM's prompt); so are
+an engine's streams when only its vLLM model worker dies (what the kernel's OOM killer picks:
+the largest process); serve leaves no process behind, vLLM's workers included."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +114,55 @@ async def test_prefix_aware_routing_predicts_vllm_cached_tokens(deployment: Depl
     assert routing["actual_cached_tokens"] == actual == routing["predicted_cached_tokens"]
     assert routing["prediction_error_tokens"] == 0
     assert sorted(routing["indexed_blocks_by_rank"]) == ["0", "1"], routing  # both engines used
+
+
+async def test_a_vllm_worker_killed_mid_stream_loses_no_byte(deployment: Deployment) -> None:
+    """vLLM's model worker SIGKILLed under load (not its engine's process): the engine ends,
+    its streams move to the other engine byte-identical, and serve starts it again."""
+    serve = deployment.serve
+    client = InferenceClient(serve.port, handshake_timeout=20)
+    await client.start()
+    try:
+        chunks = [0] * STREAMS
+        uninterrupted = await asyncio.gather(
+            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
+        )
+        engines: list[int] = []
+
+        async def kill_a_worker() -> None:
+            status = await asyncio.wait_for(client.get_status(), 10)
+            busiest = max(status["engine_list"], key=lambda engine: engine["outstanding"])
+            engine = serve.pid_of(f"engine {busiest['rank']}")
+            assert engine is not None and busiest["outstanding"] > 0, status["engine_list"]
+            workers = [pid for pid in descendants(engine) if "Worker" in _title(pid)]
+            assert workers, [_title(pid) for pid in descendants(engine)]
+            engines.append(engine)
+            os.kill(workers[0], signal.SIGKILL)
+
+        resumed = await streams_killed_mid_way(client, deployment.prompts, kill_a_worker)
+        assert resumed == uninterrupted
+        status = await asyncio.wait_for(client.get_status(), 10)
+        assert status["counters"].get("redispatched", 0) > 0, "the victim held streams"
+        # The engine whose worker died is gone, and serve started it again.
+        deadline = time.monotonic() + 180
+        while alive(engines[0]) or len(status["engine_list"]) < 2:
+            assert time.monotonic() < deadline, (alive(engines[0]), status["engine_list"])
+            await asyncio.sleep(0.5)
+            status = await asyncio.wait_for(client.get_status(), 10)
+        again = await asyncio.gather(
+            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
+        )
+        assert again == uninterrupted
+    finally:
+        client.stop()
+
+
+def _title(pid: int) -> str:
+    """A process's name as ``ps`` shows it (vLLM names its worker processes)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Deployment) -> None:
