@@ -675,18 +675,6 @@ class Kubectl:
 
         wait_for(default_account, timeout, f"the default ServiceAccount of namespace {name}")
 
-    def delete_namespace(self, name: str, timeout: int = 180, check: bool = False) -> None:
-        """Delete a namespace once its Pods are gone: its InferenceDeployments first (while the
-        operator that removes their finalizers runs), then every workload and Pod, waiting for
-        the Pods to be gone, then the namespace. A namespace deleted while its Pods terminate
-        is looked at again only after their grace period (the namespace controller's estimate:
-        30 s for an engine Pod, however soon it is gone)."""
-        for kind in ("infd", "all"):
-            self("delete", kind, "--all", "-n", name, "--ignore-not-found",
-                 f"--timeout={timeout}s", timeout=timeout + 20, check=False)  # fmt: skip
-        self("delete", "namespace", name, "--ignore-not-found", f"--timeout={timeout}s",
-             timeout=timeout + 20, check=check)  # fmt: skip
-
     def json(self, *args: str) -> Any:
         """``kubectl <args> -o json``, parsed."""
         return json.loads(self(*args, "-o", "json").stdout)

@@ -175,7 +175,9 @@ def scaling(
     finally:
         if flow.forward is not None:
             flow.forward.__exit__(None, None, None)
-        node_kubectl.delete_namespace(NAMESPACE)
+        node_kubectl(
+            "delete", "namespace", NAMESPACE, "--timeout=180s", check=False, timeout=200
+        )  # fmt: skip
         with helm() as config:
             config.uninstall(RELEASE, timeout=120)
         node_kubectl("delete", "crd", CRD_NAME, "--timeout=60s", check=False)

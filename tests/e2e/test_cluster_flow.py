@@ -774,7 +774,9 @@ def test_a_child_that_cannot_run_turns_the_status_degraded_and_says_why(flow: Fl
     finally:
         # Wait for it, pass or fail: the operator must still be there to remove the faulty
         # deployments' finalizers, or deleting the CRD after `helm uninstall` would wait forever.
-        flow.kubectl.delete_namespace(FAULTS_NAMESPACE, check=True)
+        flow.kubectl(
+            "delete", "namespace", FAULTS_NAMESPACE, "--timeout=180s", timeout=200
+        )  # fmt: skip
 
 
 def expect_degraded(flow: Flow, name: str, reason: str) -> None:

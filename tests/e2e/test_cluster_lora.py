@@ -170,10 +170,10 @@ def setup(local_node: LocalNode, node_kubectl: Kubectl, tiny_model_path: Path) -
     finally:
         kubectl("delete", "infd", NAME, "-n", NAMESPACE, "--ignore-not-found",
                 "--timeout=180s", timeout=200, check=False)  # fmt: skip
-        kubectl.delete_namespace(NAMESPACE)
+        kubectl("delete", "namespace", NAMESPACE, "--timeout=180s", timeout=200, check=False)
         kubectl("delete", "pv", VOLUME, "--ignore-not-found", "--timeout=60s", check=False)
         setup.helm("uninstall", RELEASE, "--namespace", OPERATOR_NS)
-        kubectl.delete_namespace(OPERATOR_NS, timeout=120)
+        kubectl("delete", "namespace", OPERATOR_NS, "--timeout=120s", timeout=140, check=False)
         if not crd_was_there:
             kubectl("delete", "crd", CRD_NAME, "--timeout=60s", check=False)
         shutil.rmtree(host_dir, ignore_errors=True)

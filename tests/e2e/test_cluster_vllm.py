@@ -140,9 +140,9 @@ def cluster(local_node: LocalNode, node_kubectl: Kubectl) -> Iterator[Cluster]:
     finally:
         kubectl("delete", "infd", NAME, "-n", NAMESPACE, "--ignore-not-found",
                 "--timeout=180s", timeout=200, check=False)  # fmt: skip
-        kubectl.delete_namespace(NAMESPACE)
+        kubectl("delete", "namespace", NAMESPACE, "--timeout=180s", timeout=200, check=False)
         cluster.helm("uninstall", RELEASE, "--namespace", OPERATOR_NS)
-        kubectl.delete_namespace(OPERATOR_NS, timeout=120)
+        kubectl("delete", "namespace", OPERATOR_NS, "--timeout=120s", timeout=140, check=False)
         if not crd_was_there:
             kubectl("delete", "crd", CRD_NAME, "--timeout=60s", check=False)
 
