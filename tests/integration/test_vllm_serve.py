@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,10 +123,7 @@ async def test_a_vllm_worker_killed_mid_stream_loses_no_byte(deployment: Deploym
     client = InferenceClient(serve.port, handshake_timeout=20)
     await client.start()
     try:
-        chunks = [0] * STREAMS
-        uninterrupted = await asyncio.gather(
-            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
-        )
+        uninterrupted = await stream_all(client, deployment.prompts)
         engines: list[int] = []
 
         async def kill_a_worker() -> None:
@@ -149,12 +146,22 @@ async def test_a_vllm_worker_killed_mid_stream_loses_no_byte(deployment: Deploym
             assert time.monotonic() < deadline, (alive(engines[0]), status["engine_list"])
             await asyncio.sleep(0.5)
             status = await asyncio.wait_for(client.get_status(), 10)
-        again = await asyncio.gather(
-            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
-        )
+        again = await stream_all(client, deployment.prompts)
         assert again == uninterrupted
     finally:
         client.stop()
+
+
+async def stream_all(
+    client: InferenceClient,
+    prompts: list[list[int]],
+    penalties: Mapping[str, float] | None = None,
+) -> list[tuple[list[int], str]]:
+    """Every prompt streamed greedily at once, uninterrupted."""
+    chunks = [0] * len(prompts)
+    return await asyncio.gather(
+        *(stream_greedy(client, p, chunks, i, penalties) for i, p in enumerate(prompts))
+    )
 
 
 def _title(pid: int) -> str:
@@ -170,17 +177,9 @@ async def test_an_engine_killed_mid_stream_loses_no_byte(deployment: Deployment)
     client = InferenceClient(serve.port, handshake_timeout=20)
     await client.start()
     try:
-        chunks = [0] * STREAMS
-        uninterrupted = await asyncio.gather(
-            *(stream_greedy(client, p, chunks, i) for i, p in enumerate(deployment.prompts))
-        )
+        uninterrupted = await stream_all(client, deployment.prompts)
         assert [tokens for tokens, _ in uninterrupted] == deployment.expected
-        penalized = await asyncio.gather(
-            *(
-                stream_greedy(client, p, chunks, i, PENALTIES)
-                for i, p in enumerate(deployment.prompts)
-            )
-        )
+        penalized = await stream_all(client, deployment.prompts, PENALTIES)
         assert penalized != uninterrupted, "the penalties change the streams"
         workers: set[int] = set()  # the victim's vLLM model worker
         killed_at = 0.0
