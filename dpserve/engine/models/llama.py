@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,9 +189,10 @@ class PagedLlama:
                 rotation_pairs=self.rotary.rotation_pairs,
             )
             if self.decode_layers is not None:
+                rows = self.decode_layers.max_rows  # sys.maxsize: no bound (bf16 and int8)
                 log.info(
-                    "decode steps of up to %d sequences run every layer in one C++ call",
-                    self.decode_layers.max_rows,
+                    "decode steps of %s run every layer in one C++ call",
+                    "every size" if rows == sys.maxsize else f"up to {rows} sequences",
                 )
         if self.device.type == "cpu":  # what --cpu-weights chose, and what it holds
             held = self.projection_bytes()
