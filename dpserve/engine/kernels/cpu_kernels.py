@@ -415,7 +415,10 @@ engine_isa = cpu_settings.isa_setting
 # Rows of at least this many columns are held column-blocked for ``decode_matmul``, in chunks
 # of at most ``CHUNK_COLUMNS`` (decode_matmul.cpp: a pass then re-reads a chunk of each
 # activation row from L1, not a whole wide row from L2; Llama-3-8B's shapes, Zen 4, one thread:
-# 2-4 rows 9-13 -> 22-29 GB/s). SmolLM2's rows (576 and 1,536 columns) stay row-major.
+# 2-4 rows 9-13 -> 22-29 GB/s). SmolLM2's rows (576 and 1,536 columns) stay row-major. Not so on
+# every CPU: on an Intel Xeon, 2 threads, the same shapes at 4-8 rows read 17-21 GB/s blocked
+# against 18-27 row-major (level at 1-2 rows), where the probe sent fp32 steps of 4+ rows to
+# oneDNN anyway (BENCHMARKS.md, 2026-12-01); bf16 and int8 weights there not measured.
 BLOCK_FROM_COLUMNS = 2048
 CHUNK_COLUMNS = 1024
 
