@@ -418,7 +418,9 @@ engine_isa = cpu_settings.isa_setting
 # 2-4 rows 9-13 -> 22-29 GB/s). SmolLM2's rows (576 and 1,536 columns) stay row-major. Not so on
 # every CPU: on an Intel Xeon, 2 threads, the same shapes at 4-8 rows read 17-21 GB/s blocked
 # against 18-27 row-major (level at 1-2 rows), where the probe sent fp32 steps of 4+ rows to
-# oneDNN anyway (BENCHMARKS.md, 2026-12-01); bf16 and int8 weights there not measured.
+# oneDNN anyway; one thread, 14336x4096, blocked / row-major at 1 / 2 / 4 / 8 rows: fp32 1.12 /
+# 1.08 / 0.78 / 0.89, bf16 1.21 / 1.23 / 0.80 / 0.96, int8 1.28 / 1.01 / 0.75 / 1.09
+# (BENCHMARKS.md, 2026-12-01: not yet chosen per CPU).
 BLOCK_FROM_COLUMNS = 2048
 CHUNK_COLUMNS = 1024
 
