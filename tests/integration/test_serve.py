@@ -24,9 +24,10 @@ def descendants(pid: int) -> set[int]:
     while frontier:
         parent = frontier.pop()
         for task in Path(f"/proc/{parent}/task").glob("*"):
-            children = (
-                (task / "children").read_text().split() if (task / "children").exists() else []
-            )
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the thread (or its process) ended after the listing
+                continue
             for child in map(int, children):
                 if child not in found:
                     found.add(child)
