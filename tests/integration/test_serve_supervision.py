@@ -72,7 +72,7 @@ class Serve:
         for pid in descendants(self.process.pid):
             try:
                 args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except FileNotFoundError:
+            except OSError:  # it exited while we looked
                 continue
             if "dpserve.cli" not in args or not alive(pid):
                 continue

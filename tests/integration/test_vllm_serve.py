@@ -168,7 +168,7 @@ def _title(pid: int) -> str:
     """A process's name as ``ps`` shows it (vLLM names its worker processes)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
-    except FileNotFoundError:
+    except OSError:  # it exited while we looked
         return ""
 
 
