@@ -189,6 +189,39 @@ def test_decode_attention_split_over_threads_equals_the_reference(
 
 
 @needs_kernels
+def test_batch_invariant_decode_attention_gives_a_row_the_same_bits_in_any_batch() -> None:
+    """``batch_invariant``: a row's output is the same bits alone or beside others, on one
+    thread or three, for lengths whose parts differ (1, 2, 4, 8 and 16 parts); and
+    still the reference's within fp32 error."""
+    lengths = [5, 64, 130, 300, 1000, 1100]
+    case = make_paged_case(lengths, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    expected = paged_decode_attention_reference(*case.args())
+    pool = torch.stack((case.k_cache, case.v_cache))
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        return cpu_kernels.decode_attention(
+            case.query[rows],
+            pool,
+            case.block_tables[rows],
+            case.seq_lens[rows],
+            case.scale,
+            batch_invariant=True,
+        )
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([attend([row]) for row in range(len(lengths))])
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for rows in ([0, 1, 2, 3, 4, 5], [5, 3, 1], [4, 4, 2, 0, 3]):
+                assert torch.equal(attend(rows), alone[rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(alone.view(expected.shape), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_decode_attention_refuses_what_would_read_outside_the_pool() -> None:
     case = make_paged_case([5, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     pool = torch.stack((case.k_cache, case.v_cache))

@@ -183,6 +183,34 @@ def test_bf16_dot_products_equal_torch_on_activations_rounded_to_bf16(
     assert not torch.allclose(plain.double(), exact, rtol=1e-6, atol=1e-6)
 
 
+@needs_bf16_dots
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 5), (67, 113), (21, 2064)])
+def test_a_bf16_dot_product_row_is_the_same_bits_in_any_batch(
+    out_features: int, in_features: int
+) -> None:
+    """A row's outputs do not depend on the rows beside it: alone, in the first group of a call
+    (the streamed pass) or a later one (the register-blocked pass over the cached tile), on one
+    thread or two. Exact failover rests on it (``step_attention``)."""
+    generator = torch.Generator().manual_seed(in_features)
+    rows = torch.randn(13, in_features, generator=generator)
+    weight = cpu_kernels.decode_weight_copy(
+        to_bf16(torch.randn(out_features, in_features, generator=generator))
+    )
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.decode_matmul(x, weight, isa=cpu_kernels.ISA_AVX512, bf16_dots=True)
+
+    alone = torch.cat([product(rows[index : index + 1]) for index in range(13)])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for order in (list(range(13)), list(range(12, -1, -1)), list(range(5, 13))):
+                assert torch.equal(product(rows[order]), alone[order]), (count, order)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 def test_bf16_dot_products_are_refused_where_they_cannot_run() -> None:
     x = torch.ones(2, 64)
@@ -386,41 +414,57 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
 # ------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("name", LOW_FORMATS)
+@pytest.mark.parametrize("name", [*LOW_FORMATS, "bf16-dots"])
 def test_a_resumed_stream_continues_exactly_on_low_precision_weights(
     tiny_model_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Exact failover holds for the formats as they run by default (fp32 activations): a greedy
-    stream resumed after any of its tokens (the new engine prefills them) continues with the
-    uninterrupted run's tokens. (``BF16_DOTS_ENV=1`` gives this up: weight_format.)"""
+    """Exact failover holds for the formats: a greedy stream resumed after any of its tokens
+    (the new engine prefills them) continues with the uninterrupted run's tokens. With bf16
+    activations ("bf16-dots") the step is batch-invariant (``step_attention``), so the resumed
+    streams' log-probs are the uninterrupted run's to the bit, over a prompt long enough that
+    attention splits a sequence into parts."""
     from dpserve.engine.model_runner import ModelRunner
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
     from tests.runner_runs import greedy_prompt
 
     monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
-    runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8, cpu_weights=name)
+    bitwise = name == "bf16-dots"
+    if bitwise:
+        if not cpu_kernels.available() or not cpu_kernels.supports_bf16_dots():
+            pytest.skip("this CPU lacks AVX-512-BF16 (or the CPU kernels did not build)")
+        monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "1")
+    held = "bf16" if bitwise else name
+    runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=8, cpu_weights=held)
     runner.eos_token_ids = frozenset()
-    prompt = greedy_prompt(3)
+    # 170 prompt tokens: 11 blocks of 16 with the first token, 14 at the end (two parts).
+    prompt = greedy_prompt(3) + ([(7 * i) % 50 + 3 for i in range(167)] if bitwise else [])
 
-    def run(requests: list[RunnerRequest]) -> dict[int, list[int]]:
+    def run(requests: list[RunnerRequest]) -> dict[int, tuple[list[int], list[float]]]:
         for each in requests:
             runner.add(each)
-        tokens: dict[int, list[int]] = {each.request_id: [] for each in requests}
+        streams: dict[int, tuple[list[int], list[float]]] = {
+            each.request_id: ([], []) for each in requests
+        }
         while runner.has_work():
             for update in runner.step():
-                tokens[update.request_id].extend(update.tokens)
-        return tokens
+                tokens, logprobs = streams[update.request_id]
+                tokens.extend(update.tokens)
+                logprobs.extend(update.logprobs or [])
+        return streams
 
-    params = SamplingParams(temperature=0.0, num_tokens_to_generate=40)
-    whole = run([RunnerRequest(0, prompt, params)])[0]
-    assert len(whole) == 40
+    params = SamplingParams(temperature=0.0, num_tokens_to_generate=40, return_log_probs=True)
+    whole, whole_logprobs = run([RunnerRequest(0, prompt, params)])[0]
+    assert len(whole) == len(whole_logprobs) == 40
     points = range(1, 40, 3)
     resumed = run(
         [RunnerRequest(1 + at, prompt, params, resume_tokens=whole[:at]) for at in points]
     )
     for at in points:
-        assert resumed[1 + at] == whole[at:], at
+        tokens, logprobs = resumed[1 + at]
+        assert tokens == whole[at:], at
+        if bitwise:
+            assert logprobs == whole_logprobs[at:], at
 
 
 def test_the_formats_are_refused_where_they_cannot_be_honoured() -> None:

@@ -368,11 +368,15 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``[batch, heads * dim]``: what ``attention.paged_decode_attention_reference``
-    computes, for ``query`` ``[batch, heads, dim]`` over a layer's ``kv_pair``."""
+    computes, for ``query`` ``[batch, heads, dim]`` over a layer's ``kv_pair``.
+    ``batch_invariant``: each row's result the same bits whatever the other rows and the thread
+    count (``step_attention``)."""
     out: torch.Tensor = torch.ops.dpserve_cpu.decode_attention(
-        query, kv_pair, block_tables, seq_lens, scale
+        query, kv_pair, block_tables, seq_lens, scale, batch_invariant
     )
     return out
 

@@ -67,9 +67,11 @@ class DecodeLayers:
         eps: float,
         scale: float,
         rotation_pairs: torch.Tensor,
+        batch_invariant: bool = False,
     ) -> DecodeLayers | None:
         """The layers as one object, or None where one does not fit (module docstring) or
-        ``cpu_settings.FUSED_DECODE_ENV`` is "0"."""
+        ``cpu_settings.FUSED_DECODE_ENV`` is "0"; ``batch_invariant``: the model's attention is
+        (``step_attention``)."""
         if not layers or not cpu_settings.fused_decode_setting() or not cpu_kernels.available():
             return None
         projections: list[Linear] = []
@@ -88,7 +90,14 @@ class DecodeLayers:
         if max_rows <= 0 or len({linear.bf16_dots for linear in projections}) != 1:
             return None
         handle = torch.classes.dpserve_cpu.DecodeLayers(
-            num_heads, num_kv_heads, head_dim, eps, scale, cpu_kernels.engine_isa(), rotation_pairs
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            eps,
+            scale,
+            cpu_kernels.engine_isa(),
+            rotation_pairs,
+            batch_invariant,
         )
         for layer, norms in zip(layers, head_norms, strict=True):
             mlp = layer.mlp

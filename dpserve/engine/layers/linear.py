@@ -172,6 +172,12 @@ def _bf16_dots_here() -> bool:
     return False
 
 
+def rounds_bf16_activations(weight_format: WeightFormat) -> bool:
+    """Whether projections held in ``weight_format`` round their activations to bf16 here
+    (``BF16_DOTS_ENV``; a model's step is then batch-invariant: ``step_attention``)."""
+    return weight_format == "bf16" and bf16_dots_setting() and _bf16_dots_here()
+
+
 def _low_precision_kernel_rows() -> int:
     """Up to how many rows a bf16 or int8 weight's product runs on the decode kernel:
     ``SMALL_BATCH_ROWS_ENV``'s count where it is set, else every row count. The kernel beats the
@@ -477,7 +483,7 @@ class Linear:
         self.one_copy = True
         self.decode_kernel = cpu_kernels.available()
         self.small_rows = _low_precision_kernel_rows() if self.decode_kernel else 0
-        self.bf16_dots = weight_format == "bf16" and bf16_dots_setting() and _bf16_dots_here()
+        self.bf16_dots = rounds_bf16_activations(weight_format)
         self.dense = cpu_kernels.decode_weight_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
 

@@ -1,6 +1,15 @@
 """A step's attention over the paged cache: its layout, computed once per step for every layer,
 and one layer's attention with it (decode rows in one call, the prefill chunks in one), by the
-implementations ``kernel_choice`` picked (the torch ones are in ``attention``)."""
+implementations ``kernel_choice`` picked (the torch ones are in ``attention``).
+
+``batch_invariant`` (CPU kernels only): every row's attention is computed as a decode row's, by
+``cpu_kernels.decode_attention`` over its own prefix with parts that depend on its length alone,
+so that a token's output is the same bits whether a prompt chunk or a decode step computed it,
+and whatever else rode the step. A model asks for it where its projections round activations to
+bf16 (``weight_format``): there a difference of one unit in the last place before a rounding can
+become a whole bf16 step after it, and a resumed stream (its tokens prefilled anew on another
+engine) then parts from the uninterrupted one at a near tie; with every step's arithmetic the
+same per row it cannot. SDPA's prefill sums in another order than the decode kernel."""
 
 from __future__ import annotations
 
@@ -37,6 +46,39 @@ class PrefillChunk(Protocol):
     def blocks(self) -> torch.Tensor | None: ...  # block ids covering cached + length
 
 
+@dataclass(frozen=True, slots=True)
+class RowwisePrefillLayout:
+    """The prefill chunks' rows as decode rows (``batch_invariant``): each row's table is its
+    chunk's blocks, its length its position plus one."""
+
+    block_tables: torch.Tensor  # [prefill tokens, width] int32
+    seq_lens: torch.Tensor  # [prefill tokens] int32
+
+
+def rowwise_prefill_layout(
+    chunks: Sequence[PrefillChunk], slot_mapping: torch.Tensor, block_size: int
+) -> RowwisePrefillLayout:
+    """``chunks``' rows as decode rows; ``slot_mapping`` holds the slots of the chunks' own
+    tokens (``[prefill tokens]``, in row order), whose blocks are the table of a chunk with
+    nothing cached before it (a chunk starting at position 0 starts a block)."""
+    tables, lengths = [], []
+    width = max(-(-(chunk.cached + chunk.length) // block_size) for chunk in chunks)
+    row = 0
+    for chunk in chunks:
+        blocks = chunk.blocks
+        if blocks is None:
+            assert chunk.cached == 0
+            blocks = slot_mapping[row : row + chunk.length : block_size] // block_size
+        table = torch.zeros(width, dtype=torch.int32, device=slot_mapping.device)
+        table[: blocks.numel()] = blocks
+        tables.append(table.expand(chunk.length, width))
+        lengths.append(
+            torch.arange(chunk.cached + 1, chunk.cached + chunk.length + 1, dtype=torch.int32)
+        )
+        row += chunk.length
+    return RowwisePrefillLayout(torch.cat(tables), torch.cat(lengths).to(slot_mapping.device))
+
+
 @dataclass(slots=True)
 class AttentionLayout:
     """What a step's attention reads besides the queries and the pool, computed once per step:
@@ -46,7 +88,7 @@ class AttentionLayout:
     block_tables: torch.Tensor | None
     seq_lens: torch.Tensor | None
     decode: DecodeLayout | None  # None: no decode rows, or a kernel reads the tables
-    prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None
+    prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | RowwisePrefillLayout | None
 
 
 class StepAttention:
@@ -59,7 +101,12 @@ class StepAttention:
         head_dim: int,
         dtype: torch.dtype,
         kernels: KernelChoice,
+        *,
+        batch_invariant: bool = False,
     ) -> None:
+        if batch_invariant and kernels.glue != "cpu":
+            raise ValueError("batch-invariant attention runs on the CPU kernels only")
+        self.batch_invariant = batch_invariant
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.q_size = num_heads * head_dim
@@ -77,7 +124,8 @@ class StepAttention:
         block_size: int,
     ) -> AttentionLayout:
         decode = None
-        prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | None = None
+        prefill: PrefillLayout | triton_prefill.VarlenPrefillLayout | RowwisePrefillLayout | None
+        prefill = None
         glue, decodes = self.kernels.glue, num_decodes
         if decodes and self.kernels.decode_attention != "triton" and glue != "cpu":
             assert block_tables is not None and seq_lens is not None
@@ -90,6 +138,8 @@ class StepAttention:
                 slot_mapping=slot_mapping[decodes:],
                 block_size=block_size,
             )
+        elif chunks and self.batch_invariant:
+            prefill = rowwise_prefill_layout(chunks, slot_mapping[decodes:], block_size)
         elif chunks:
             prefill = prefill_layout(
                 offsets=[chunk.offset - decodes for chunk in chunks],
@@ -118,6 +168,17 @@ class StepAttention:
                     query[decodes:], kv_pair, layout.prefill, self.scale
                 )
             )
+        elif isinstance(layout.prefill, RowwisePrefillLayout):
+            parts.append(
+                cpu_kernels.decode_attention(
+                    query[decodes:],
+                    kv_pair,
+                    layout.prefill.block_tables,
+                    layout.prefill.seq_lens,
+                    self.scale,
+                    batch_invariant=True,
+                )
+            )
         elif layout.prefill is not None:
             parts.append(
                 varlen_prefill_attention(query[decodes:], kv_pair, layout.prefill, self.scale)
@@ -132,7 +193,12 @@ class StepAttention:
         assert layout.block_tables is not None and layout.seq_lens is not None
         if self.kernels.glue == "cpu":
             return cpu_kernels.decode_attention(
-                query, kv_pair, layout.block_tables, layout.seq_lens, self.scale
+                query,
+                kv_pair,
+                layout.block_tables,
+                layout.seq_lens,
+                self.scale,
+                batch_invariant=self.batch_invariant,
             )
         out = paged_decode_attention(
             query, kv_pair[0], kv_pair[1], layout.block_tables, layout.seq_lens, self.scale

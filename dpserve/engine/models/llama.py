@@ -29,7 +29,12 @@ from dpserve.engine.layers import linear
 from dpserve.engine.layers.cpu_decode_layers import DecodeLayers
 from dpserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from dpserve.engine.layers.kv_cache import KVCacheShape, PagedKVCache
-from dpserve.engine.layers.linear import Linear, detached_weights, resident
+from dpserve.engine.layers.linear import (
+    Linear,
+    detached_weights,
+    resident,
+    rounds_bf16_activations,
+)
 from dpserve.engine.layers.mlp import FeedForward, GatedMLP
 from dpserve.engine.layers.norm import row_norm
 from dpserve.engine.layers.rotary import (
@@ -164,8 +169,16 @@ class PagedLlama:
         self.rotary = RotaryKVWrite(
             self.rotation, self.num_heads, self.num_kv_heads, self.head_dim, self.kernels
         )
+        # Where activations are rounded to bf16, a prompt chunk's rows attend as decode rows
+        # do, so that a stream resumed on another engine continues exactly (step_attention).
+        self.batch_invariant = self.kernels.glue == "cpu" and rounds_bf16_activations(weight_format)
         self.step_attention = StepAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.kernels
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.kernels,
+            batch_invariant=self.batch_invariant,
         )
         self._norm = row_norm(self.kernels)
         # The LoRA rows of the step being computed (``forward`` sets and clears it); None: no
@@ -187,6 +200,7 @@ class PagedLlama:
                 eps=self.eps,
                 scale=self.scale,
                 rotation_pairs=self.rotary.rotation_pairs,
+                batch_invariant=self.batch_invariant,
             )
             if self.decode_layers is not None:
                 rows = self.decode_layers.max_rows  # sys.maxsize: no bound (bf16 and int8)

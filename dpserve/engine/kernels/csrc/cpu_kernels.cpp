@@ -287,14 +287,31 @@ void attend(const float* __restrict q, const float* __restrict keys,
 // The fewest blocks a part of a split sequence takes: below it the merge and the threads'
 // start cost more than the split saves.
 constexpr int64_t kMinSplitBlocks = 4;
+// The most parts a batch-invariant call splits a sequence into.
+constexpr int64_t kMaxInvariantParts = 16;
+
+// A sequence's parts where they may depend on its length alone (decode_attention's
+// `batch_invariant`): a power of two (balanced over a power-of-two thread count), one part per
+// kMinSplitBlocks blocks at most. At one sequence on two threads that splits from 8 blocks, as
+// the thread-count rule does from 4; with more sequences than threads it splits where that rule
+// does not, for a merge that costs a few multiplies a head.
+int64_t invariant_parts(int64_t blocks) {
+  int64_t parts = 1;
+  while (parts * 2 <= std::min(kMaxInvariantParts, blocks / kMinSplitBlocks)) parts *= 2;
+  return parts;
+}
 
 // One new token per sequence attending to its cached tokens in the pool (nothing gathered, no
 // mask): query [batch, heads, head_dim] (rows may be strided), kv_pair [2, blocks, block_size,
 // kv_heads, head_dim], int32 block tables [batch, width] and lengths [batch] (the new token's
-// key included). Returns [batch, heads * head_dim].
+// key included). Returns [batch, heads * head_dim]. `batch_invariant`: a row's result depends
+// on its own query, table and length alone, not on the other rows nor the thread count (its
+// parts: invariant_parts), so that a prompt chunk's rows, each attending to its own prefix
+// (attention.invariant_prefill_attention), agree to the bit with the decode steps that would
+// have computed them.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, bool batch_invariant) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_pair.scalar_type() == at::kFloat);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2));
@@ -338,7 +355,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
   std::vector<int64_t> part_of(batch + 1, 0);
   for (int64_t row = 0; row < batch; ++row) {
     const int64_t blocks = (length_data[row] + block_size - 1) / block_size;
-    const int64_t parts = std::min(wanted, blocks / kMinSplitBlocks);
+    const int64_t parts = batch_invariant ? invariant_parts(blocks)
+                                          : std::min(wanted, blocks / kMinSplitBlocks);
     part_of[row + 1] = part_of[row] + std::max<int64_t>(1, parts);
   }
   const int64_t units = part_of[batch];
@@ -373,14 +391,19 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
       const int64_t begin = blocks * part / parts * block_size;
       const int64_t end = std::min(length, blocks * (part + 1) / parts * block_size);
       scores.resize(num_heads * (end - begin));
+      // A sequence of one part is written whole, as the branch above writes it.
+      const bool whole = parts == 1;
       attend_heads(queries + row * query.stride(0), keys, values, table_data + row * width,
                    begin, end, block_size, num_kv_heads, group, head_dim,
                    static_cast<float>(scale), scores.data(),
-                   partial.data() + unit * num_heads * head_dim, highest.data() + unit * num_heads,
-                   total.data() + unit * num_heads);
+                   whole ? out_data + row * num_heads * head_dim
+                         : partial.data() + unit * num_heads * head_dim,
+                   whole ? nullptr : highest.data() + unit * num_heads,
+                   whole ? nullptr : total.data() + unit * num_heads);
     }
   });
   for (int64_t row = 0; row < batch; ++row) {
+    if (part_of[row + 1] - part_of[row] == 1) continue;  // written whole
     for (int64_t head = 0; head < num_heads; ++head) {
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t unit = part_of[row]; unit < part_of[row + 1]; ++unit) {
@@ -569,7 +592,7 @@ TORCH_LIBRARY(dpserve_cpu, m) {
       "float eps) -> ()");
   m.def(
       "decode_attention(Tensor query, Tensor kv_pair, Tensor block_tables, Tensor seq_lens, "
-      "float scale) -> Tensor");
+      "float scale, bool batch_invariant=False) -> Tensor");
   m.def(
       "lora_delta(Tensor x, Tensor(a!) out, Tensor a, Tensor b, Tensor spans, Tensor rows, "
       "Tensor starts) -> ()");

@@ -19,7 +19,7 @@ void rotate_and_write_kv(at::Tensor qkv, const at::Tensor& rotation, const at::T
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_pair,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale);
+                            double scale, bool batch_invariant);
 
 at::Tensor decode_matmul(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias,

@@ -52,17 +52,19 @@ struct Layer {
 struct DecodeLayers : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, head_dim, isa;
   double eps, scale;
+  bool batch_invariant;  // decode_attention's: the model's prompt chunks attend as rows too
   at::Tensor rotation;  // [positions, head_dim / 2, 2] (cos, sin)
   std::vector<Layer> layers;
 
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-               double scale, int64_t isa, at::Tensor rotation)
+               double scale, int64_t isa, at::Tensor rotation, bool batch_invariant)
       : num_heads(num_heads),
         num_kv_heads(num_kv_heads),
         head_dim(head_dim),
         isa(isa),
         eps(eps),
         scale(scale),
+        batch_invariant(batch_invariant),
         rotation(std::move(rotation)) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0);
   }
@@ -113,7 +115,8 @@ struct DecodeLayers : torch::CustomClassHolder {
                                        num_kv_heads, layer.q_norm, layer.k_norm, eps);
       const at::Tensor query = qkv.narrow(1, 0, q_size).view({rows, num_heads, head_dim});
       const at::Tensor attended =
-          dpserve_cpu::decode_attention(query, kv_pair, block_tables, seq_lens, scale);
+          dpserve_cpu::decode_attention(query, kv_pair, block_tables, seq_lens, scale,
+                                        batch_invariant);
       hidden = layer.o(attended, kEpilogueAdd, isa, hidden);
       normed = dpserve_cpu::rms_norm(hidden, layer.post_norm, eps);
       at::Tensor activated;
@@ -131,7 +134,7 @@ struct DecodeLayers : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(dpserve_cpu, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, bool>())
       .def("add_layer", &DecodeLayers::add_layer)
       .def("num_layers", &DecodeLayers::num_layers)
       .def("run", &DecodeLayers::run);

@@ -380,31 +380,32 @@ __attribute__((DPSERVE_AVX512_BF16)) void round_to_bf16(const float* x, int64_t 
   }
 }
 
-// Weight rows [begin, end) against R bf16 activation rows, 64 columns a step into two
-// accumulators a row (the instruction's latency, as dots_avx2's FMAs'), then 32, then the rest
-// masked.
+// One vector's lane sum by sum_lanes4_avx512's tree (folded to 256 bits, two horizontal adds,
+// the halves added), so that a sum is the same bits whichever of the two computes it.
+__attribute__((DPSERVE_AVX512_BF16)) inline float sum_lanes_as4(__m512 v) {
+  const __m256 folded = fold_halves(v);
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(folded, folded), folded);
+  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
+
+// Weight rows [begin, end) against R bf16 activation rows: 32 columns a step into one
+// accumulator a row, the last K % 32 masked into the same one, its lanes summed by
+// sum_lanes4_avx512's tree. That is tiles_bf16_pairs' arithmetic for every output, so an
+// output's bits do not depend on which pass computed it, nor so on how many rows ride the call
+// (a prompt chunk's row and a decode step's row of the same activations agree to the bit:
+// exact failover rests on it once activations are rounded, weight_format.py). One accumulator
+// chain a row waits on the instruction's latency at one row; measured on Zen 4, 2 threads,
+// SmolLM2-135M's projections, that step ran as fast as with two chains a row (issue 33).
 template <int R>
 __attribute__((DPSERVE_AVX512_BF16)) void dots_bf16_pairs(const Problem& p, int64_t begin,
                                                           int64_t end) {
   const int64_t tail = p.k % 32, body = p.k - tail;
   for (int64_t n = begin; n < end; ++n) {
     const Bf16Bits* w = static_cast<const Bf16Bits*>(p.w) + n * p.w_stride;
-    __m512 acc[R], more[R];
+    __m512 acc[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r] = more[r] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 64 <= body; c += 64) {
-      prefetch_ahead(w, c, p.ahead);
-      prefetch_ahead(w, c + 32, p.ahead);
-      const __m512bh first = load_bf16x32(w + c), second = load_bf16x32(w + c + 32);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const Bf16Bits* x = p.x_bf16 + r * p.x_stride + c;
-        acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x), first);
-        more[r] = _mm512_dpbf16_ps(more[r], load_bf16x32(x + 32), second);
-      }
-    }
-    if (c < body) {  // one more whole 32
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < body; c += 32) {
       prefetch_ahead(w, c, p.ahead);
       const __m512bh wv = load_bf16x32(w + c);
 #pragma GCC unroll 4
@@ -418,12 +419,16 @@ __attribute__((DPSERVE_AVX512_BF16)) void dots_bf16_pairs(const Problem& p, int6
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = load_bf16x32(p.x_bf16 + r * p.x_stride + body, mask);
-        more[r] = _mm512_dpbf16_ps(more[r], xv, wv);
+        acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
       }
     }
+    if constexpr (R == 4) {  // the four rows' sums at once, by the same tree
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, sum_lanes4_avx512(acc[0], acc[1], acc[2], acc[3]));
+      for (int r = 0; r < R; ++r) put(p, r, n, sums[r]);
+    } else {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      put(p, r, n, _mm512_reduce_add_ps(_mm512_add_ps(acc[r], more[r])));
+      for (int r = 0; r < R; ++r) put(p, r, n, sum_lanes_as4(acc[r]));
     }
   }
 }
