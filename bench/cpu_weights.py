@@ -5,8 +5,9 @@
                                 [--batches 1 2 4 8] [--steps N] [--cpu-time]
 
 For each format, one ``ModelRunner`` on the CPU (``--cpu-weights`` as the engine passes it;
-"bf16-dots": bf16 with ``DPSERVE_CPU_BF16_DOTS=1``, its activations rounded to bf16 too, where
-the CPU has AVX-512-BF16):
+"bf16": with ``DPSERVE_CPU_BF16_DOTS=0``, fp32 activations, as on CPUs without AVX-512-BF16;
+"bf16-dots": with ``DPSERVE_CPU_BF16_DOTS=1``, its activations rounded to bf16 too, as bf16
+runs by default where the CPU has AVX-512-BF16):
 
 - quality: the mean negative log-likelihood per token (nats) and the perplexity of ``TEXT``
   below (the opening of Jane Austen's *Pride and Prejudice*, 1813, public domain), teacher

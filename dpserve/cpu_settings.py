@@ -10,8 +10,9 @@ is restarted until its restarts run out (or a pod in CrashLoopBackOff).
   what an AVX2-only CPU runs (``bench/serving_cpu.py --avx2-only``).
 - ``SMALL_BATCH_ROWS_ENV``: up to how many rows fp32 linears run the decode kernel instead of
   oneDNN (``engine.layers.linear``; unset: the engine's start-up probe measures it).
-- ``BF16_DOTS_ENV``: "1" rounds a bf16 projection's activations to bf16 too, where the CPU can
-  multiply them so (``engine.layers.weight_format`` says what it costs).
+- ``BF16_DOTS_ENV``: whether a bf16 projection's activations are rounded to bf16 too, to be
+  multiplied by AVX-512-BF16's dot product: unset, where the CPU has it; "1", the same, with a
+  warning where it does not; "0", never (``engine.layers.weight_format`` says what it costs).
 - ``FUSED_DECODE_ENV``: "0" runs a decode step's layers one torch operation at a time from
   Python instead of in one C++ call (``engine.layers.cpu_decode_layers``; the same result, for
   the bench and for ruling the fused call out).
@@ -77,10 +78,11 @@ def small_batch_rows_named(value: str) -> int:
     return int(value)
 
 
-def bf16_dots_setting() -> bool:
-    """Whether ``BF16_DOTS_ENV`` asks for bf16 activations; ValueError, naming it, for anything
-    but 0 or 1 (unset: 0)."""
-    return bf16_dots_named(os.environ.get(BF16_DOTS_ENV, "0"))
+def bf16_dots_setting() -> bool | None:
+    """Whether ``BF16_DOTS_ENV`` asks for bf16 activations, None where it is unset (then: where
+    the CPU can); ValueError, naming it, for anything but 0 or 1."""
+    value = os.environ.get(BF16_DOTS_ENV)
+    return None if value is None else bf16_dots_named(value)
 
 
 def bf16_dots_named(value: str) -> bool:

@@ -6,6 +6,7 @@ generates with each format, and the refusals where a format cannot be honoured."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -259,8 +260,8 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
     """Every variant, on the kernel where built (every row count, unless
     ``DPSERVE_CPU_SMALL_BATCH_ROWS`` bounds it) and on the library path past that bound or
     without the kernel (more output rows than a dequantization tile); only the low-precision
-    copy is kept."""
-    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
+    copy is kept; fp32 activations (``BF16_DOTS_ENV=0``: the rounded ones are below)."""
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "0")
     if kernel_rows is None:
         monkeypatch.delenv(cpu_settings.SMALL_BATCH_ROWS_ENV, raising=False)
     else:
@@ -281,7 +282,7 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
     assert linear.nbytes == weight.numel() * stored.element_size() + (0 if scales is None else 4400)
     x = torch.randn(rows, 97, generator=generator)
     other = torch.randn(rows, 1100, generator=generator)
-    assert not linear.bf16_dots  # only where asked for (below)
+    assert not linear.bf16_dots
     plain = x @ dequantize(stored, scales).T + (0 if bias is None else bias)
     torch.testing.assert_close(linear(x), plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(linear.silu(x), functional.silu(plain), rtol=1e-4, atol=1e-4)
@@ -291,17 +292,20 @@ def test_a_low_precision_linear_equals_torch_on_its_dequantized_weight(
 
 @needs_bf16_dots
 @pytest.mark.parametrize("rows", [1, 9, 700])
-def test_bf16_activations_are_an_opt_in_of_bf16_weights(
+def test_bf16_weights_round_their_activations_where_the_cpu_multiplies_bf16(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``DPSERVE_CPU_BF16_DOTS=1``: a bf16 linear rounds its activations to bf16 for every
-    product (decode steps and prompt chunks: the same arithmetic), fp32 sums and outputs; an
-    int8 or fp32 linear is unchanged by it; unset, a bf16 linear keeps fp32 activations."""
+    """On a CPU with AVX-512-BF16, unset or ``DPSERVE_CPU_BF16_DOTS=1``: a bf16 linear rounds
+    its activations to bf16 for every product (decode steps and prompt chunks: the same
+    arithmetic), fp32 sums and outputs; an int8 or fp32 linear never does; "0": a bf16 linear
+    keeps fp32 activations."""
     monkeypatch.delenv(cpu_settings.SMALL_BATCH_ROWS_ENV, raising=False)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 576, generator=generator)
     x = torch.randn(rows, 576, generator=generator)
     rounded = (x.bfloat16().double() @ to_bf16(weight).double().T).float()
+    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
+    assert Linear(weight, None, "bf16").bf16_dots
     monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "1")
     linear = Linear(weight, None, "bf16")
     assert linear.bf16_dots and "rounded to bf16" in linear.arithmetic
@@ -315,6 +319,42 @@ def test_bf16_activations_are_an_opt_in_of_bf16_weights(
     torch.testing.assert_close(widened(x), exact, rtol=1e-5, atol=1e-5)
     # The two differ by the activations' rounding, well beyond fp32's summation error.
     assert (linear(x) - widened(x)).abs().max() > 1e-3
+    # A model that says otherwise is obeyed (the rule's default is the model's call).
+    assert Linear(weight, None, "bf16", rounds_activations=True).bf16_dots
+    assert not Linear(weight, None, "int8", rounds_activations=True).bf16_dots
+
+
+@needs_bf16_dots
+def test_a_model_rounds_bf16_activations_by_default_only_where_its_step_is_batch_invariant(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dense model's bf16 projections round their activations and its attention runs row by
+    row (``step_attention``); a mixture of experts (fp32 expert products, not batch-invariant)
+    keeps fp32 activations unless ``DPSERVE_CPU_BF16_DOTS=1`` asks, and then is not called
+    batch-invariant."""
+    from dpserve.engine.model_runner import ModelRunner
+    from tests.tiny_model import build_variant_model
+
+    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
+    build_variant_model("qwen3-moe", tiny_model_path, tmp_path / "moe")
+
+    def model(path: Path) -> Any:
+        runner = ModelRunner(str(path), device="cpu", max_num_seqs=2, cpu_weights="bf16")
+        return runner.backend.model
+
+    dense = model(tiny_model_path)
+    assert dense.batch_invariant and dense.step_attention.batch_invariant
+    assert all(linear.bf16_dots for linear in dense.projections())
+    moe = model(tmp_path / "moe")
+    assert not moe.batch_invariant and not moe.rounds_activations
+    assert not any(linear.bf16_dots for linear in moe.projections())
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "1")
+    asked = model(tmp_path / "moe")
+    assert asked.rounds_activations and not asked.batch_invariant
+    assert all(linear.bf16_dots for linear in asked.projections())
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "0")
+    widened = model(tiny_model_path)
+    assert not widened.batch_invariant and not widened.step_attention.batch_invariant
 
 
 def test_a_low_precision_linear_takes_only_float32_cpu_weights() -> None:
@@ -372,8 +412,8 @@ def test_an_engine_with_low_precision_weights_generates_what_fp32_does_mostly(
     differ by construction; at the flip both picked a near-maximal token, so their log-probs
     still agree. Then teacher-forced (prefill steps, fp32's continuations as prompts): the mean
     deviation of every token's log-prob within ``FORCED_MEAN_BOUND``. "bf16-dots": bf16 with
-    ``BF16_DOTS_ENV=1``."""
-    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
+    its activations rounded (``BF16_DOTS_ENV=1``), "bf16" with fp32 ones ("0")."""
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "0")
     fp32 = _generate(tiny_model_path, "fp32")
     prompts = [[3 + request, 17, 40 + 2 * request, *fp32[request][0]] for request in range(6)]
     forced_fp32 = _teacher_forced(tiny_model_path, "fp32", prompts)
@@ -422,13 +462,13 @@ def test_a_resumed_stream_continues_exactly_on_low_precision_weights(
     (the new engine prefills them) continues with the uninterrupted run's tokens. With bf16
     activations ("bf16-dots") the step is batch-invariant (``step_attention``), so the resumed
     streams' log-probs are the uninterrupted run's to the bit, over a prompt long enough that
-    attention splits a sequence into parts."""
+    attention splits a sequence into parts; "bf16" keeps fp32 activations."""
     from dpserve.engine.model_runner import ModelRunner
     from dpserve.engine.runner import RunnerRequest
     from dpserve.sampling import SamplingParams
     from tests.runner_runs import greedy_prompt
 
-    monkeypatch.delenv(cpu_settings.BF16_DOTS_ENV, raising=False)
+    monkeypatch.setenv(cpu_settings.BF16_DOTS_ENV, "0")
     bitwise = name == "bf16-dots"
     if bitwise:
         if not cpu_kernels.available() or not cpu_kernels.supports_bf16_dots():

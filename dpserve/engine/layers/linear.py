@@ -58,10 +58,10 @@ even where it is fast it rounds the activations and its output to bf16 (torch 2.
 product with an fp32 result on CPU: ``aten::mm.dtype`` has no CPU kernel): every projection's output
 and the logits to 8 significant bits, a logit of 15 off by up to 0.03, and prefill's numbers unlike
 decode's. So both formats keep fp32 activations and outputs; the weight's rounding is the only
-approximation. The one exception is asked for: ``weight_format.BF16_DOTS_ENV=1`` rounds a bf16
-weight's activations to bf16 too, on the kernel of a CPU with AVX-512-BF16 (``bf16_dots``; fp32
-sums and outputs; the trade is in that module's docstring), for every product of the engine,
-prompt chunks and decode steps alike."""
+approximation there. On the kernel of a CPU with AVX-512-BF16 a bf16 weight's activations are
+rounded to bf16 too (``bf16_dots``, unless ``BF16_DOTS_ENV`` is "0"; fp32 sums and outputs; why,
+and what it costs, in ``weight_format``'s docstring), for every product of the engine, prompt
+chunks and decode steps alike."""
 
 from __future__ import annotations
 
@@ -158,9 +158,9 @@ _DEQUANT_TILE_ROWS = 512
 
 @functools.cache
 def _bf16_dots_here() -> bool:
-    """Whether this process's bf16 linears can take ``BF16_DOTS_ENV``'s bf16 activations (the
-    kernels loaded, AVX-512-BF16, the AVX-512 path); a warning, once, where they cannot: the
-    weights are then widened to fp32 as without it (the engine's facts say which)."""
+    """Whether this process's bf16 linears can take the bf16 activations ``BF16_DOTS_ENV=1``
+    asks for (the kernels loaded, AVX-512-BF16, the AVX-512 path); a warning, once, where they
+    cannot: the weights are then widened to fp32 (the engine's facts say which)."""
     if cpu_kernels.supports_bf16_dots():
         return True
     log.warning(
@@ -172,10 +172,18 @@ def _bf16_dots_here() -> bool:
     return False
 
 
-def rounds_bf16_activations(weight_format: WeightFormat) -> bool:
-    """Whether projections held in ``weight_format`` round their activations to bf16 here
-    (``BF16_DOTS_ENV``; a model's step is then batch-invariant: ``step_attention``)."""
-    return weight_format == "bf16" and bf16_dots_setting() and _bf16_dots_here()
+def rounds_bf16_activations(weight_format: WeightFormat, *, by_default: bool = True) -> bool:
+    """Whether projections held in ``weight_format`` round their activations to bf16 here: bf16
+    on a CPU whose kernels take them (``cpu_kernels.supports_bf16_dots``) where ``by_default``,
+    unless ``BF16_DOTS_ENV`` says otherwise ("1": wherever the kernels take them, "0": never).
+    A model passes ``by_default`` False where its step cannot be batch-invariant
+    (``step_attention``): a mixture of experts' fp32 expert products."""
+    if weight_format != "bf16":
+        return False
+    wanted = bf16_dots_setting()
+    if wanted is None:
+        return by_default and cpu_kernels.supports_bf16_dots()
+    return wanted and _bf16_dots_here()
 
 
 def _low_precision_kernel_rows() -> int:
@@ -409,7 +417,8 @@ class Linear:
     ``weight_format`` other than fp32 (a float32 CPU weight only): the weight is held as bf16,
     or as int8 with per-row ``scales``, and nothing else (module docstring). ``small_rows``:
     the model's ``small_batch_rows`` (measured on its shapes: ``KernelChoice``); None measures
-    on the stand-in shape."""
+    on the stand-in shape. ``rounds_activations``: whether a bf16 weight meets activations
+    rounded to bf16 (the model's ``rounds_bf16_activations``; None: that rule's default)."""
 
     def __init__(
         self,
@@ -417,6 +426,8 @@ class Linear:
         bias: torch.Tensor | None = None,
         weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT,
         small_rows: int | None = None,
+        *,
+        rounds_activations: bool | None = None,
     ) -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.weight_format: WeightFormat = weight_format
@@ -427,7 +438,7 @@ class Linear:
         self.bf16_dots = False
         self.bias = bias
         if weight_format != DEFAULT_WEIGHT_FORMAT:
-            self._hold_low_precision(weight, weight_format)
+            self._hold_low_precision(weight, weight_format, rounds_activations)
             return
         self.onednn = uses_onednn(weight)
         # Whether ``dense`` is the only copy, which oneDNN also runs from (``keeps_one_copy``).
@@ -467,7 +478,9 @@ class Linear:
             else torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         )
 
-    def _hold_low_precision(self, weight: torch.Tensor, weight_format: WeightFormat) -> None:
+    def _hold_low_precision(
+        self, weight: torch.Tensor, weight_format: WeightFormat, rounds_activations: bool | None
+    ) -> None:
         """Only the bf16 or int8 copy (and int8's scales), for the decode kernel where it is
         built (huge pages), the library path for the rest (``_low_precision``)."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
@@ -483,7 +496,11 @@ class Linear:
         self.one_copy = True
         self.decode_kernel = cpu_kernels.available()
         self.small_rows = _low_precision_kernel_rows() if self.decode_kernel else 0
-        self.bf16_dots = rounds_bf16_activations(weight_format)
+        self.bf16_dots = weight_format == "bf16" and (
+            rounds_bf16_activations(weight_format)
+            if rounds_activations is None
+            else rounds_activations
+        )
         self.dense = cpu_kernels.decode_weight_copy(stored) if self.decode_kernel else stored
         self.weight = self.dense
 

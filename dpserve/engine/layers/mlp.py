@@ -33,24 +33,32 @@ class GatedMLP:
 
     With oneDNN the gate and up projections stay separate so SiLU and the product ride in
     their epilogues (three operations in all); otherwise they are one fused matmul followed
-    by SiLU and a product, one Triton kernel where the glue is Triton (CUDA). ``weight_format``:
-    how the three weights are held (``Linear``); ``kernels.small_batch_rows`` which steps they
-    run on the small-batch path."""
+    by SiLU and a product, one Triton kernel where the glue is Triton (CUDA). ``weight_format``
+    and ``rounds_activations``: how the three weights are held and multiplied (``Linear``);
+    ``kernels.small_batch_rows`` which steps they run on the small-batch path."""
 
     def __init__(
-        self, mlp: Any, kernels: KernelChoice, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT
+        self,
+        mlp: Any,
+        kernels: KernelChoice,
+        weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT,
+        *,
+        rounds_activations: bool | None = None,
     ) -> None:
         self.fused = kernels.triton_layers
         small = kernels.small_batch_rows
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            return Linear(weight, bias, weight_format, small, rounds_activations=rounds_activations)
+
         if uses_onednn(mlp.gate_proj.weight):
-            gate, up = detached_weights(mlp.gate_proj), detached_weights(mlp.up_proj)
-            self.gate: Linear | None = Linear(*gate, weight_format, small)
-            self.up: Linear | None = Linear(*up, weight_format, small)
+            self.gate: Linear | None = linear(*detached_weights(mlp.gate_proj))
+            self.up: Linear | None = linear(*detached_weights(mlp.up_proj))
             self.gate_up: Linear | None = None
         else:
             self.gate = self.up = None
-            self.gate_up = Linear(*fused_weights(mlp.gate_proj, mlp.up_proj), weight_format, small)
-        self.down = Linear(*detached_weights(mlp.down_proj), weight_format, small)
+            self.gate_up = linear(*fused_weights(mlp.gate_proj, mlp.up_proj))
+        self.down = linear(*detached_weights(mlp.down_proj))
 
     def plus(
         self, normed: torch.Tensor, residual: torch.Tensor, delta: ProjectionDelta | None = None

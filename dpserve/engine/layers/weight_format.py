@@ -2,21 +2,23 @@
 fp32 as loaded (the default), bf16, or int8 weight-only with one fp32 scale per output row.
 
 A CPU decode step of a few sequences is bound by how fast the weights stream from memory, so
-halving (bf16) or quartering (int8) their bytes shortens it; activations, accumulators, norms,
-attention and the embedding stay fp32, so the only approximation is the weight's rounding. The
-pure functions here make the low-precision copies; ``linear.Linear`` runs them (the C++ decode
-kernel, or a library path without it) and keeps no fp32 copy beside them.
+halving (bf16) or quartering (int8) their bytes shortens it; accumulators, norms, attention and
+the embedding stay fp32. int8's activations stay fp32, so its only approximation is the
+weight's rounding; bf16's too on CPUs without AVX-512-BF16 (the weight widened to fp32 in
+registers). The pure functions here make the low-precision copies; ``linear.Linear`` runs them
+(the C++ decode kernel, or a library path without it) and keeps no fp32 copy beside them.
 
-One opt-in trades more: ``DPSERVE_CPU_BF16_DOTS=1`` (``cpu_settings``) on a CPU with
-AVX-512-BF16 (Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids) rounds the activations
-entering each bf16 projection to bf16 as well, as llama.cpp's bf16 does, and multiplies them by
-that instruction set's dot product: twice an FMA's products per instruction and no widening
-(SmolLM2-135M's projections, 2 threads, Zen 4: prompt chunks of 64-256 tokens 1.6x faster,
-decode steps of 2-8 sequences 1.1-1.3x; whole decode steps 1.06-1.13x, bench/cpu_weights.py).
-Its NLL on a fixed text did not move, but the rounding makes an engine's numbers depend on how
-a step batches its rows, so a stream resumed after a failover can part from the uninterrupted
-run at a near tie (11 of 80 greedy resumes on SmolLM2, against 0 of 80 without it): exact
-failover is what it gives up, and why it is not the default.
+On a CPU with AVX-512-BF16 (Zen 4 and 5, Intel from Cooper Lake and Sapphire Rapids) bf16
+rounds the activations entering each projection to bf16 as well, as llama.cpp's bf16 does, and
+multiplies them by that instruction set's dot product: twice an FMA's products per instruction
+and no widening (SmolLM2-135M, 2 Zen 4 threads, whole decode steps of 1-16 sequences 1.22-1.42x
+faster than with fp32 activations, a 128-token prompt 1.7x; bench/cpu_weights.py). Its NLL on
+a fixed text did not move (-0.0004 nats against fp32's, widened -0.0009). A difference of one
+unit in the last place before a rounding can become a whole bf16 step after it, so such a step
+is batch-invariant (``step_attention``): every row's arithmetic the same whatever rode the step
+with it, prompt chunks' rows attending as decode rows do, and a stream resumed after a failover
+continues the uninterrupted run's log-probs to the bit. ``DPSERVE_CPU_BF16_DOTS=0``
+(``cpu_settings``) keeps fp32 activations.
 
 - bf16: the fp32 weight rounded to nearest even (8 significant bits, 7 stored): a relative error
   of at most 2**-8 per element.
@@ -161,9 +163,8 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_WEIGHT_FORMAT,
         help="how a CPU engine holds its projection weights: fp32 as loaded, bf16, or int8 with "
         "a scale per output row; decode steps stream a half or a quarter of the bytes, at a "
-        "small quality cost (bench/cpu_weights.py; "
-        f"{cpu_settings.BF16_DOTS_ENV}=1 also rounds bf16's activations, on CPUs with "
-        "AVX-512-BF16, faster but without exact failover). dpserve's "
+        "small quality cost (bench/cpu_weights.py; on CPUs with AVX-512-BF16 bf16 rounds the "
+        f"activations to bf16 too, {cpu_settings.BF16_DOTS_ENV}=0 keeps them fp32). dpserve's "
         "own engine, on CPU, with a float32 model only (default: %(default)s)",
     )
 

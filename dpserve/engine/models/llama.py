@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.nn import functional
@@ -132,6 +132,10 @@ class PagedLlama:
     """The weights of a Llama-family model and its forward pass over a ``PagedKVCache``."""
 
     unsupported_reason = staticmethod(unsupported_reason)
+    # Whether every product of a layer's feed-forward block runs on a kernel whose rows do not
+    # depend on the batch (the gated MLP's projections); a mixture of experts' fp32 expert
+    # products do not, so bf16 there keeps fp32 activations by default (rounds_bf16_activations).
+    invariant_feed_forward: ClassVar[bool] = True
 
     def __init__(self, model: Any, weight_format: WeightFormat = DEFAULT_WEIGHT_FORMAT) -> None:
         reason = type(self).unsupported_reason(model)
@@ -161,6 +165,16 @@ class PagedLlama:
         self.kernels: KernelChoice = choose_kernels(
             self.embedding, projection_shapes(decoder.layers[0]) if len(decoder.layers) else ()
         )
+        # Whether bf16 projections round their activations to bf16 (by default only where the
+        # step can then be batch-invariant); where they do, a prompt chunk's rows attend as
+        # decode rows do, so that a stream resumed on another engine continues exactly
+        # (step_attention).
+        self.rounds_activations = rounds_bf16_activations(
+            weight_format, by_default=self.kernels.glue == "cpu" and self.invariant_feed_forward
+        )
+        self.batch_invariant = (
+            self.kernels.glue == "cpu" and self.rounds_activations and self.invariant_feed_forward
+        )
         self.lm_head = self.linear(model.lm_head.weight.detach())
         self.vocab_size = self.lm_head.out_features
         self.rotation = rope_rotation(
@@ -169,9 +183,6 @@ class PagedLlama:
         self.rotary = RotaryKVWrite(
             self.rotation, self.num_heads, self.num_kv_heads, self.head_dim, self.kernels
         )
-        # Where activations are rounded to bf16, a prompt chunk's rows attend as decode rows
-        # do, so that a stream resumed on another engine continues exactly (step_attention).
-        self.batch_invariant = self.kernels.glue == "cpu" and rounds_bf16_activations(weight_format)
         self.step_attention = StepAttention(
             self.num_heads,
             self.num_kv_heads,
@@ -224,7 +235,13 @@ class PagedLlama:
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A projection of this model, its weight held in the model's weight format."""
-        return Linear(weight, bias, self.weight_format, self.kernels.small_batch_rows)
+        return Linear(
+            weight,
+            bias,
+            self.weight_format,
+            self.kernels.small_batch_rows,
+            rounds_activations=self.rounds_activations,
+        )
 
     def projections(self) -> list[Linear]:
         """Every ``Linear`` of the model: each layer's (its MLP's too) and the lm_head."""
@@ -274,7 +291,9 @@ class PagedLlama:
 
     def convert_mlp(self, mlp: Any) -> FeedForward:
         """A layer's feed-forward block: the gated MLP in Llama."""
-        return GatedMLP(mlp, self.kernels, self.weight_format)
+        return GatedMLP(
+            mlp, self.kernels, self.weight_format, rounds_activations=self.rounds_activations
+        )
 
     def adapter_layout(self) -> AdapterLayout:
         """Which projections of each layer a LoRA adapter may adapt, as PEFT names and sees

@@ -16,6 +16,7 @@ class PagedMixtral(PagedLlama):
     """Mixtral's weights and forward: ``PagedLlama`` with ``SparseMoE`` blocks."""
 
     unsupported_reason = staticmethod(moe_unsupported_reason)
+    invariant_feed_forward = False  # fp32 expert products (PagedLlama)
 
     def convert_mlp(self, mlp: Any) -> SparseMoE:
         return SparseMoE(

@@ -26,6 +26,7 @@ class PagedQwen3Moe(PagedQwen3):
     """Qwen3-MoE's weights and forward: ``PagedQwen3`` with ``SparseMoE`` blocks."""
 
     unsupported_reason = staticmethod(moe_unsupported_reason)
+    invariant_feed_forward = False  # fp32 expert products (PagedLlama)
 
     def convert_mlp(self, mlp: Any) -> FeedForward:
         if not hasattr(mlp, "experts"):  # a dense layer (mlp_only_layers, decoder_sparse_step)
