@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn import functional
 
-from dpserve.cpu_settings import SMALL_BATCH_ROWS_ENV
+from dpserve.cpu_settings import BF16_DOTS_ENV, SMALL_BATCH_ROWS_ENV
 from dpserve.engine.kernels import cpu_kernels
 from dpserve.engine.layers import linear as linear_module
 from dpserve.engine.layers.linear import (
@@ -278,10 +278,12 @@ def test_a_wide_linear_is_held_column_blocked_and_equals_torch(
 ) -> None:
     """Rows of 3,000 columns: the decode kernel's copy is column-blocked; small batches (the
     kernel), a bf16/int8 weight's larger ones (widened in tiles gathered from the chunks) and
-    fp32's (oneDNN's packed copy) all equal torch on the weight as held."""
+    fp32's (oneDNN's packed copy) all equal torch on the weight as held; fp32 activations
+    (bf16's rounded ones: test_cpu_weight_formats)."""
     if weight_format == "fp32" and not uses_onednn(torch.ones(2, 2)):
         pytest.skip("without oneDNN an fp32 linear keeps no copy for the small batches")
     monkeypatch.setenv(SMALL_BATCH_ROWS_ENV, str(SMALL_BATCH_MAX_ROWS))
+    monkeypatch.setenv(BF16_DOTS_ENV, "0")
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(70, 3000, generator=generator) / 3000**0.5
     bias = torch.randn(70, generator=generator)
