@@ -113,11 +113,15 @@ class Serve:
 
 @contextmanager
 def serve(
-    tmp_path: Path, crashing_ranks: tuple[str, ...] = (), model: Path | None = None
+    tmp_path: Path,
+    crashing_ranks: tuple[str, ...] = (),
+    model: Path | None = None,
+    model_args: tuple[str, ...] = (),
 ) -> Iterator[Serve]:
-    """``dpserve serve --data-parallel-size 2`` with fake engines (or ``model``), plain ZMQ
-    (the test's client needs no keys); with ``crashing_ranks``, those engines exit at once
-    every time they start (``Serve.crash_from_now`` names others later)."""
+    """``dpserve serve --data-parallel-size 2`` with fake engines (or ``model``, with
+    ``model_args``), plain ZMQ (the test's client needs no keys); with ``crashing_ranks``, those
+    engines exit at once every time they start (``Serve.crash_from_now`` names others
+    later)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     site, ranks_file = tmp_path / "site", tmp_path / "crashing-ranks"
     site.mkdir()
@@ -132,7 +136,7 @@ def serve(
             [
                 DPSERVE, "serve", "--data-parallel-size", "2", "--insecure",
                 *(["--fake", "--step-delay", str(STEP_DELAY)] if model is None
-                  else ["--model", str(model)]),
+                  else ["--model", str(model), *model_args]),
                 "--port", str(port), "--http-port", str(http_port),
             ],
             stdout=out,
@@ -151,13 +155,18 @@ def serve(
                 os.kill(pid, signal.SIGKILL)
 
 
+Streamed = tuple[str, str | None, list[float]]
+
+
 async def stream(
     session: aiohttp.ClientSession, base: str, prompt: str, events: list[int], index: int
-) -> tuple[str, str | None]:
-    """One streamed completion: its whole text and finish reason."""
+) -> Streamed:
+    """One streamed completion: its whole text, finish reason and tokens' log-probs."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     body["stream"] = True
+    body["logprobs"] = 0
     pieces: list[str] = []
+    logprobs: list[float] = []
     finish = None
     async with session.post(f"{base}/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
@@ -170,9 +179,11 @@ async def stream(
                 break
             for choice in json.loads(data)["choices"]:
                 pieces.append(choice["text"])
+                if choice.get("logprobs"):
+                    logprobs += choice["logprobs"]["token_logprobs"]
                 finish = choice["finish_reason"] or finish
             events[index] += 1
-    return "".join(pieces), finish
+    return "".join(pieces), finish, logprobs
 
 
 async def completion(session: aiohttp.ClientSession, base: str, prompt: str) -> int:
@@ -194,7 +205,7 @@ async def ready(session: aiohttp.ClientSession, base: str) -> tuple[int, dict]:
 
 async def streams_under_way(
     session: aiohttp.ClientSession, base: str
-) -> list[asyncio.Task[tuple[str, str | None]]]:
+) -> list[asyncio.Task[Streamed]]:
     """The 16 streams, once every one of them has received a few events or ended (on the tiny
     model a stream of ~245 tokens can end within 4 stream intervals on a quiet machine)."""
     events = [0] * len(PROMPTS)
@@ -208,25 +219,35 @@ async def streams_under_way(
     return streams
 
 
-async def uninterrupted_run(
-    session: aiohttp.ClientSession, base: str
-) -> list[tuple[str, str | None]]:
+async def uninterrupted_run(session: aiohttp.ClientSession, base: str) -> list[Streamed]:
     events = [0] * len(PROMPTS)
     run = await asyncio.gather(
         *(stream(session, base, p, events, i) for i, p in enumerate(PROMPTS))
     )
-    assert all(finish == "length" for _, finish in run)
+    assert all(finish == "length" for _, finish, _ in run)
     return run
 
 
-@pytest.mark.parametrize("mode", ["fake", "tiny-model"])
+def _rounds_bf16_activations_here() -> bool:
+    """Whether this machine's engines round bf16's activations (``--cpu-weights bf16``)."""
+    from dpserve.engine.kernels import cpu_kernels
+
+    return cpu_kernels.available() and cpu_kernels.supports_bf16_dots()
+
+
+@pytest.mark.parametrize("mode", ["fake", "tiny-model", "tiny-model-bf16"])
 async def test_an_engine_killed_mid_stream_is_restarted_while_the_other_serves(
     mode: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """With the tiny model too: a model engine takes a moment to die (the kernel frees its
-    memory before it closes its socket), and requests sent to it meanwhile must still move."""
+    memory before it closes its socket), and requests sent to it meanwhile must still move.
+    With bf16 weights the moved streams stay exact as well: where the CPU has AVX-512-BF16 the
+    activations are rounded to bf16 and every step is batch-invariant (``step_attention``),
+    elsewhere the weights are widened to fp32."""
     model = None if mode == "fake" else request.getfixturevalue("tiny_model_path")
-    with serve(tmp_path, model=model) as deployment:
+    model_args = ("--cpu-weights", "bf16") if mode == "tiny-model-bf16" else ()
+    bitwise = mode == "tiny-model-bf16" and _rounds_bf16_activations_here()
+    with serve(tmp_path, model=model, model_args=model_args) as deployment:
         banner = await asyncio.to_thread(wait_for_banner, deployment.process, deployment.log, 120)
         assert "2/2 engine(s) registered" in banner
         client = InferenceClient(deployment.port, handshake_timeout=20)
@@ -251,9 +272,17 @@ async def test_an_engine_killed_mid_stream_is_restarted_while_the_other_serves(
                 print(f"\nnew requests answered {answered_in:.2f} s after the kill")
                 assert answered_in < 5.0
 
-                # The streams in flight finish as if nothing had happened.
+                # The streams in flight finish as if nothing had happened: the same text, and
+                # log-probs to the bit where the step is batch-invariant, else within fp32's
+                # summation differences (a moved stream's tokens are prefilled anew).
                 interrupted = await asyncio.gather(*streams)
-                assert interrupted == uninterrupted
+                assert [run[:2] for run in interrupted] == [run[:2] for run in uninterrupted]
+                for (_, _, moved), (_, _, whole) in zip(interrupted, uninterrupted, strict=True):
+                    assert len(moved) == len(whole) and (whole or not model)
+                    if bitwise:
+                        assert moved == whole
+                    else:
+                        assert moved == pytest.approx(whole, abs=1e-4)
 
                 # Rank 1 runs again (another process) and registered within 60 s.
                 while True:
