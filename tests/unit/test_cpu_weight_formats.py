@@ -342,7 +342,9 @@ def test_a_model_rounds_bf16_activations_by_default_only_where_its_step_is_batch
         runner = ModelRunner(str(path), device="cpu", max_num_seqs=2, cpu_weights="bf16")
         return runner.backend.model
 
-    dense = model(tiny_model_path)
+    runner = ModelRunner(str(tiny_model_path), device="cpu", max_num_seqs=2, cpu_weights="bf16")
+    assert runner.backend.describe()["batch_invariant"] is True  # the engine's start-up facts
+    dense = runner.backend.model
     assert dense.batch_invariant and dense.step_attention.batch_invariant
     assert all(linear.bf16_dots for linear in dense.projections())
     moe = model(tmp_path / "moe")

@@ -62,6 +62,9 @@ class PagedModel(Protocol):
     q_size: int  # query width of a layer's qkv
     kv_size: int  # key (and value) width of a layer's qkv
     kernels: KernelChoice
+    # Whether a row's arithmetic is the same whatever shares its step (layers.step_attention):
+    # a resumed stream then continues to the bit.
+    batch_invariant: bool
 
     @property
     def num_layers(self) -> int: ...

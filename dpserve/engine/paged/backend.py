@@ -260,6 +260,7 @@ class PagedBackend:
             facts["small_batch_rows"] = self.model.lm_head.small_rows
         if self.model is not None and self.model.lm_head.weight_format != DEFAULT_WEIGHT_FORMAT:
             facts["cpu_weights"] = self.model.lm_head.arithmetic  # --cpu-weights (linear.py)
+            facts["batch_invariant"] = self.model.batch_invariant  # step_attention.py
         if self.device.type == "cuda":  # which code picks greedy tokens (sampler.greedy)
             facts["greedy_argmax"] = "triton" if triton_greedy.verified(self.device) else "torch"
         return facts
