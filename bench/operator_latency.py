@@ -1,6 +1,6 @@
 """Operator latency on the local Kubernetes control plane (not a test).
 
-    python bench/operator.py [--rounds 2]
+    python bench/operator_latency.py [--rounds 2]
 
 Starts the e2e control plane (`tests.e2e.cluster.ControlPlane`) and node agent, applies the
 CRD, runs ``dpserve operator --all-namespaces`` as a subprocess (the operator's own latency
